@@ -1,0 +1,541 @@
+"""The memory unit (MU): buffer-level virtualization and partial-free, with the paper's baselines.
+
+See ``docs/memory-unit.md`` for the specification (operations, checks in order, allocation
+policy, timing); :class:`rdakit.sim.mu_model.MUModel` is its golden model.
+"""
+
+from amaranth.hdl import Cat, Const, Module, Mux, Signal, unsigned
+from amaranth.lib import data, memory, stream, wiring
+from amaranth.lib.wiring import In, Out
+from amaranth.utils import exact_log2
+
+from .free_list import FreeList
+from .packets import MUOp, MUStatus, mu_request_layout, mu_response_layout
+from .params import AllocMode, MUParams, RefcountMode
+
+__all__ = ["MemoryUnit", "COUNTER_WIDTH", "buffer_entry_layout", "block_entry_layout"]
+
+#: Width of the performance counters.
+COUNTER_WIDTH = 32
+
+
+def buffer_entry_layout(p: MUParams):
+    """One slot of the buffer table (with the weight table: total and collected weight)."""
+    fields = {
+        "live": 1,
+        "gen": p.gen_bits,
+        "length": p.length_bits,
+        "total": p.weight_bits,
+        "collected": p.weight_bits,
+    }
+    if p.alloc_mode is AllocMode.VIRTUAL:
+        fields["tail"] = p.block_bits
+    if p.alloc_mode is AllocMode.RESERVE:
+        fields["base"] = p.addr_bits
+        fields["order"] = range(p.n_orders)
+    return data.StructLayout(fields)
+
+
+def block_entry_layout(p: MUParams):
+    """One entry of the block table: ``(buffer slot, virtual block) -> physical block``."""
+    return data.StructLayout({"valid": 1, "block": p.block_bits})
+
+
+class MemoryUnit(wiring.Component):
+    """A memory unit serving allocate / write / append / read / length / return-weight requests.
+
+    Parameters
+    ----------
+    params : MUParams
+        Sizes and modes (validated by :class:`MUParams`).
+    mu_id : int
+        This MU's ID; references carrying another ID get ``BAD_REF``.
+
+    Members
+    -------
+    req : In(stream.Signature(mu_request_layout(params)))
+        Requests. After reset the unit clears its tables (one entry per cycle, the larger of
+        ``max_buffers`` and ``max_buffers * max_vblocks`` cycles) before it raises ``ready``.
+    resp : Out(stream.Signature(mu_response_layout(params)))
+        Exactly one response per request, in request order, two cycles after acceptance at the
+        earliest.
+    held_words, peak_held_words, live_buffers, free_blocks, free_slots : Out
+        Occupancy: words held for live buffers (see the docs for each mode), their peak since
+        reset, live buffers, free physical blocks (``virtual``) and free buffer slots.
+    allocs, frees, copy_cycles, busy_cycles : Out(32)
+        Event counters: successful allocations, buffers freed, cycles spent copying
+        (``reserve`` growth), cycles with a request in execution.
+
+    Raises
+    ------
+    TypeError
+        If ``params`` is not an :class:`MUParams` or ``mu_id`` does not fit ``mu_id_bits``.
+    """
+
+    def __init__(self, params=None, *, mu_id=0):
+        if params is None:
+            params = MUParams()
+        if not isinstance(params, MUParams):
+            raise TypeError(f"Params must be an MUParams, not {params!r}")
+        if not isinstance(mu_id, int) or not 0 <= mu_id < (1 << params.mu_id_bits):
+            raise TypeError(f"MU ID must be an integer from 0 to {(1 << params.mu_id_bits) - 1} "
+                            f"(mu_id_bits = {params.mu_id_bits}), not {mu_id!r}")
+        self.params = params
+        self.mu_id = mu_id
+        held_width = exact_log2(params.words) + 1
+        super().__init__({
+            "req": In(stream.Signature(mu_request_layout(params))),
+            "resp": Out(stream.Signature(mu_response_layout(params))),
+            "held_words": Out(held_width),
+            "peak_held_words": Out(held_width),
+            "live_buffers": Out(range(params.max_buffers + 1)),
+            "free_blocks": Out(range(params.n_blocks + 1)),
+            "free_slots": Out(range(params.max_buffers + 1)),
+            "allocs": Out(COUNTER_WIDTH),
+            "frees": Out(COUNTER_WIDTH),
+            "copy_cycles": Out(COUNTER_WIDTH),
+            "busy_cycles": Out(COUNTER_WIDTH),
+        })
+
+    def elaborate(self, platform):
+        p = self.params
+        m = Module()
+        virtual = p.alloc_mode is AllocMode.VIRTUAL
+        reserve = p.alloc_mode is AllocMode.RESERVE
+        single = p.alloc_mode is AllocMode.SINGLE
+        weighted = p.refcount is RefcountMode.WEIGHTED
+        ob = p.offset_bits
+        vbits = exact_log2(p.max_vblocks)
+        sbits = p.slot_bits
+
+        # --- Storage ------------------------------------------------------------------------
+        entry_layout = buffer_entry_layout(p)
+        m.submodules.buftab = buftab = memory.Memory(shape=entry_layout, depth=p.max_buffers,
+                                                     init=[])
+        bt_w = buftab.write_port()
+        bt_r = buftab.read_port(transparent_for=(bt_w,))
+
+        m.submodules.scratch = scratch = memory.Memory(shape=unsigned(p.data_bits),
+                                                       depth=p.words, init=[])
+        sp_w = scratch.write_port()
+        sp_r = scratch.read_port()
+
+        m.submodules.slots = slots = FreeList(p.max_buffers)
+        m.d.comb += self.free_slots.eq(slots.count)
+
+        if virtual:
+            m.submodules.blocktab = blocktab = memory.Memory(
+                shape=block_entry_layout(p), depth=p.max_buffers * p.max_vblocks, init=[])
+            bk_w = blocktab.write_port()
+            bk_r = blocktab.read_port(transparent_for=(bk_w,))
+            m.submodules.blocks = blocks = FreeList(p.n_blocks)
+            m.d.comb += self.free_blocks.eq(blocks.count)
+        if reserve:
+            regions = []
+            for k in range(p.n_orders):
+                fl = FreeList(p.words // (p.reserve_words << k), width=p.addr_bits, fresh=False)
+                m.submodules[f"regions{k}"] = fl
+                regions.append(fl)
+            bump = Signal(range(p.words + 1))
+
+        # --- Pipeline registers ----------------------------------------------------------------
+        req_layout = mu_request_layout(p)
+        resp_layout = mu_response_layout(p)
+        s1_valid = Signal()
+        s1 = Signal(req_layout)
+        s2_valid = Signal()
+        s2 = Signal(resp_layout)
+        s2_from_scratch = Signal()   # response data is the scratchpad read port's output
+
+        s2_free = ~s2_valid | self.resp.ready
+        s1_done = Signal()           # the request in execution moves to the response register
+        accept = Signal()
+        init_done = Signal()
+
+        m.d.comb += [
+            self.req.ready.eq(init_done & (~s1_valid | s1_done)),
+            accept.eq(self.req.valid & self.req.ready),
+            self.resp.valid.eq(s2_valid),
+            self.resp.payload.eq(s2),
+        ]
+        with m.If(s2_from_scratch):
+            m.d.comb += self.resp.payload.data.eq(sp_r.data)
+        with m.If(s2_valid & self.resp.ready):
+            m.d.sync += s2_valid.eq(0)
+        with m.If(s2_from_scratch & ~self.resp.ready):
+            # Keep the read data: the read port may serve a copy before the response leaves.
+            m.d.sync += [s2.data.eq(sp_r.data), s2_from_scratch.eq(0)]
+        with m.Elif(s2_from_scratch):
+            m.d.sync += s2_from_scratch.eq(0)
+
+        with m.If(accept):
+            m.d.sync += [s1_valid.eq(1), s1.eq(self.req.payload)]
+        with m.Elif(s1_done):
+            m.d.sync += s1_valid.eq(0)
+
+        # Table reads for the incoming request (overridden by multi-cycle operations below).
+        in_slot = self.req.payload.ref.buf[:sbits]
+        m.d.comb += [bt_r.addr.eq(in_slot), bt_r.en.eq(accept)]
+        if virtual:
+            in_vb = self.req.payload.index[ob:ob + vbits]
+            m.d.comb += [bk_r.addr.eq(Cat(in_vb, in_slot)), bk_r.en.eq(accept)]
+
+        # --- Execute stage: decode and checks -------------------------------------------------
+        e = bt_r.data
+        op = s1.op
+        op_raw = op.as_value()
+        slot = s1.ref.buf[:sbits]
+        gen = s1.ref.buf[sbits:]
+        ref_ok = (s1.ref.mu == self.mu_id) & e.live & (e.gen == gen)
+        is_append = op == MUOp.APPEND
+        idx = Signal(p.index_bits + 1)
+        m.d.comb += idx.eq(Mux(is_append, e.length, s1.index))
+        new_len = Mux(idx + 1 > e.length, idx + 1, e.length)
+        extends = idx >= e.length
+        weight = s1.data
+        outstanding = e.total - e.collected
+        max_w = p.max_weight
+
+        # Placement of the word at `idx` for WRITE/APPEND/READ, per mode.
+        need_block = Signal()      # virtual: a block must be taken from the free list
+        phys_block = Signal(p.block_bits)
+        mapped = Signal()          # READ: the word lies in a mapped block (else it reads 0)
+        addr = Signal(p.addr_bits)
+        grow = Signal()            # reserve: the buffer must move to a larger region
+        new_order = Signal(range(p.n_orders + 1))
+        grow_ok = Signal()
+        grow_base = Signal(p.addr_bits)
+        if virtual:
+            b = bk_r.data
+            with m.If(is_append):
+                m.d.comb += [
+                    need_block.eq(e.length[:ob] == 0),
+                    phys_block.eq(Mux(need_block, blocks.head, e.tail)),
+                ]
+            with m.Else():
+                m.d.comb += [
+                    need_block.eq(~b.valid),
+                    phys_block.eq(Mux(need_block, blocks.head, b.block)),
+                ]
+            m.d.comb += [
+                mapped.eq(b.valid),
+                addr.eq(Cat(idx[:ob], phys_block)),
+            ]
+        elif reserve:
+            rb = exact_log2(p.reserve_words)
+            capacity = Const(p.reserve_words, p.length_bits) << e.order
+            m.d.comb += [
+                grow.eq(idx >= capacity),
+                mapped.eq(1),
+                addr.eq(e.base + idx),
+            ]
+            # Smallest class whose capacity exceeds idx: the bit length of idx >> rb.
+            q = idx >> rb
+            for k in range(p.n_orders):
+                with m.If(q >= (1 << k) if k else q != 0):
+                    m.d.comb += new_order.eq(k + 1)
+            size = Const(p.reserve_words, p.addr_bits + 1) << new_order
+            region_avail = Signal()
+            region_head = Signal(p.addr_bits)
+            for k, fl in enumerate(regions):
+                with m.If(new_order == k):
+                    m.d.comb += [region_avail.eq(~fl.empty), region_head.eq(fl.head)]
+            m.d.comb += [
+                grow_ok.eq(region_avail | (bump + size <= p.words)),
+                grow_base.eq(Mux(region_avail, region_head, bump)),
+            ]
+        else:
+            m.d.comb += [mapped.eq(1), addr.eq(idx)]
+
+        status = Signal(MUStatus)
+        known = op_raw < len(MUOp)
+        with m.If(~known):
+            m.d.comb += status.eq(MUStatus.BAD_REQUEST)
+        with m.Elif((op == MUOp.INCREF) | (op == MUOp.DECREF) if weighted
+                    else (op == MUOp.RETURN) | (op == MUOp.ADD_WEIGHT)):
+            m.d.comb += status.eq(MUStatus.BAD_REQUEST)
+        with m.Elif(op == MUOp.ALLOC):
+            pass  # checked in its second cycle, once the slot's entry has been read
+        with m.Elif(~ref_ok):
+            m.d.comb += status.eq(MUStatus.BAD_REF)
+        with m.Elif((op == MUOp.WRITE) | is_append):
+            with m.If(is_append & (e.length == p.max_buffer_words)):
+                m.d.comb += status.eq(MUStatus.OUT_OF_RANGE)
+            with m.Elif(~is_append & (s1.index >= p.max_buffer_words)):
+                m.d.comb += status.eq(MUStatus.OUT_OF_RANGE)
+            if virtual:
+                with m.Elif(need_block & blocks.empty):
+                    m.d.comb += status.eq(MUStatus.OUT_OF_MEMORY)
+            if reserve:
+                with m.Elif(grow & ~grow_ok):
+                    m.d.comb += status.eq(MUStatus.OUT_OF_MEMORY)
+        with m.Elif(op == MUOp.READ):
+            with m.If(s1.index >= e.length):
+                m.d.comb += status.eq(MUStatus.OUT_OF_RANGE)
+        with m.Elif(op == MUOp.RETURN):
+            with m.If(weight == 0):
+                m.d.comb += status.eq(MUStatus.BAD_REQUEST)
+            with m.Elif(weight > outstanding):
+                m.d.comb += status.eq(MUStatus.WEIGHT_OVERFLOW)
+        with m.Elif(op == MUOp.ADD_WEIGHT):
+            with m.If(weight == 0):
+                m.d.comb += status.eq(MUStatus.BAD_REQUEST)
+            with m.Elif(weight + e.total > max_w):
+                m.d.comb += status.eq(MUStatus.WEIGHT_OVERFLOW)
+        with m.Elif(op == MUOp.INCREF):
+            with m.If(e.total == max_w):
+                m.d.comb += status.eq(MUStatus.WEIGHT_OVERFLOW)
+        ok = status == MUStatus.OK
+
+        frees_now = Signal()
+        with m.If(ok & (op == MUOp.RETURN)):
+            m.d.comb += frees_now.eq(weight == outstanding)
+        with m.If(ok & (op == MUOp.DECREF)):
+            m.d.comb += frees_now.eq(e.total == 1)
+
+        # --- Execute stage: state machine ----------------------------------------------------
+        # Response fields shared by every way out of the execute stage.
+        resp_next = Signal(resp_layout)
+        m.d.comb += [
+            resp_next.op.eq(s1.op),
+            resp_next.dst.eq(s1.src),
+            resp_next.tag.eq(s1.tag),
+            resp_next.ref.eq(s1.ref),
+            resp_next.status.eq(status),
+        ]
+
+        def respond(*, data=0, from_scratch=False, fields=()):
+            m.d.comb += s1_done.eq(1)
+            m.d.sync += [s2_valid.eq(1), s2.eq(resp_next), s2.data.eq(data),
+                         s2_from_scratch.eq(from_scratch), *fields]
+
+        held = Signal.like(self.held_words)
+        held_next = Signal.like(self.held_words)
+        m.d.comb += [self.held_words.eq(held), held_next.eq(held)]
+        m.d.sync += held.eq(held_next)
+        with m.If(held > self.peak_held_words):
+            m.d.sync += self.peak_held_words.eq(held)
+        live = Signal.like(self.live_buffers)
+        m.d.comb += self.live_buffers.eq(live)
+
+        # Saved state of multi-cycle operations.
+        walk_vb = Signal(vbits + 1)        # next virtual block to read
+        walk_n = Signal(vbits + 1)         # virtual blocks to visit
+        walk_pending = Signal()            # a block-table read was issued last cycle
+        walk_prev = Signal(vbits + 1)
+        saved_entry = Signal(entry_layout)
+        copy_i = Signal(p.length_bits + 1)
+        copy_src = Signal(p.addr_bits)
+        copy_dst = Signal(p.addr_bits)
+        grow_order = Signal.like(new_order)
+        init_i = Signal(range(max(p.max_buffers, p.max_buffers * p.max_vblocks) + 1))
+
+        with m.If(s1_valid):
+            m.d.sync += self.busy_cycles.eq(self.busy_cycles + 1)
+
+        e_next = Signal(entry_layout)
+        m.d.comb += e_next.eq(e)
+
+        with m.FSM(init="INIT"):
+            with m.State("INIT"):
+                # Clear both tables after reset so that no stale entry survives a reset.
+                m.d.comb += [bt_w.addr.eq(init_i), bt_w.en.eq(init_i < p.max_buffers),
+                             bt_w.data.eq(0)]
+                last = p.max_buffers - 1
+                if virtual:
+                    m.d.comb += [bk_w.addr.eq(init_i), bk_w.en.eq(1), bk_w.data.eq(0)]
+                    last = p.max_buffers * p.max_vblocks - 1
+                m.d.sync += init_i.eq(init_i + 1)
+                with m.If(init_i == max(last, p.max_buffers - 1)):
+                    m.next = "EXEC"
+
+            with m.State("EXEC"):
+                m.d.comb += init_done.eq(1)
+                with m.If(s1_valid & s2_free):
+                    with m.If(known & (op == MUOp.ALLOC) & (status == MUStatus.OK)):
+                        # First cycle: read the entry of the slot the free list offers.
+                        m.d.comb += [bt_r.addr.eq(slots.head), bt_r.en.eq(1)]
+                        m.next = "ALLOC"
+                    with m.Elif(frees_now):
+                        m.d.sync += [saved_entry.eq(e), saved_entry.collected.eq(e.total)]
+                        if virtual:
+                            nvb = (e.length + (p.block_words - 1)) >> ob
+                            m.d.sync += [walk_n.eq(nvb), walk_vb.eq(1),
+                                         walk_pending.eq(nvb != 0), walk_prev.eq(0)]
+                            m.d.comb += [bk_r.addr.eq(Cat(Const(0, vbits), slot)),
+                                         bk_r.en.eq(1)]
+                            m.next = "FREE_WALK"
+                        else:
+                            m.next = "FREE_END"
+                    if reserve:
+                        with m.Elif(grow & ok & ((op == MUOp.WRITE) | is_append)):
+                            self._start_growth(m, p, regions, new_order, bump, size, grow_base,
+                                               e, copy_i, copy_src, copy_dst, grow_order,
+                                               held_next, held)
+                            m.next = "COPY"
+                    with m.Elif(ok & ((op == MUOp.WRITE) | is_append)):
+                        m.d.comb += [sp_w.addr.eq(addr), sp_w.data.eq(s1.data), sp_w.en.eq(1),
+                                     e_next.length.eq(new_len)]
+                        if virtual:
+                            with m.If(need_block):
+                                m.d.comb += [
+                                    blocks.pop.eq(1),
+                                    bk_w.addr.eq(Cat(idx[ob:ob + vbits], slot)),
+                                    bk_w.data.valid.eq(1),
+                                    bk_w.data.block.eq(blocks.head),
+                                    bk_w.en.eq(1),
+                                    held_next.eq(held + p.block_words),
+                                ]
+                            with m.If(extends):
+                                m.d.comb += e_next.tail.eq(phys_block)
+                        m.d.comb += [bt_w.addr.eq(slot), bt_w.data.eq(e_next), bt_w.en.eq(1)]
+                        respond(data=idx)
+                    with m.Elif(ok & (op == MUOp.READ)):
+                        m.d.comb += [sp_r.addr.eq(addr), sp_r.en.eq(1)]
+                        respond(data=0, from_scratch=mapped)
+                    with m.Elif(ok & (op == MUOp.LEN)):
+                        respond(data=e.length)
+                    with m.Elif(ok & (op == MUOp.RETURN)):
+                        m.d.comb += [e_next.collected.eq(e.collected + weight),
+                                     bt_w.addr.eq(slot), bt_w.data.eq(e_next), bt_w.en.eq(1)]
+                        respond(data=outstanding - weight)
+                    with m.Elif(ok & ((op == MUOp.ADD_WEIGHT) | (op == MUOp.INCREF)
+                                      | (op == MUOp.DECREF))):
+                        total = Mux(op == MUOp.ADD_WEIGHT, e.total + weight,
+                                    Mux(op == MUOp.INCREF, e.total + 1, e.total - 1))
+                        m.d.comb += [e_next.total.eq(total),
+                                     bt_w.addr.eq(slot), bt_w.data.eq(e_next), bt_w.en.eq(1)]
+                        respond(data=total)
+                    with m.Else():
+                        respond(data=0)   # an error: nothing changes
+
+            with m.State("ALLOC"):
+                # The entry of the slot to take is on the read port now.
+                alloc_status = Signal(MUStatus)
+                with m.If(weight == 0):
+                    m.d.comb += alloc_status.eq(MUStatus.BAD_REQUEST)
+                with m.Elif(weight > max_w):
+                    m.d.comb += alloc_status.eq(MUStatus.WEIGHT_OVERFLOW)
+                with m.Elif(slots.empty | (live != 0 if single else Const(0))):
+                    m.d.comb += alloc_status.eq(MUStatus.OUT_OF_MEMORY)
+                if reserve:
+                    first = regions[0]
+                    first_ok = ~first.empty | (bump + p.reserve_words <= p.words)
+                    with m.Elif(~first_ok):
+                        m.d.comb += alloc_status.eq(MUStatus.OUT_OF_MEMORY)
+                m.d.comb += resp_next.status.eq(alloc_status)
+                with m.If(s2_free):
+                    m.next = "EXEC"
+                    with m.If(alloc_status == MUStatus.OK):
+                        new = Signal(entry_layout)
+                        m.d.comb += [
+                            new.live.eq(1),
+                            new.gen.eq(e.gen),
+                            new.total.eq(weight),
+                            bt_w.addr.eq(slots.head), bt_w.data.eq(new), bt_w.en.eq(1),
+                            slots.pop.eq(1),
+                        ]
+                        held_alloc = p.words if single else (p.reserve_words if reserve else 0)
+                        if reserve:
+                            with m.If(~first.empty):
+                                m.d.comb += [first.pop.eq(1), new.base.eq(first.head)]
+                            with m.Else():
+                                m.d.comb += new.base.eq(bump)
+                                m.d.sync += bump.eq(bump + p.reserve_words)
+                        if held_alloc:
+                            m.d.comb += held_next.eq(held + held_alloc)
+                        m.d.sync += [live.eq(live + 1), self.allocs.eq(self.allocs + 1)]
+                        respond(data=weight, fields=[
+                            s2.ref.mu.eq(self.mu_id),
+                            s2.ref.buf.eq(Cat(slots.head[:sbits], e.gen)),
+                        ])
+                    with m.Else():
+                        respond(data=0)
+
+            if virtual:
+                with m.State("FREE_WALK"):
+                    # Read the entry of virtual block walk_vb while releasing walk_prev's.
+                    with m.If(walk_vb < walk_n):
+                        m.d.comb += [bk_r.addr.eq(Cat(walk_vb[:vbits], slot)),
+                                     bk_r.en.eq(1)]
+                        m.d.sync += [walk_vb.eq(walk_vb + 1), walk_prev.eq(walk_vb)]
+                    m.d.sync += walk_pending.eq(walk_vb < walk_n)
+                    with m.If(walk_pending & bk_r.data.valid):
+                        m.d.comb += [
+                            blocks.push.eq(1), blocks.push_data.eq(bk_r.data.block),
+                            bk_w.addr.eq(Cat(walk_prev[:vbits], slot)),
+                            bk_w.data.eq(0), bk_w.en.eq(1),
+                            held_next.eq(held - p.block_words),
+                        ]
+                    with m.If(walk_vb >= walk_n):
+                        m.next = "FREE_END"
+
+            with m.State("FREE_END"):
+                with m.If(s2_free):
+                    freed = Signal(entry_layout)
+                    m.d.comb += [
+                        freed.gen.eq(saved_entry.gen + 1),
+                        bt_w.addr.eq(slot), bt_w.data.eq(freed), bt_w.en.eq(1),
+                        slots.push.eq(1), slots.push_data.eq(slot),
+                    ]
+                    if reserve:
+                        for k, fl in enumerate(regions):
+                            with m.If(saved_entry.order == k):
+                                m.d.comb += [fl.push.eq(1), fl.push_data.eq(saved_entry.base)]
+                        m.d.comb += held_next.eq(
+                            held - (Const(p.reserve_words, held.shape()) << saved_entry.order))
+                    if single:
+                        m.d.comb += held_next.eq(held - p.words)
+                    m.d.sync += [live.eq(live - 1), self.frees.eq(self.frees + 1)]
+                    m.d.comb += resp_next.status.eq(MUStatus.OK)
+                    respond(data=0)
+                    m.next = "EXEC"
+
+            if reserve:
+                with m.State("COPY"):
+                    # Read word i of the old region while writing word i - 1 to the new one.
+                    m.d.sync += self.copy_cycles.eq(self.copy_cycles + 1)
+                    length = e.length
+                    with m.If(copy_i < length):
+                        m.d.comb += [sp_r.addr.eq(copy_src + copy_i), sp_r.en.eq(1)]
+                    with m.If(copy_i != 0):
+                        m.d.comb += [sp_w.addr.eq(copy_dst + copy_i - 1), sp_w.data.eq(sp_r.data),
+                                     sp_w.en.eq(1)]
+                    m.d.sync += copy_i.eq(copy_i + 1)
+                    with m.If(copy_i >= length):
+                        m.next = "COPY_END"
+
+                with m.State("COPY_END"):
+                    with m.If(s2_free):
+                        # Release the old region, move the buffer, then do the write.
+                        for k, fl in enumerate(regions):
+                            with m.If(e.order == k):
+                                m.d.comb += [fl.push.eq(1), fl.push_data.eq(e.base)]
+                        grown = Signal(entry_layout)
+                        m.d.comb += [
+                            grown.eq(e),
+                            grown.base.eq(copy_dst),
+                            grown.order.eq(grow_order),
+                            grown.length.eq(new_len),
+                            bt_w.addr.eq(slot), bt_w.data.eq(grown), bt_w.en.eq(1),
+                            sp_w.addr.eq(copy_dst + idx), sp_w.data.eq(s1.data), sp_w.en.eq(1),
+                        ]
+                        respond(data=idx)
+                        m.next = "EXEC"
+        return m
+
+    @staticmethod
+    def _start_growth(m, p, regions, new_order, bump, size, grow_base, e, copy_i, copy_src,
+                      copy_dst, grow_order, held_next, held):
+        # Take the new region now; the copy follows, then COPY_END writes the tables.
+        region_taken = Signal()
+        for k, fl in enumerate(regions):
+            with m.If((new_order == k) & ~fl.empty):
+                m.d.comb += [fl.pop.eq(1), region_taken.eq(1)]
+        with m.If(~region_taken):
+            m.d.sync += bump.eq(bump + size)
+        old_cap = Const(p.reserve_words, held.shape()) << e.order
+        m.d.comb += held_next.eq(held + size - old_cap)
+        m.d.sync += [copy_i.eq(0), copy_src.eq(e.base), copy_dst.eq(grow_base),
+                     grow_order.eq(new_order)]
+

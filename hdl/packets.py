@@ -1,0 +1,153 @@
+"""Packet layouts: the one definition of every packet that crosses a stream or the NoC.
+
+The RTL, the golden models, the testbenches, the NoC and the compiler all import these. Layouts
+depend on a parameter set (field widths), so they are built by cached functions of a frozen
+:class:`~rdakit.hdl.params.MUParams`. A :class:`amaranth.lib.data.Struct` places its first field
+in the low bits of the flat vector.
+"""
+
+import functools
+
+from amaranth.lib import data, enum
+
+from .params import MUParams
+
+__all__ = [
+    "MUOp", "MUStatus", "OP_DOC", "STATUS_DOC",
+    "coord_layout", "ref_layout", "mu_request_layout", "mu_response_layout",
+    "pack", "unpack",
+]
+
+
+class MUOp(enum.Enum, shape=4):
+    """Operation of a memory-unit request."""
+
+    ALLOC = 0
+    WRITE = 1
+    APPEND = 2
+    READ = 3
+    LEN = 4
+    RETURN = 5
+    ADD_WEIGHT = 6
+    INCREF = 7
+    DECREF = 8
+
+
+class MUStatus(enum.Enum, shape=3):
+    """Status of a memory-unit response. Anything but ``OK`` means nothing was changed."""
+
+    OK = 0
+    OUT_OF_MEMORY = 1
+    BAD_REF = 2
+    OUT_OF_RANGE = 3
+    WEIGHT_OVERFLOW = 4
+    BAD_REQUEST = 5
+
+
+#: What each operation does: its request fields and its response ``data``. The docs table in
+#: ``docs/memory-unit.md`` is generated from this (``rdakit docs``).
+OP_DOC = {
+    MUOp.ALLOC: ("data = total weight W (initial count in COUNTER mode)",
+                 "ref = the new reference; data = W"),
+    MUOp.WRITE: ("ref, index, data",
+                 "data = index; length becomes max(length, index + 1)"),
+    MUOp.APPEND: ("ref, data", "data = the index written (the old length)"),
+    MUOp.READ: ("ref, index", "data = the word (0 inside a never-mapped block)"),
+    MUOp.LEN: ("ref", "data = length"),
+    MUOp.RETURN: ("ref, data = weight w (partial-free)",
+                  "data = weight still outstanding; 0 means the buffer was freed"),
+    MUOp.ADD_WEIGHT: ("ref, data = k", "data = the new total weight"),
+    MUOp.INCREF: ("ref (COUNTER mode)", "data = the new count"),
+    MUOp.DECREF: ("ref (COUNTER mode)", "data = the new count; 0 means the buffer was freed"),
+}
+
+STATUS_DOC = {
+    MUStatus.OK: "the operation was applied",
+    MUStatus.OUT_OF_MEMORY: "no free block, region or buffer slot",
+    MUStatus.BAD_REF: "wrong MU ID, a slot never allocated, or a stale generation (freed)",
+    MUStatus.OUT_OF_RANGE: "READ at or past the length, or an index past the largest buffer",
+    MUStatus.WEIGHT_OVERFLOW: ("RETURN of more weight than outstanding, a total or count "
+                               "past weight_bits, or a weight wider than weight_bits"),
+    MUStatus.BAD_REQUEST: ("unknown opcode, an operation of the other reference-counting mode, "
+                           "or a zero weight"),
+}
+
+
+@functools.cache
+def coord_layout(coord_bits):
+    """Tile coordinates ``{x, y}``."""
+    return data.StructLayout({"x": coord_bits, "y": coord_bits})
+
+
+@functools.cache
+def ref_layout(p: MUParams):
+    """A reference: ``{mu, buf}``; ``buf`` holds the slot in its low bits, the generation above."""
+    return data.StructLayout({"mu": p.mu_id_bits, "buf": p.buf_id_bits})
+
+
+@functools.cache
+def mu_request_layout(p: MUParams):
+    """A request to a memory unit (one flit on the request network)."""
+    return data.StructLayout({
+        "op": MUOp,
+        "src": coord_layout(p.coord_bits),
+        "tag": p.tag_bits,
+        "ref": ref_layout(p),
+        "index": p.index_bits,
+        "data": p.data_bits,
+    })
+
+
+@functools.cache
+def mu_response_layout(p: MUParams):
+    """A response of a memory unit (one flit on the response network)."""
+    return data.StructLayout({
+        "op": MUOp,
+        "status": MUStatus,
+        "dst": coord_layout(p.coord_bits),
+        "tag": p.tag_bits,
+        "ref": ref_layout(p),
+        "data": p.data_bits,
+    })
+
+
+def pack(layout, fields):
+    """Pack a dict of field values (nested dicts for nested structs, enums as members or
+    integers) into the integer a stream carries. Missing fields are zero."""
+    return _pack(layout, fields)
+
+
+def _pack(layout, fields):
+    value = 0
+    for name, field in layout:
+        if name not in fields:
+            continue
+        v = fields[name]
+        shape = field.shape
+        if isinstance(shape, data.StructLayout):
+            v = _pack(shape, v) if isinstance(v, dict) else int(v)
+        elif isinstance(v, enum.Enum):
+            v = v.value
+        v = int(v)
+        if v < 0 or v >> field.width:
+            raise ValueError(f"Field {name!r} of width {field.width} cannot hold {v!r}")
+        value |= v << field.offset
+    return value
+
+
+def unpack(layout, value):
+    """Unpack an integer into a dict of fields (nested dicts, enum fields as members; an
+    encoding outside the enum stays an integer)."""
+    out = {}
+    for name, field in layout:
+        v = (value >> field.offset) & ((1 << field.width) - 1)
+        shape = field.shape
+        if isinstance(shape, data.StructLayout):
+            v = unpack(shape, v)
+        elif isinstance(shape, enum.EnumMeta):
+            try:
+                v = shape(v)
+            except ValueError:
+                pass
+        out[name] = v
+    return out

