@@ -520,6 +520,8 @@ class MemoryUnit(wiring.Component):
                             bt_w.addr.eq(slot), bt_w.data.eq(grown), bt_w.en.eq(1),
                             sp_w.addr.eq(copy_dst + idx), sp_w.data.eq(s1.data), sp_w.en.eq(1),
                         ]
+                        # The checks passed when the growth started; they would not now.
+                        m.d.comb += resp_next.status.eq(MUStatus.OK)
                         respond(data=idx)
                         m.next = "EXEC"
         return m

@@ -8,7 +8,7 @@ and it exposes the widths every other part of the project derives from it.
 import dataclasses
 import enum
 
-from amaranth.utils import ceil_log2, exact_log2
+from amaranth.utils import exact_log2
 
 __all__ = ["AllocMode", "RefcountMode", "MUParams", "PLASTICINE_MU"]
 

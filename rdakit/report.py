@@ -23,7 +23,8 @@ class Report:
         self.bench = bench
         self.figures = {}
         self.tables = {}
-        self.console = console or Console()
+        # Wide enough for the benches' tables when the output is not a terminal.
+        self.console = console or Console(width=None if Console().is_terminal else 160)
 
     def table(self, title, rows, *, columns=None, notes=None):
         """Print ``rows`` (a list of dicts) as a table and keep them for the JSON file."""

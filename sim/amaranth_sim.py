@@ -10,9 +10,26 @@ patterns, recording the cycle of every transfer (for throughput and latency figu
 import itertools
 import random
 
+from amaranth.hdl import ClockDomain, Elaboratable, Module
 from amaranth.sim import Simulator
 
-__all__ = ["simulate", "stream_put", "stream_get", "StreamDriver"]
+__all__ = ["simulate", "stream_put", "stream_get", "StreamDriver", "WithReset"]
+
+
+class WithReset(Elaboratable):
+    """Wraps a design in an explicit ``sync`` domain whose ``rst`` a testbench can drive,
+    to test run-time reset (``ctx.set(top.rst, 1)``)."""
+
+    def __init__(self, dut):
+        self.dut = dut
+        self.domain = ClockDomain("sync")
+        self.rst = self.domain.rst
+
+    def elaborate(self, platform):
+        m = Module()
+        m.domains.sync = self.domain
+        m.submodules.dut = self.dut
+        return m
 
 
 def simulate(component, *testbenches, background=(), vcd=None, clock=1e-9):

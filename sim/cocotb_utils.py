@@ -56,6 +56,8 @@ class ClockedBench:
         return endpoint
 
     async def reset(self, cycles=2):
+        # Leave a read-only phase (the end of a previous cycle()) before writing.
+        await RisingEdge(self.dut.clk)
         self.dut.rst.value = 1
         for ep in self.endpoints:
             ep.idle()
@@ -139,6 +141,7 @@ class StreamSink:
         self.valid = getattr(dut, f"{name}__valid")
         self.ready = getattr(dut, f"{name}__ready")
         self.payload = getattr(dut, f"{name}__payload")
+        self.name = name
         self.received = []
         self.count = 0
         self.keep = keep
@@ -156,7 +159,11 @@ class StreamSink:
 
     def sample(self):
         if self._ready and self.valid.value:
-            value = self.payload.value.to_unsigned()
+            raw = self.payload.value
+            if not raw.is_resolvable:
+                raise AssertionError(f"{self.name} payload has unknown bits at cycle "
+                                     f"{self.bench.cycles}: {raw}")
+            value = raw.to_unsigned()
             self.count += 1
             if self.keep:
                 self.received.append((self.bench.cycles, value))

