@@ -39,7 +39,7 @@ def params_from_args(args, cls=MUParams, *, presets=PRESETS):
     changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
                if getattr(args, f.name, None) is not None}
     try:
-        return dataclasses.replace(base, **changes)
+        return base.replace(**changes)
     except (TypeError, ValueError) as e:
         raise UserError(str(e)) from None
 

@@ -174,7 +174,15 @@ class MUParams:
                              f"not {self.data_bits!r}")
 
     def replace(self, **changes):
-        """Return a copy with some parameters changed (and validated again)."""
+        """Return a copy with some parameters changed (and validated again).
+
+        ``max_buffer_words`` and ``reserve_words`` that still have their derived values
+        (``words`` and ``block_words``) are derived again from the new parameters.
+        """
+        if "max_buffer_words" not in changes and self.max_buffer_words == self.words:
+            changes["max_buffer_words"] = None
+        if "reserve_words" not in changes and self.reserve_words == self.block_words:
+            changes["reserve_words"] = None
         return dataclasses.replace(self, **changes)
 
     # Derived widths. Each is the single definition the RTL, the models and the docs use.

@@ -15,6 +15,7 @@ __all__ = ["main", "build_parser", "PLUGINS", "UserError"]
 
 #: Modules that add commands. Each has ``register(commands, verilog, bench)``.
 PLUGINS = [
+    "rdakit.docgen",
     "rdakit.hdl.cli",
     "rdakit.sim.cli",
 ]

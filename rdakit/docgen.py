@@ -1,0 +1,87 @@
+"""Tables in ``docs/`` generated from their single definition in code.
+
+A generated section sits between ``<!-- BEGIN GENERATED: name -->`` and
+``<!-- END GENERATED: name -->``. ``rdakit docs`` rewrites them; a test fails when a document is
+out of date.
+"""
+
+import pathlib
+import re
+
+__all__ = ["SECTIONS", "render", "update", "register"]
+
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+
+
+def _mu_ops():
+    from rdakit.hdl.packets import OP_DOC, STATUS_DOC, MUOp, MUStatus
+
+    lines = ["| opcode | operation | request | response |", "|---|---|---|---|"]
+    for op in MUOp:
+        req, resp = OP_DOC[op]
+        lines.append(f"| {op.value} | `{op.name}` | {req} | {resp} |")
+    lines += ["", "| status | name | meaning |", "|---|---|---|"]
+    for st in MUStatus:
+        lines.append(f"| {st.value} | `{st.name}` | {STATUS_DOC[st]} |")
+    return "\n".join(lines)
+
+
+def _mu_packets():
+    from rdakit.hdl.packets import mu_request_layout, mu_response_layout
+    from rdakit.hdl.params import MUParams
+
+    p = MUParams()
+    lines = []
+    for title, layout in (("request", mu_request_layout(p)), ("response", mu_response_layout(p))):
+        lines += [f"{title.capitalize()} with the default parameters ({layout.size} bits):", "",
+                  "| field | bits | width |", "|---|---|---|"]
+        for name, field in layout:
+            lines.append(f"| `{name}` | {field.offset + field.width - 1}:{field.offset} "
+                         f"| {field.width} |")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+#: file name in docs/ -> section name -> function returning the Markdown.
+SECTIONS = {
+    "memory-unit.md": {"ops": _mu_ops, "packets": _mu_packets},
+}
+
+
+def render(text, sections):
+    for name, fn in sections.items():
+        pattern = re.compile(rf"(<!-- BEGIN GENERATED: {name} -->\n).*?(<!-- END GENERATED: "
+                             rf"{name} -->)", re.S)
+        if not pattern.search(text):
+            raise ValueError(f"Section {name!r} has no BEGIN/END GENERATED markers")
+        text = pattern.sub(lambda m, fn=fn: m.group(1) + fn() + "\n" + m.group(2), text)
+    return text
+
+
+def update(*, check=False):
+    """Rewrite the generated sections; with ``check``, return the files that are stale."""
+    stale = []
+    for file, sections in SECTIONS.items():
+        path = DOCS / file
+        old = path.read_text()
+        new = render(old, sections)
+        if new != old:
+            stale.append(path)
+            if not check:
+                path.write_text(new)
+    return stale
+
+
+def _docs(args):
+    stale = update(check=args.check)
+    for path in stale:
+        print(f"{'stale' if args.check else 'updated'}: {path}")
+    return 1 if (args.check and stale) else 0
+
+
+def register(commands, verilog, bench):
+    p = commands.add_parser("docs", help="regenerate the tables in docs/ from the code",
+                            description="Rewrite the generated tables of docs/ (opcodes, "
+                                        "packet layouts) from their definitions in code.")
+    p.add_argument("--check", action="store_true", help="only report stale files (exit 1)")
+    p.set_defaults(func=_docs)
