@@ -49,6 +49,9 @@ class ClockedBench:
         self.dut = dut
         self.cycles = 0
         self.endpoints = []
+        # Triggers are reused: creating them every cycle is a large share of the cost.
+        self._edge = RisingEdge(dut.clk)
+        self._read_only = ReadOnly()
         cocotb.start_soon(Clock(dut.clk, period_ns, unit="ns").start())
 
     def add(self, endpoint):
@@ -68,11 +71,11 @@ class ClockedBench:
         await ReadOnly()
 
     async def cycle(self):
-        await RisingEdge(self.dut.clk)
+        await self._edge
         self.cycles += 1
         for ep in self.endpoints:
             ep.drive()
-        await ReadOnly()
+        await self._read_only
         for ep in self.endpoints:
             ep.sample()
 
