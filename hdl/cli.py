@@ -45,9 +45,8 @@ def params_from_args(args, cls=MUParams, *, presets=PRESETS):
 
 
 def _verilog_mu(args):
-    from rdakit.sim.runner import generate_verilog
-
     from rdakit.cli import UserError
+    from rdakit.sim.runner import generate_verilog
 
     from .memory_unit import MemoryUnit
 

@@ -9,11 +9,12 @@ from amaranth.lib import data, memory, stream, wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
 
+from .block_table import BlockTable
 from .free_list import FreeList
 from .packets import MUOp, MUStatus, mu_request_layout, mu_response_layout
 from .params import AllocMode, MUParams, RefcountMode
 
-__all__ = ["MemoryUnit", "COUNTER_WIDTH", "buffer_entry_layout", "block_entry_layout"]
+__all__ = ["MemoryUnit", "COUNTER_WIDTH", "buffer_entry_layout"]
 
 #: Width of the performance counters.
 COUNTER_WIDTH = 32
@@ -34,11 +35,6 @@ def buffer_entry_layout(p: MUParams):
         fields["base"] = p.addr_bits
         fields["order"] = range(p.n_orders)
     return data.StructLayout(fields)
-
-
-def block_entry_layout(p: MUParams):
-    """One entry of the block table: ``(buffer slot, virtual block) -> physical block``."""
-    return data.StructLayout({"valid": 1, "block": p.block_bits})
 
 
 class MemoryUnit(wiring.Component):
@@ -124,10 +120,7 @@ class MemoryUnit(wiring.Component):
         m.d.comb += self.free_slots.eq(slots.count)
 
         if virtual:
-            m.submodules.blocktab = blocktab = memory.Memory(
-                shape=block_entry_layout(p), depth=p.max_buffers * p.max_vblocks, init=[])
-            bk_w = blocktab.write_port()
-            bk_r = blocktab.read_port(transparent_for=(bk_w,))
+            m.submodules.blocktab = bk = BlockTable(p)
             m.submodules.blocks = blocks = FreeList(p.n_blocks)
             m.d.comb += self.free_blocks.eq(blocks.count)
         if reserve:
@@ -178,7 +171,8 @@ class MemoryUnit(wiring.Component):
         m.d.comb += [bt_r.addr.eq(in_slot), bt_r.en.eq(accept)]
         if virtual:
             in_vb = self.req.payload.index[ob:ob + vbits]
-            m.d.comb += [bk_r.addr.eq(Cat(in_vb, in_slot)), bk_r.en.eq(accept)]
+            m.d.comb += [bk.lookup_slot.eq(in_slot), bk.lookup_vblock.eq(in_vb),
+                         bk.lookup_en.eq(accept)]
 
         # --- Execute stage: decode and checks -------------------------------------------------
         e = bt_r.data
@@ -206,7 +200,7 @@ class MemoryUnit(wiring.Component):
         grow_ok = Signal()
         grow_base = Signal(p.addr_bits)
         if virtual:
-            b = bk_r.data
+            b = bk.entry
             with m.If(is_append):
                 m.d.comb += [
                     need_block.eq(e.length[:ob] == 0),
@@ -328,7 +322,7 @@ class MemoryUnit(wiring.Component):
         copy_src = Signal(p.addr_bits)
         copy_dst = Signal(p.addr_bits)
         grow_order = Signal.like(new_order)
-        init_i = Signal(range(max(p.max_buffers, p.max_buffers * p.max_vblocks) + 1))
+        init_i = Signal(range(p.max_buffers + 1))
 
         with m.If(s1_valid):
             m.d.sync += self.busy_cycles.eq(self.busy_cycles + 1)
@@ -338,15 +332,13 @@ class MemoryUnit(wiring.Component):
 
         with m.FSM(init="INIT"):
             with m.State("INIT"):
-                # Clear both tables after reset so that no stale entry survives a reset.
+                # Clear the buffer table after reset (the block table clears itself) so that
+                # no stale entry survives a reset.
                 m.d.comb += [bt_w.addr.eq(init_i), bt_w.en.eq(init_i < p.max_buffers),
                              bt_w.data.eq(0)]
-                last = p.max_buffers - 1
-                if virtual:
-                    m.d.comb += [bk_w.addr.eq(init_i), bk_w.en.eq(1), bk_w.data.eq(0)]
-                    last = p.max_buffers * p.max_vblocks - 1
-                m.d.sync += init_i.eq(init_i + 1)
-                with m.If(init_i == max(last, p.max_buffers - 1)):
+                with m.If(init_i < p.max_buffers):
+                    m.d.sync += init_i.eq(init_i + 1)
+                with m.Elif(bk.ready if virtual else Const(1)):
                     m.next = "EXEC"
 
             with m.State("EXEC"):
@@ -362,8 +354,8 @@ class MemoryUnit(wiring.Component):
                             nvb = (e.length + (p.block_words - 1)) >> ob
                             m.d.sync += [walk_n.eq(nvb), walk_vb.eq(1),
                                          walk_pending.eq(nvb != 0), walk_prev.eq(0)]
-                            m.d.comb += [bk_r.addr.eq(Cat(Const(0, vbits), slot)),
-                                         bk_r.en.eq(1)]
+                            m.d.comb += [bk.lookup_slot.eq(slot), bk.lookup_vblock.eq(0),
+                                         bk.lookup_en.eq(1)]
                             m.next = "FREE_WALK"
                         else:
                             m.next = "FREE_END"
@@ -380,10 +372,11 @@ class MemoryUnit(wiring.Component):
                             with m.If(need_block):
                                 m.d.comb += [
                                     blocks.pop.eq(1),
-                                    bk_w.addr.eq(Cat(idx[ob:ob + vbits], slot)),
-                                    bk_w.data.valid.eq(1),
-                                    bk_w.data.block.eq(blocks.head),
-                                    bk_w.en.eq(1),
+                                    bk.write_slot.eq(slot),
+                                    bk.write_vblock.eq(idx[ob:ob + vbits]),
+                                    bk.write_entry.valid.eq(1),
+                                    bk.write_entry.block.eq(blocks.head),
+                                    bk.write_en.eq(1),
                                     held_next.eq(held + p.block_words),
                                 ]
                             with m.If(extends):
@@ -456,15 +449,16 @@ class MemoryUnit(wiring.Component):
                 with m.State("FREE_WALK"):
                     # Read the entry of virtual block walk_vb while releasing walk_prev's.
                     with m.If(walk_vb < walk_n):
-                        m.d.comb += [bk_r.addr.eq(Cat(walk_vb[:vbits], slot)),
-                                     bk_r.en.eq(1)]
+                        m.d.comb += [bk.lookup_slot.eq(slot),
+                                     bk.lookup_vblock.eq(walk_vb[:vbits]),
+                                     bk.lookup_en.eq(1)]
                         m.d.sync += [walk_vb.eq(walk_vb + 1), walk_prev.eq(walk_vb)]
                     m.d.sync += walk_pending.eq(walk_vb < walk_n)
-                    with m.If(walk_pending & bk_r.data.valid):
+                    with m.If(walk_pending & bk.entry.valid):
                         m.d.comb += [
-                            blocks.push.eq(1), blocks.push_data.eq(bk_r.data.block),
-                            bk_w.addr.eq(Cat(walk_prev[:vbits], slot)),
-                            bk_w.data.eq(0), bk_w.en.eq(1),
+                            blocks.push.eq(1), blocks.push_data.eq(bk.entry.block),
+                            bk.write_slot.eq(slot), bk.write_vblock.eq(walk_prev[:vbits]),
+                            bk.write_entry.eq(0), bk.write_en.eq(1),
                             held_next.eq(held - p.block_words),
                         ]
                     with m.If(walk_vb >= walk_n):

@@ -12,7 +12,6 @@ import re
 from rdakit.hdl.memory_unit import MemoryUnit
 from rdakit.hdl.packets import MUOp, MUStatus, mu_request_layout, mu_response_layout, pack
 from rdakit.hdl.params import AllocMode
-
 from rdakit.report import Report
 
 from .amaranth_sim import StreamDriver

@@ -7,6 +7,7 @@ back-pressure pattern and the seed.
 """
 
 import cocotb
+
 from rdakit.hdl.packets import MUOp, MUStatus, mu_request_layout, mu_response_layout, pack, unpack
 from rdakit.hdl.params import MUParams
 from rdakit.sim.cocotb_utils import ClockedBench, StreamSink, StreamSource, tb_config

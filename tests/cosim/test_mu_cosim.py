@@ -9,6 +9,7 @@ import os
 import pathlib
 
 import pytest
+
 from rdakit.hdl.memory_unit import MemoryUnit
 from rdakit.hdl.params import MUParams
 from rdakit.sim.runner import SIMULATORS, require_simulator, run_cocotb

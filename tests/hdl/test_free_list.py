@@ -4,6 +4,7 @@
 import random
 
 import pytest
+
 from rdakit.hdl.free_list import FreeList
 from rdakit.sim.amaranth_sim import WithReset, simulate
 from rdakit.sim.runner import generate_verilog

@@ -5,6 +5,7 @@ equivalence with the golden model in every mode (the fast counterpart of tests/c
 import dataclasses
 
 import pytest
+
 from rdakit.hdl.memory_unit import MemoryUnit
 from rdakit.hdl.packets import MUOp, MUStatus, mu_request_layout, mu_response_layout, pack
 from rdakit.hdl.params import PLASTICINE_MU, AllocMode, MUParams, RefcountMode

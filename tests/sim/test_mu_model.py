@@ -10,6 +10,7 @@ import itertools
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from rdakit.hdl.packets import (
     MUOp,
     MUStatus,
