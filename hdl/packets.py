@@ -14,7 +14,8 @@ from .params import MUParams
 
 __all__ = [
     "MUOp", "MUStatus", "OP_DOC", "STATUS_DOC",
-    "coord_layout", "ref_layout", "mu_request_layout", "mu_response_layout",
+    "MsgKind", "coord_layout", "ref_layout", "mu_request_layout", "mu_response_layout",
+    "msg_layout", "host_tag_bit",
     "pack", "unpack",
 ]
 
@@ -73,6 +74,26 @@ STATUS_DOC = {
 }
 
 
+class MsgKind(enum.Enum, shape=2):
+    """What a flit of the response ("message") network carries.
+
+    The response network carries only messages its receiver always accepts at once: MU
+    responses (to a request the receiver made, with room reserved for it), tokens (a counter
+    increment) and references (a write into a mailbox slot). So it never backs up into the
+    request network, whatever the request network holds.
+    """
+
+    RESPONSE = 0   #: an MU response: ``body`` is the response
+    TOKEN = 1      #: ``body.tag`` = channel, ``body.data`` = count
+    REF = 2        #: ``body.tag`` = mailbox slot, ``body.ref`` = reference, ``body.data`` = weight
+
+
+def host_tag_bit(p: MUParams):
+    """The top bit of a request's tag marks requests of the fabric's host port: their responses
+    are delivered to the host, not to the unit of the tile the host port shares."""
+    return p.tag_bits - 1
+
+
 @functools.cache
 def coord_layout(coord_bits):
     """Tile coordinates ``{x, y}``."""
@@ -109,6 +130,12 @@ def mu_response_layout(p: MUParams):
         "ref": ref_layout(p),
         "data": p.data_bits,
     })
+
+
+@functools.cache
+def msg_layout(p: MUParams):
+    """A flit payload of the response network: ``{kind, body}``, ``body`` an MU response."""
+    return data.StructLayout({"kind": MsgKind, "body": mu_response_layout(p)})
 
 
 def pack(layout, fields):

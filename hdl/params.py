@@ -10,7 +10,7 @@ import enum
 
 from amaranth.utils import exact_log2
 
-__all__ = ["AllocMode", "RefcountMode", "MUParams", "PLASTICINE_MU"]
+__all__ = ["AllocMode", "RefcountMode", "MUParams", "PLASTICINE_MU", "CUParams", "FabricParams"]
 
 
 class AllocMode(enum.Enum):
@@ -147,7 +147,7 @@ class MUParams:
         _check_int("mu_id_bits", self.mu_id_bits, maximum=16)
         _check_int("buf_id_bits", self.buf_id_bits, maximum=32)
         _check_int("index_bits", self.index_bits, maximum=32)
-        _check_int("data_bits", self.data_bits, minimum=8, maximum=64)
+        _check_int("data_bits", self.data_bits, minimum=8, maximum=1024)
         _check_int("tag_bits", self.tag_bits, minimum=0, maximum=32)
         _check_int("coord_bits", self.coord_bits, maximum=8)
         if self.block_words >= self.words:
@@ -256,3 +256,176 @@ def _enum_value(cls, name, value):
 #: block+offset. 256 buffer slots leave 8 generation bits in the 16-bit buffer ID.
 PLASTICINE_MU = MUParams(words=65536, block_words=256, max_buffers=256, weight_bits=16,
                          mu_id_bits=6, buf_id_bits=16, index_bits=16, data_bits=32)
+
+
+@dataclasses.dataclass(frozen=True)
+class CUParams:
+    """Parameters of a compute unit (CU). See ``docs/compute-unit.md``.
+
+    Parameters
+    ----------
+    lanes : int
+        SIMD lanes of 32-bit integers; a vector word (one MU word) holds ``lanes`` elements, so
+        the fabric's ``data_bits`` is ``32 * lanes``. A power of two from 1 to 16.
+    prog_len : int
+        Instructions a CU's program memory holds (4 to 4096).
+    regs : int
+        Scalar registers (a power of two from 4 to 16).
+    local_words : int
+        Vector words of the CU's local buffer (a power of two from 1 to 65536).
+    outstanding : int
+        READ requests a stream may have in flight (1 to 256); also the depth of the response
+        buffer, so responses can always be accepted.
+    channels : int
+        Token channels (counters) per CU (1 to 16).
+    mailbox : int
+        Reference mailbox slots per CU (1 to 16).
+
+    Raises
+    ------
+    TypeError
+        If a parameter has the wrong type or is out of its range.
+    """
+
+    lanes: int = 4
+    prog_len: int = 64
+    regs: int = 16
+    local_words: int = 64
+    outstanding: int = 16
+    channels: int = 8
+    mailbox: int = 4
+
+    def __post_init__(self):
+        _check_pow2("lanes", self.lanes)
+        if self.lanes > 16:
+            raise TypeError(f"lanes must be a power of two from 1 to 16, not {self.lanes!r}")
+        _check_int("prog_len", self.prog_len, minimum=4, maximum=4096)
+        _check_pow2("regs", self.regs, minimum=4)
+        if self.regs > 16:
+            raise TypeError(f"regs must be a power of two from 4 to 16, not {self.regs!r}")
+        _check_pow2("local_words", self.local_words)
+        if self.local_words > 65536:
+            raise TypeError(f"local_words must be a power of two from 1 to 65536, "
+                            f"not {self.local_words!r}")
+        _check_int("outstanding", self.outstanding, maximum=256)
+        _check_int("channels", self.channels, maximum=16)
+        _check_int("mailbox", self.mailbox, maximum=16)
+
+    def replace(self, **changes):
+        """Return a copy with some parameters changed (and validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def data_bits(self):
+        """Width of a vector word: 32 bits a lane."""
+        return 32 * self.lanes
+
+
+@dataclasses.dataclass(frozen=True)
+class FabricParams:
+    """Parameters of a fabric: an R x C grid of tiles, each a router and a CU or an MU.
+
+    Parameters
+    ----------
+    rows, cols : int
+        Grid size, 1 to 16 each (``coord_bits`` must hold them).
+    layout : str or None
+        One character a tile, rows separated by ``/``: ``C`` a compute unit, ``M`` a memory
+        unit; ``None`` is a checkerboard with a CU at (0, 0) (``(x + y) % 2 == 0`` is a CU).
+        At least one CU and one MU.
+    cu : CUParams
+        Every CU's parameters.
+    mu : MUParams
+        Every MU's parameters. Its ``data_bits`` must be ``32 * cu.lanes``, its ``mu_id_bits``
+        ``2 * coord_bits`` (an MU's ID is its coordinates, ``y << coord_bits | x``), and its
+        ``coord_bits`` must hold ``rows - 1`` and ``cols - 1``.
+    noc_depth : int
+        Depth of each router input queue.
+    noc_queues : str
+        ``"voq"`` (per-output input queues) or ``"fifo"``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        If a parameter is invalid or the parameters are inconsistent; the message names them.
+    """
+
+    rows: int = 2
+    cols: int = 2
+    layout: str | None = None
+    cu: CUParams = dataclasses.field(default_factory=CUParams)
+    mu: MUParams = dataclasses.field(default_factory=lambda: MUParams(
+        words=1024, block_words=16, max_buffers=16, buf_id_bits=8, data_bits=128,
+        mu_id_bits=6, coord_bits=3, index_bits=16))
+    noc_depth: int = 2
+    noc_queues: str = "voq"
+
+    def __post_init__(self):
+        _check_int("rows", self.rows, maximum=16)
+        _check_int("cols", self.cols, maximum=16)
+        if not isinstance(self.cu, CUParams):
+            raise TypeError(f"cu must be a CUParams, not {self.cu!r}")
+        if not isinstance(self.mu, MUParams):
+            raise TypeError(f"mu must be an MUParams, not {self.mu!r}")
+        _check_int("noc_depth", self.noc_depth, maximum=64)
+        if self.noc_queues not in ("voq", "fifo"):
+            raise TypeError(f"noc_queues must be 'voq' or 'fifo', not {self.noc_queues!r}")
+        cb = self.mu.coord_bits
+        if max(self.rows, self.cols) > (1 << cb):
+            raise ValueError(f"mu.coord_bits ({cb}) must hold rows ({self.rows}) and cols "
+                             f"({self.cols})")
+        if self.mu.mu_id_bits != 2 * cb:
+            raise ValueError(f"mu.mu_id_bits must be 2 * coord_bits = {2 * cb}, "
+                             f"not {self.mu.mu_id_bits!r}")
+        if self.mu.data_bits != self.cu.data_bits:
+            raise ValueError(f"mu.data_bits must be 32 * cu.lanes = {self.cu.data_bits}, "
+                             f"not {self.mu.data_bits!r}")
+        if self.mu.tag_bits < 4:
+            raise ValueError(f"mu.tag_bits must be at least 4 (the fabric reserves the top "
+                             f"bit for the host), not {self.mu.tag_bits!r}")
+        grid = self.grid
+        kinds = {k for row in grid for k in row}
+        if "C" not in kinds or "M" not in kinds:
+            raise ValueError(f"layout must have at least one CU (C) and one MU (M), "
+                             f"not {self.layout!r}")
+
+    def replace(self, **changes):
+        """Return a copy with some parameters changed (and validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def grid(self):
+        """The layout as a list of rows of ``"C"``/``"M"``."""
+        if self.layout is None:
+            return [["C" if (x + y) % 2 == 0 else "M" for x in range(self.cols)]
+                    for y in range(self.rows)]
+        if not isinstance(self.layout, str):
+            raise TypeError(f"layout must be a string like 'CM/MC', not {self.layout!r}")
+        rows = self.layout.split("/")
+        if len(rows) != self.rows or any(len(r) != self.cols for r in rows) \
+                or set("".join(rows)) - {"C", "M"}:
+            raise ValueError(f"layout must be {self.rows} rows of {self.cols} characters C or "
+                             f"M separated by '/', not {self.layout!r}")
+        return [list(r) for r in rows]
+
+    @property
+    def coord_bits(self):
+        return self.mu.coord_bits
+
+    def kind(self, x, y):
+        """``"C"`` or ``"M"``: what the tile at column ``x``, row ``y`` holds."""
+        return self.grid[y][x]
+
+    def tiles(self, kind=None):
+        """``(x, y)`` of every tile (of one kind), row by row."""
+        return [(x, y) for y in range(self.rows) for x in range(self.cols)
+                if kind is None or self.grid[y][x] == kind]
+
+    def mu_id(self, x, y):
+        """The MU ID of the tile at ``(x, y)``: its coordinates, ``y << coord_bits | x``."""
+        return (y << self.coord_bits) | x
+
+    def mu_coords(self, mu_id):
+        """The ``(x, y)`` of the MU with ID ``mu_id``."""
+        mask = (1 << self.coord_bits) - 1
+        return mu_id & mask, mu_id >> self.coord_bits

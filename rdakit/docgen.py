@@ -42,9 +42,23 @@ def _mu_packets():
     return "\n".join(lines).rstrip()
 
 
+def _isa():
+    from rdakit.hdl.isa import OP_INFO, AluFn, BMode, DMode, StreamField
+
+    lines = ["| opcode | syntax | semantics | cycles |", "|---|---|---|---|"]
+    for op, (syntax, sem, cycles) in OP_INFO.items():
+        lines.append(f"| {op.value} | `{syntax}` | {sem} | {cycles} |")
+    for title, enum in (("ALU function (fn)", AluFn), ("stream field (fn of SCFG)", StreamField),
+                        ("B_MODE", BMode), ("D_MODE", DMode)):
+        lines += ["", f"| {title} | value |", "|---|---|"]
+        lines += [f"| `{m.name}` | {m.value} |" for m in enum]
+    return "\n".join(lines)
+
+
 #: file name in docs/ -> section name -> function returning the Markdown.
 SECTIONS = {
     "memory-unit.md": {"ops": _mu_ops, "packets": _mu_packets},
+    "compute-unit.md": {"isa": _isa},
 }
 
 

@@ -1,0 +1,73 @@
+"""The configuration bus and every tile's configuration address map, defined once.
+
+The configuration loader (and the host port) reach every tile's registers over one bus of
+32-bit words: the fabric decodes the tile from ``tile`` and raises that tile's ``sel``. A write
+(``we``) takes effect at the end of the cycle; a read (``re``) returns ``rdata`` in the next
+cycle. The bitstream writer, the loader, the host driver and the docs use the addresses below.
+"""
+
+from amaranth.lib import wiring
+from amaranth.lib.wiring import In, Out
+
+__all__ = ["config_bus_signature", "CU_MAP", "MU_MAP", "TILE_COUNTERS", "CU_STATUS_BITS"]
+
+
+def config_bus_signature():
+    """A tile's side of the configuration bus (``In`` of this is what a tile has)."""
+    return wiring.Signature({
+        "sel": Out(1),
+        "we": Out(1),
+        "re": Out(1),
+        "addr": Out(16),
+        "wdata": Out(32),
+        "rdata": In(32),
+    })
+
+
+class CU_MAP:
+    """Word addresses of a compute unit's configuration space."""
+
+    #: Instruction ``pc`` is at ``PROGRAM + 2*pc`` (low 32 bits) and ``+ 1`` (high 32 bits).
+    PROGRAM = 0x0000
+    #: Initial value of register ``r`` (loaded into the register file at start).
+    REGS = 0x2000
+    #: Bit 0: the CU takes part in the run (a disabled CU reports done at once).
+    CONTROL = 0x3000
+    #: Read-only status: bit 0 done, bit 1 error, bits 15:8 error code, bits 31:16 pc.
+    STATUS = 0x3001
+    #: Lane ``l`` of local vector word ``w`` is at ``LOCAL + w*lanes + l``.
+    LOCAL = 0x8000
+
+
+class MU_MAP:
+    """Word addresses of a memory unit's configuration space (all read-only)."""
+
+    STATUS = 0x3001
+    HELD_WORDS = 0x3010
+    PEAK_HELD_WORDS = 0x3011
+    LIVE_BUFFERS = 0x3012
+    ALLOCS = 0x3013
+    FREES = 0x3014
+    COPY_CYCLES = 0x3015
+    BUSY_CYCLES = 0x3016
+    FREE_BLOCKS = 0x3017
+
+
+#: Counters every tile has (read-only), with their addresses.
+TILE_COUNTERS = {
+    "busy_cycles": 0x3002,
+    "stall_cycles": 0x3003,
+    "flits_out": 0x3004,
+    "flits_in": 0x3005,
+}
+
+#: Error codes a CU reports in STATUS bits 15:8.
+CU_STATUS_BITS = {
+    "NONE": 0,
+    "MU_ERROR": 1,          # an MU answered with a status other than OK
+    "BAD_INSTRUCTION": 2,   # an undefined opcode
+    "PC_OUT_OF_RANGE": 3,   # the pc left the program memory
+    "MAILBOX_OVERFLOW": 4,  # a reference arrived at a full mailbox slot
+    "TOKEN_OVERFLOW": 5,    # a token counter passed 65535
+    "BAD_STREAM": 6,        # a stream configuration that cannot run (N or OUTER zero, ...)
+}
