@@ -124,7 +124,8 @@ class ConfigLoader(wiring.Component):
             # A new load: disable every CU, restart the header CRC. Takes priority in every
             # state.
             m.d.comb += [self.bus_we.eq(1), self.bus_broadcast.eq(1),
-                         self.bus_addr.eq(CU_MAP.CONTROL), self.bus_wdata.eq(0), crc_unit.start.eq(1)]
+                         self.bus_addr.eq(CU_MAP.CONTROL), self.bus_wdata.eq(0),
+                         crc_unit.start.eq(1)]
             m.d.sync += [self.status.eq(LoadStatus.LOADING), self.configured.eq(0),
                          header_i.eq(0), running.eq(1), self.cycles.eq(0)]
             m.next = "HEADER"
