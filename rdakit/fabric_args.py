@@ -1,0 +1,66 @@
+"""Command-line options that describe a fabric, shared by every command that needs one."""
+
+import re
+
+from amaranth.utils import ceil_log2
+
+from rdakit.hdl.params import CUParams, FabricParams, MUParams
+
+__all__ = ["add_fabric_arguments", "fabric_from_args", "fabric_params"]
+
+
+def fabric_params(rows=2, cols=2, *, layout=None, lanes=4, prog_len=64, local_words=64,
+                  outstanding=16, mu_words=1024, block_words=16, max_buffers=16,
+                  weight_bits=8, alloc_mode="virtual", refcount="weighted", noc_depth=2,
+                  noc_queues="voq"):
+    """A consistent :class:`FabricParams` from the few numbers people choose: the MU word is
+    ``32 * lanes`` bits, MU IDs are ``2 * coord_bits`` bits, coordinates hold the grid."""
+    coord_bits = max(1, ceil_log2(max(rows, cols)))
+    mu = MUParams(words=mu_words, block_words=block_words, max_buffers=max_buffers,
+                  buf_id_bits=max(ceil_log2(max_buffers) + 4, 8), weight_bits=weight_bits,
+                  data_bits=32 * lanes, mu_id_bits=2 * coord_bits, coord_bits=coord_bits,
+                  index_bits=16, alloc_mode=alloc_mode, refcount=refcount)
+    cu = CUParams(lanes=lanes, prog_len=prog_len, local_words=local_words,
+                  outstanding=outstanding)
+    return FabricParams(rows=rows, cols=cols, layout=layout, cu=cu, mu=mu,
+                        noc_depth=noc_depth, noc_queues=noc_queues)
+
+
+def add_fabric_arguments(parser, *, default="2x2"):
+    g = parser.add_argument_group("fabric (docs/fabric.md)")
+    g.add_argument("--fabric", default=default, metavar="RxC",
+                   help="grid rows x columns (default: %(default)s)")
+    g.add_argument("--layout", help="tile kinds, rows separated by '/', e.g. CMC/MCM "
+                                    "(default: checkerboard, CU at (0, 0))")
+    g.add_argument("--lanes", type=int, default=4, help="SIMD lanes of a CU (default: 4)")
+    g.add_argument("--prog-len", type=int, default=64, help="CU program length (default: 64)")
+    g.add_argument("--local-words", type=int, default=64,
+                   help="CU local buffer, vector words (default: 64)")
+    g.add_argument("--mu-words", type=int, default=1024,
+                   help="MU scratchpad, vector words (default: 1024)")
+    g.add_argument("--block-words", type=int, default=16, help="MU block size (default: 16)")
+    g.add_argument("--max-buffers", type=int, default=16, help="MU buffer slots (default: 16)")
+    g.add_argument("--weight-bits", type=int, default=8, help="MU weight bits (default: 8)")
+    g.add_argument("--alloc-mode", choices=["virtual", "reserve", "single"], default="virtual")
+    g.add_argument("--refcount", choices=["weighted", "counter"], default="weighted")
+    g.add_argument("--noc-queues", choices=["voq", "fifo"], default="voq")
+    g.add_argument("--noc-depth", type=int, default=2)
+
+
+def fabric_from_args(args):
+    """The :class:`FabricParams` of the parsed options, or a UserError naming the problem."""
+    from rdakit.cli import UserError
+
+    m = re.fullmatch(r"(\d+)x(\d+)", args.fabric)
+    if not m:
+        raise UserError(f"--fabric must be ROWSxCOLS like 4x4, not {args.fabric!r}")
+    try:
+        return fabric_params(int(m.group(1)), int(m.group(2)), layout=args.layout,
+                             lanes=args.lanes, prog_len=args.prog_len,
+                             local_words=args.local_words, mu_words=args.mu_words,
+                             block_words=args.block_words, max_buffers=args.max_buffers,
+                             weight_bits=args.weight_bits, alloc_mode=args.alloc_mode,
+                             refcount=args.refcount, noc_depth=args.noc_depth,
+                             noc_queues=args.noc_queues)
+    except (TypeError, ValueError) as e:
+        raise UserError(str(e)) from None
