@@ -15,7 +15,7 @@ from .params import MUParams
 __all__ = [
     "MUOp", "MUStatus", "OP_DOC", "STATUS_DOC",
     "MsgKind", "coord_layout", "ref_layout", "mu_request_layout", "mu_response_layout",
-    "msg_layout", "host_tag_bit",
+    "msg_layout", "host_tag_bit", "HostCmd", "host_cmd_layout", "host_reply_layout",
     "pack", "unpack",
 ]
 
@@ -136,6 +136,43 @@ def mu_response_layout(p: MUParams):
 def msg_layout(p: MUParams):
     """A flit payload of the response network: ``{kind, body}``, ``body`` an MU response."""
     return data.StructLayout({"kind": MsgKind, "body": mu_response_layout(p)})
+
+
+class HostCmd(enum.Enum, shape=3):
+    """Commands of the fabric's host port (``docs/fabric.md``)."""
+
+    LOAD_BEGIN = 0    #: start a bitstream load (no reply)
+    LOAD_WORD = 1     #: ``word`` is the next bitstream word (no reply)
+    MU_REQUEST = 2    #: send ``req`` to the MU ``req.ref.mu``; the reply's ``resp`` answers it
+    CFG_READ = 3      #: reply ``word`` = word ``addr`` of tile (``x``, ``y``)
+    START = 4         #: start every enabled CU; reply ``ok`` = 0 if not configured
+    STATUS = 5        #: reply ``word`` = status bits (``docs/fabric.md``)
+    CYCLES = 6        #: reply ``word`` = cycles of the last run, START to done
+    LOAD_STATUS = 7   #: reply ``word`` = LoadStatus | load cycles << 8
+
+
+@functools.cache
+def host_cmd_layout(p: MUParams):
+    """A command on the host port."""
+    return data.StructLayout({
+        "kind": HostCmd,
+        "x": p.coord_bits,
+        "y": p.coord_bits,
+        "addr": 16,
+        "word": 32,
+        "req": mu_request_layout(p),
+    })
+
+
+@functools.cache
+def host_reply_layout(p: MUParams):
+    """A reply of the host port (one per command but LOAD_BEGIN and LOAD_WORD)."""
+    return data.StructLayout({
+        "kind": HostCmd,
+        "ok": 1,
+        "word": 32,
+        "resp": mu_response_layout(p),
+    })
 
 
 def pack(layout, fields):
