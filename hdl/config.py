@@ -9,7 +9,8 @@ cycle. The bitstream writer, the loader, the host driver and the docs use the ad
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
-__all__ = ["config_bus_signature", "CU_MAP", "MU_MAP", "TILE_COUNTERS", "CU_STATUS_BITS"]
+__all__ = ["config_bus_signature", "CU_MAP", "MU_MAP", "TILE_COUNTERS", "CU_STATUS_BITS",
+           "STATUS_BITS"]
 
 
 def config_bus_signature():
@@ -70,4 +71,9 @@ CU_STATUS_BITS = {
     "MAILBOX_OVERFLOW": 4,  # a reference arrived at a full mailbox slot
     "TOKEN_OVERFLOW": 5,    # a token counter passed 65535
     "BAD_STREAM": 6,        # a stream configuration that cannot run (N or OUTER zero, ...)
+    "BAD_DESTINATION": 7,   # a request to a tile that is not an MU, a message to one not a CU
 }
+
+#: Bits of the word the host port's STATUS command returns.
+STATUS_BITS = {"configured": 0, "running": 1, "done": 2, "error": 3, "load_error": 4,
+               "misrouted": 5}

@@ -380,6 +380,9 @@ class FabricParams:
         if self.mu.data_bits != self.cu.data_bits:
             raise ValueError(f"mu.data_bits must be 32 * cu.lanes = {self.cu.data_bits}, "
                              f"not {self.mu.data_bits!r}")
+        if self.mu.mu_id_bits + self.mu.buf_id_bits > 32:
+            raise ValueError(f"mu.mu_id_bits + mu.buf_id_bits must be at most 32 (a CU register "
+                             f"holds a reference), not {self.mu.mu_id_bits + self.mu.buf_id_bits}")
         if self.mu.tag_bits < 4:
             raise ValueError(f"mu.tag_bits must be at least 4 (the fabric reserves the top "
                              f"bit for the host), not {self.mu.tag_bits!r}")
