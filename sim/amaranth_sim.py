@@ -62,7 +62,7 @@ async def stream_put(ctx, stream, payload):
 async def stream_get(ctx, stream):
     """Take one payload from ``stream``."""
     ctx.set(stream.ready, 1)
-    _, _, payload = await ctx.tick().sample(stream.payload).until(stream.valid)
+    payload, = await ctx.tick().sample(stream.payload).until(stream.valid)
     ctx.set(stream.ready, 0)
     return payload
 

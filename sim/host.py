@@ -170,7 +170,7 @@ class AmaranthTransport:
     async def recv(self):
         ctx = self.ctx
         ctx.set(self.fabric.reply.ready, 1)
-        _, _, value = await ctx.tick().sample(self._reply).until(self.fabric.reply.valid)
+        value, = await ctx.tick().sample(self._reply).until(self.fabric.reply.valid)
         ctx.set(self.fabric.reply.ready, 0)
         return value
 

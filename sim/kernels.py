@@ -2,9 +2,9 @@
 
 A :class:`Job` is everything needed to run a program on a fabric through the host port: the
 :class:`~rdakit.compiler.bitstream.FabricConfig`, the buffers the host allocates and fills
-before START (their references are predicted from the MU's allocation policy, which is
-specified exactly, and handed to the CUs as initial registers), the buffers read back after
-done, and the expected outputs. :func:`run_job` runs one with a
+before loading (their references are bound into the CUs' initial registers when the bitstream
+is written, so a job runs on a fabric in any state), the buffers read back after done, and the
+expected outputs. :func:`run_job` runs one with a
 :class:`~rdakit.sim.host.HostDriver` on any backend; the kernel builders below make the jobs of
 the fabric tests and benchmarks (vector add, matrix-vector and matrix-matrix products spread
 over CUs, an MoE-style fan-out of a shared reference with split weights).
@@ -18,8 +18,16 @@ from rdakit.compiler.bitstream import FabricConfig, TileConfig, write_bitstream
 from rdakit.hdl.config_loader import LoadStatus
 from rdakit.hdl.isa import assemble
 
-__all__ = ["HostBuffer", "Job", "JobResult", "run_job", "run_job_interp", "predict_refs",
+__all__ = ["HostBuffer", "Job", "JobResult", "run_job", "run_job_interp", "Ref",
            "vector_add", "matvec", "matmul", "moe_fanout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Ref:
+    """An initial register value that is the reference of host buffer ``name``, bound when
+    the job's bitstream is written (:meth:`Job.bind`)."""
+
+    name: str
 
 
 @dataclasses.dataclass
@@ -47,6 +55,14 @@ class Job:
     def params(self):
         return self.config.params
 
+    def bind(self, refs):
+        """The configuration with every :class:`Ref` register replaced by ``refs[name]``."""
+        tiles = {}
+        for xy, tile in self.config.tiles.items():
+            regs = {r: refs[v.name] if isinstance(v, Ref) else v for r, v in tile.regs.items()}
+            tiles[xy] = dataclasses.replace(tile, regs=regs)
+        return FabricConfig(self.params, tiles)
+
 
 @dataclasses.dataclass
 class JobResult:
@@ -65,30 +81,17 @@ class JobResult:
                                      f"{want}")
 
 
-def predict_refs(params, buffers):
-    """The reference (as a CU register holds it) each host buffer gets on a freshly reset
-    fabric: slots in allocation order per MU, generation 0."""
-    refs, used = {}, {}
-    for b in buffers:
-        slot = used.get(b.mu, 0)
-        used[b.mu] = slot + 1
-        refs[b.name] = params.mu_id(*b.mu) | slot << params.mu.mu_id_bits
-    return refs
-
-
 async def run_job(host, job, *, max_cycles=2_000_000, counters=True):
-    """Load, fill, start, wait, read back: returns a :class:`JobResult`."""
-    status, load_cycles = await host.load(write_bitstream(job.config))
-    if status is not LoadStatus.OK:
-        raise RuntimeError(f"bitstream rejected by the fabric: {status.name}")
+    """Fill the host buffers, load the bound bitstream, start, wait, read back: returns a
+    :class:`JobResult`."""
     refs = {}
     for b in job.buffers:
         refs[b.name] = await host.alloc(b.mu, b.weight)
         if b.data is not None:
             await host.append_vectors(refs[b.name], b.data)
-    expected = predict_refs(job.params, job.buffers)
-    if refs != expected:
-        raise RuntimeError(f"host buffers got references {refs}, predicted {expected}")
+    status, load_cycles = await host.load(write_bitstream(job.bind(refs)))
+    if status is not LoadStatus.OK:
+        raise RuntimeError(f"bitstream rejected by the fabric: {status.name}")
     await host.start()
     st = await host.wait_done(max_cycles=max_cycles)
     cycles = await host.run_cycles()
@@ -102,14 +105,16 @@ def run_job_interp(job, *, schedule="round_robin", seed=0):
     the interpreter's result."""
     from .interp import Interpreter
 
-    interp = Interpreter(job.params, job.config, schedule=schedule, seed=seed)
+    placeholders = {b.name: 0 for b in job.buffers}
+    interp = Interpreter(job.params, job.bind(placeholders), schedule=schedule, seed=seed)
     refs = {}
     for b in job.buffers:
         data = b.data if b.data is not None else np.zeros((0, job.params.cu.lanes), np.int32)
         refs[b.name] = interp.load_buffer(b.mu, data, weight=b.weight)
-    expected = predict_refs(job.params, job.buffers)
-    if refs != expected:
-        raise RuntimeError(f"host buffers got references {refs}, predicted {expected}")
+    for xy, tile in job.config.tiles.items():
+        for r, v in tile.regs.items():
+            if isinstance(v, Ref):
+                interp.set_register(xy, r, refs[v.name])
     result = interp.run(max_steps=50_000_000)
     outputs = {name: interp.read_buffer(next(b.mu for b in job.buffers if b.name == name),
                                         refs[name]) for name in job.outputs}
@@ -137,7 +142,6 @@ def vector_add(params, *, n=16, cu=(0, 0), mu=None, seed=0):
     a = rng.integers(-2**31, 2**31, size=(n, lanes), dtype=np.int64).astype(np.int32)
     b = rng.integers(-2**31, 2**31, size=(n, lanes), dtype=np.int64).astype(np.int32)
     buffers = [HostBuffer("a", mu, a), HostBuffer("b", mu, b), HostBuffer("c", mu)]
-    refs = predict_refs(params, buffers)
     program = assemble(f"""
         SCFG A_REF, r2
         SCFGI A_STRIDE, 1
@@ -153,7 +157,7 @@ def vector_add(params, *, n=16, cu=(0, 0), mu=None, seed=0):
         SRUN ADD, r0             # c = a + local
         HALT
     """)
-    tile = TileConfig(program=program, regs={1: refs["a"], 2: refs["b"], 3: refs["c"]})
+    tile = TileConfig(program=program, regs={1: Ref("a"), 2: Ref("b"), 3: Ref("c")})
     with np.errstate(over="ignore"):
         c = (a.astype(np.int64) + b).astype(np.int32)
     return Job(FabricConfig(params, {cu: tile}), buffers, ["c"], {"c": c}, cus_used=1,
@@ -199,7 +203,6 @@ def matvec(params, *, m=64, k=64, cus=None, seed=1, scale=100):
         outputs.append(f"y{i}")
         plan.append((i, cu, rows, mu))
         row += rows
-    refs = predict_refs(params, buffers)
     for i, cu, rows, mu in plan:
         program = assemble(f"""
             SCFG A_REF, r2
@@ -219,7 +222,7 @@ def matvec(params, *, m=64, k=64, cus=None, seed=1, scale=100):
             HALT
         """)
         tiles[cu] = TileConfig(program=program,
-                               regs={1: refs[f"w{i}"], 2: refs[f"x{mu}"], 3: refs[f"y{i}"]})
+                               regs={1: Ref(f"w{i}"), 2: Ref(f"x{mu}"), 3: Ref(f"y{i}")})
     return Job(FabricConfig(params, tiles), buffers, outputs, expected, macs=m * k,
                cus_used=len(plan), description=f"{m}x{k} matrix-vector product")
 
@@ -255,7 +258,6 @@ def matmul(params, *, m=64, k=64, n=64, cus=None, seed=2, scale=30):
         outputs.append(f"c{i}")
         plan.append((i, cu, rows, mu))
         row += rows
-    refs = predict_refs(params, buffers)
     for i, cu, rows, mu in plan:
         program = assemble(f"""
             LI r4, {n}               # columns left
@@ -285,7 +287,7 @@ def matmul(params, *, m=64, k=64, n=64, cus=None, seed=2, scale=30):
             HALT
         """)
         tiles[cu] = TileConfig(program=program,
-                               regs={1: refs[f"a{i}"], 2: refs[f"bt{mu}"], 3: refs[f"c{i}"]})
+                               regs={1: Ref(f"a{i}"), 2: Ref(f"bt{mu}"), 3: Ref(f"c{i}")})
     return Job(FabricConfig(params, tiles), buffers, outputs, expected, macs=m * k * n,
                cus_used=len(plan), description=f"{m}x{k}x{n} matrix product")
 
@@ -311,7 +313,6 @@ def moe_fanout(params, *, n=8, producer=None, consumers=None, seed=3):
         buffers.append(HostBuffer(f"out{j}", _nearest_mu(params, c)))
         expected[f"out{j}"] = (x.astype(np.int64) * (j + 2)).astype(np.int32)
         outputs.append(f"out{j}")
-    refs = predict_refs(params, buffers)
     sends = "\n".join(f"LI r4, {_cu_id(params, c)}\nSENDREF 0, r4, r3, r5"
                       for c in consumers)
     producer_prog = assemble(f"""
@@ -328,7 +329,7 @@ def moe_fanout(params, *, n=8, producer=None, consumers=None, seed=3):
         HALT
     """)
     tiles = {producer: TileConfig(program=producer_prog,
-                                  regs={1: params.mu_id(*mu), 2: refs["x"]})}
+                                  regs={1: params.mu_id(*mu), 2: Ref("x")})}
     for j, c in enumerate(consumers):
         prog = assemble(f"""
             RECV 0, r1               # r1 = shared reference, r2 = its weight
@@ -343,7 +344,7 @@ def moe_fanout(params, *, n=8, producer=None, consumers=None, seed=3):
             RET r1, r2
             HALT
         """)
-        tiles[c] = TileConfig(program=prog, regs={6: refs[f"out{j}"]})
+        tiles[c] = TileConfig(program=prog, regs={6: Ref(f"out{j}")})
     return Job(FabricConfig(params, tiles), buffers, outputs, expected,
                cus_used=1 + len(consumers),
                description=f"MoE fan-out of {n} words to {len(consumers)} consumers")

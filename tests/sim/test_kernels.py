@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from rdakit.fabric_args import fabric_params
-from rdakit.sim.kernels import matmul, matvec, moe_fanout, predict_refs, run_job_interp, vector_add
+from rdakit.sim.kernels import matmul, matvec, moe_fanout, run_job_interp, vector_add
 
 P2 = fabric_params(2, 2, layout="CC/CM", mu_words=4096)
 P4 = fabric_params(4, 4, mu_words=2048)
@@ -41,14 +41,13 @@ def test_moe_shared_buffer_freed_exactly_once_in_any_order(seed):
         np.testing.assert_array_equal(outputs[name], want)
 
 
-def test_predicted_references_follow_the_allocation_policy():
+def test_bind_puts_each_buffer_reference_in_its_register():
     job = matvec(P4)
-    refs = predict_refs(P4, job.buffers)
-    per_mu = {}
-    for b in job.buffers:
-        slot = per_mu.setdefault(b.mu, 0)
-        per_mu[b.mu] += 1
-        assert refs[b.name] == P4.mu_id(*b.mu) | slot << P4.mu.mu_id_bits
+    refs = {b.name: 100 + i for i, b in enumerate(job.buffers)}
+    bound = job.bind(refs)
+    for xy, tile in bound.tiles.items():
+        assert all(isinstance(v, int) for v in tile.regs.values())
+        assert tile.regs[1] == refs[job.config.tiles[xy].regs[1].name]
 
 
 def test_kernel_rejects_sizes_it_cannot_hold():
