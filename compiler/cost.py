@@ -1,0 +1,208 @@
+"""The compiler's cost model: cycles per op on a CU, bytes per edge, transfers on the mesh.
+
+Assumptions (documented with their reasons in ``docs/compiler.md``):
+
+- An op runs on one compute unit (CU) with ``lanes`` SIMD lanes. It performs ``work`` lane
+  operations (a multiply-accumulate counts one; see ``OpSpec.work``), at one vector of
+  ``lanes`` per cycle, plus ``op_overhead`` cycles to start (loop configuration and pipeline
+  fill). Buffers (graph inputs, constants, outputs) cost no cycles.
+- A tensor moves between CUs as ``ceil(bytes / link_bytes)`` flits over a link of
+  ``link_bytes`` bytes per cycle, after ``hops * hop_cycles`` cycles of latency: it is sent
+  whole (store and forward at tensor granularity) once its producer has finished. A tensor
+  read inside its producer's CU moves for free. Dynamic tensors count their expected rows.
+- Before placement the distance between two CUs is ``mean_hops``; after placement, the
+  Manhattan distance between their tiles (XY routing).
+- The estimated makespan of an assignment is the length of a list schedule: ops taken in
+  decreasing upward rank (ties by topological index), each started on its CU when the CU is
+  free and all its inputs have arrived; no preemption, no insertion into idle gaps. Buffers
+  occupy no CU time.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+
+from .graph import OP_KINDS
+
+__all__ = [
+    "CostModel", "Schedule", "list_schedule", "upward_rank", "priority_order", "lower_bound",
+    "hop_matrix",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Cycle costs of ops and transfers on the fabric.
+
+    Parameters
+    ----------
+    lanes : int
+        SIMD lanes of a CU.
+    op_overhead : int
+        Cycles to start an op on a CU.
+    link_bytes : int
+        Bytes a NoC link moves per cycle (one flit).
+    hop_cycles : int
+        Latency of one router hop.
+    mean_hops : float
+        Distance assumed between two CUs before placement.
+
+    Raises
+    ------
+    TypeError
+        If a parameter is not a positive integer (``mean_hops``: a non-negative number).
+    """
+
+    lanes: int = 16
+    op_overhead: int = 8
+    link_bytes: int = 4
+    hop_cycles: int = 1
+    mean_hops: float = 2.0
+
+    def __post_init__(self):
+        for name in ("lanes", "link_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise TypeError(f"{name} must be a positive integer, not {value!r}")
+        for name in ("op_overhead", "hop_cycles"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise TypeError(f"{name} must be a non-negative integer, not {value!r}")
+        if not isinstance(self.mean_hops, int | float) or self.mean_hops < 0:
+            raise TypeError(f"mean_hops must be a non-negative number, not {self.mean_hops!r}")
+
+    def op_cycles(self, graph, node):
+        """Cycles ``node`` of a validated dataflow graph takes on one CU."""
+        if OP_KINDS[graph.kind(node)].memory:
+            return 0
+        return int(math.ceil(graph.work(node) / self.lanes)) + self.op_overhead
+
+    def edge_bytes(self, graph, u, v):
+        """Bytes the edge ``u -> v`` carries (expected, for dynamic tensors)."""
+        if not graph.nx.has_edge(u, v):
+            raise ValueError(f"Graph {graph.name!r} has no edge {u!r} -> {v!r}")
+        return graph.type_of(u).expected_nbytes
+
+    def transfer_cycles(self, nbytes, hops):
+        """Cycles to move ``nbytes`` over ``hops`` hops (0 when ``hops`` is 0)."""
+        if hops == 0:
+            return 0
+        return int(math.ceil(nbytes / self.link_bytes)) + int(math.ceil(hops * self.hop_cycles))
+
+    def transfer_array(self, nbytes, hops):
+        """:meth:`transfer_cycles` over arrays (``hops`` may be fractional: rounded up)."""
+        nbytes = np.asarray(nbytes, dtype=np.int64)
+        hops = np.asarray(hops, dtype=float)
+        cycles = -(-nbytes // self.link_bytes) + np.ceil(hops * self.hop_cycles).astype(np.int64)
+        return np.where(hops > 0, cycles, 0)
+
+
+def hop_matrix(k, cost, coords=None):
+    """Hop distances between ``k`` units: ``mean_hops`` off the diagonal, or Manhattan
+    distances between tile coordinates ``coords[p] = (x, y)`` when given."""
+    if coords is None:
+        h = np.full((k, k), float(cost.mean_hops))
+        np.fill_diagonal(h, 0.0)
+        return h
+    c = np.asarray(coords, dtype=float).reshape(k, 2)
+    return np.abs(c[:, None, :] - c[None, :, :]).sum(axis=2)
+
+
+def upward_rank(wg, cost, k):
+    """HEFT's upward rank: the longest path to an exit, counting node weights and mean transfer
+    cycles (``mean_hops``, weighted by the chance ``(k - 1) / k`` that two ends differ)."""
+    mean_comm = cost.transfer_array(wg.edge_weight, cost.mean_hops) * ((k - 1) / k)
+    rank = wg.node_weight.astype(float).tolist()
+    w = wg.node_weight.tolist()
+    ip, sn, se = wg.succs
+    ip, sn, se = ip.tolist(), sn.tolist(), se.tolist()
+    mc = mean_comm.tolist()
+    for v in range(wg.n - 1, -1, -1):
+        a, b = ip[v], ip[v + 1]
+        if a != b:
+            rank[v] = w[v] + max(mc[se[j]] + rank[sn[j]] for j in range(a, b))
+    return np.array(rank)
+
+
+def priority_order(wg, cost, k):
+    """Nodes by decreasing upward rank, ties by index: a topological order."""
+    rank = upward_rank(wg, cost, k)
+    return np.lexsort((np.arange(wg.n), -rank))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Schedule:
+    """A list schedule of an assignment.
+
+    Members
+    -------
+    start, finish : numpy.ndarray
+        Start and finish cycle of every node.
+    makespan : int
+        Finish of the last node (or of the latest pre-existing load).
+    busy : numpy.ndarray
+        Cycles each unit computes (its pre-existing load included).
+    """
+
+    start: np.ndarray
+    finish: np.ndarray
+    makespan: int
+    busy: np.ndarray
+
+
+def list_schedule(wg, parts, k, cost, *, hops=None, loads=None, order=None):
+    """List-schedule the assignment ``parts`` of ``wg``'s nodes to ``k`` units.
+
+    Parameters
+    ----------
+    wg : WeightedGraph
+        The graph.
+    parts : array of int
+        Unit of each node.
+    k : int
+        Number of units.
+    cost : CostModel
+        Transfer costs.
+    hops : array (k, k), optional
+        Hop distances between units (default :func:`hop_matrix` without coordinates).
+    loads : array (k,), optional
+        Cycles each unit is busy before the graph starts.
+    order : array, optional
+        Priority order (a topological order; default :func:`priority_order`).
+    """
+    parts = np.asarray(parts, dtype=np.int64)
+    hops = hop_matrix(k, cost) if hops is None else np.asarray(hops, dtype=float)
+    loads = np.zeros(k) if loads is None else np.asarray(loads, dtype=float)
+    order = priority_order(wg, cost, k) if order is None else order
+    tc = cost.transfer_array(wg.edge_weight, hops[parts[wg.src], parts[wg.dst]]).tolist()
+    ip, pn, pe = (a.tolist() for a in wg.preds)
+    w = wg.node_weight.tolist()
+    pl = parts.tolist()
+    avail = loads.astype(np.int64).tolist()
+    start = [0] * wg.n
+    finish = [0] * wg.n
+    for v in order.tolist():
+        ready = 0
+        for j in range(ip[v], ip[v + 1]):
+            t = finish[pn[j]] + tc[pe[j]]
+            if t > ready:
+                ready = t
+        if w[v]:
+            p = pl[v]
+            s = ready if ready > avail[p] else avail[p]
+            avail[p] = s + w[v]
+        else:
+            s = ready
+        start[v] = s
+        finish[v] = s + w[v]
+    busy = np.bincount(parts, weights=wg.node_weight, minlength=k) + loads
+    makespan = max(max(finish, default=0), int(loads.max(initial=0)))
+    return Schedule(np.array(start), np.array(finish), int(makespan), busy)
+
+
+def lower_bound(wg, k, loads=None):
+    """Lower bound on the makespan on ``k`` units: the larger of the critical path and the total
+    work (with pre-existing loads) divided by ``k``."""
+    total = wg.total_weight + (0 if loads is None else float(np.sum(loads)))
+    return max(float(wg.critical_path()), total / k)

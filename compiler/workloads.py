@@ -1,0 +1,400 @@
+"""Workloads for the compiler: dataflow graphs with sample inputs and numpy references.
+
+Each builder returns a :class:`Workload`: a validated :class:`~rdakit.compiler.graph.DataflowGraph`,
+deterministic sample inputs (from ``seed``) and a *reference*, a plain numpy implementation
+written independently of the graph's op table, that computes the expected outputs. All
+arithmetic is integer: int8 activations and weights, int32 accumulation with wraparound, and
+requantization by an arithmetic right shift followed by saturation to int8, so that outputs can
+later be compared bit-exactly with the RTL.
+
+Builders (sizes are options):
+
+- :func:`mlp`: fully connected layers with bias and ReLU.
+- :func:`decoder_step`: one step of a transformer decoder layer with a KV cache holding
+  ``cache_len`` entries; the step appends one entry to each cache (``append``), so step ``t``
+  is built with ``cache_len=t`` and :func:`run_decoder` chains steps.
+- :func:`moe`: a mixture-of-experts layer with top-k gating; :func:`switch` (k = 1) and
+  :func:`mixtral` (8 experts, k = 2) are presets. Expert inputs (``dispatch``) have a number of
+  rows known only at run time.
+
+:func:`load_graph` loads a user's graph from a Python file.
+"""
+
+import dataclasses
+import pathlib
+import runpy
+from collections.abc import Callable
+
+import numpy as np
+
+from .graph import DataflowGraph, GraphError
+
+__all__ = [
+    "Workload", "WORKLOADS", "build", "mlp", "decoder_step", "run_decoder", "moe", "switch",
+    "mixtral", "load_graph",
+]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Workload:
+    """A dataflow graph with sample inputs and a reference implementation.
+
+    Members
+    -------
+    name : str
+        Name, with the sizes (for tables).
+    graph : DataflowGraph
+        The validated graph.
+    inputs : dict of str to numpy.ndarray
+        Sample inputs, deterministic from the builder's ``seed``.
+    reference : callable
+        ``reference(inputs) -> dict`` of expected outputs, by output name.
+    options : dict
+        The builder's options.
+    """
+
+    name: str
+    graph: DataflowGraph
+    inputs: dict
+    reference: Callable
+    options: dict
+
+    def expected(self):
+        """Outputs of the reference on the sample inputs."""
+        return self.reference(self.inputs)
+
+    def check(self, inputs=None):
+        """Whether the graph's evaluation equals the reference, bit for bit."""
+        inputs = self.inputs if inputs is None else inputs
+        got, want = self.graph.evaluate(inputs), self.reference(inputs)
+        return sorted(got) == sorted(want) and all(
+            got[k].dtype == want[k].dtype and np.array_equal(got[k], want[k]) for k in want)
+
+
+# --- integer helpers of the references (deliberately not the op table) ----------------------
+
+def _mm(a, b):
+    return (a.astype(np.int64) @ b.astype(np.int64)).astype(np.int32)
+
+
+def _rq(x, shift, lo=-128, hi=127):
+    """Requantize: arithmetic right shift, then saturate to int8."""
+    return np.clip(x.astype(np.int32) >> shift, lo, hi).astype(np.int8)
+
+
+def _shift_for(k):
+    """Right shift that keeps a K-term int8 dot product of the sample ranges roughly in int8."""
+    return 1 + (int(k).bit_length() + 1) // 2
+
+
+def _check_sizes(**sizes):
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise TypeError(f"{name} must be a positive integer, not {value!r}")
+
+
+def _weights(rng, shape):
+    return rng.integers(-8, 8, size=shape, dtype=np.int8)
+
+
+def _activations(rng, shape):
+    return rng.integers(-32, 32, size=shape, dtype=np.int8)
+
+
+def _requant(g, x, shift, prefix, *, lo=-128):
+    return g.add("clip", g.add("shr", x, name=f"{prefix}_shr", shift=shift), name=prefix,
+                 lo=lo, hi=127, dtype="int8")
+
+
+# --- MLP -------------------------------------------------------------------------------------
+
+def mlp(*, batch=4, sizes=(64, 128, 64), seed=0):
+    """Fully connected layers ``x -> relu(x @ W + b) >> s`` (no ReLU after the last).
+
+    Parameters
+    ----------
+    batch : int
+        Rows of the input.
+    sizes : sequence of int
+        Widths: input, hidden layers..., output (at least two).
+    seed : int
+        Seed of the weights and sample inputs.
+    """
+    _check_sizes(batch=batch)
+    sizes = tuple(sizes)
+    if len(sizes) < 2:
+        raise TypeError(f"sizes must have at least two widths, not {sizes!r}")
+    _check_sizes(**{f"sizes[{i}]": s for i, s in enumerate(sizes)})
+    rng = np.random.default_rng(seed)
+    layers = []
+    for i, (m, n) in enumerate(zip(sizes, sizes[1:], strict=False)):
+        layers.append((_weights(rng, (m, n)), rng.integers(-256, 256, size=(n,), dtype=np.int32),
+                       _shift_for(m), i < len(sizes) - 2))
+    g = DataflowGraph(f"mlp_b{batch}_" + "x".join(map(str, sizes)))
+    x = g.input("x", (batch, sizes[0]), "int8")
+    for i, (w, b, shift, relu) in enumerate(layers):
+        h = g.add("matmul", x, g.const(f"w{i}", w), name=f"fc{i}")
+        h = g.add("add", h, g.const(f"b{i}", b), name=f"bias{i}")
+        if relu:
+            h = g.add("relu", h, name=f"relu{i}")
+        x = _requant(g, h, shift, f"act{i}")
+    g.output("y", x)
+
+    def reference(inputs):
+        a = inputs["x"]
+        for w, b, shift, relu in layers:
+            h = (_mm(a, w).astype(np.int64) + b).astype(np.int32)
+            if relu:
+                h = np.maximum(h, 0)
+            a = _rq(h, shift)
+        return {"y": a}
+
+    return Workload(g.name, g.validate(), {"x": _activations(rng, (batch, sizes[0]))},
+                    reference, {"batch": batch, "sizes": sizes, "seed": seed})
+
+
+# --- transformer decoder step with a KV cache -----------------------------------------------
+
+def decoder_step(*, d_model=64, heads=4, d_ff=128, cache_len=8, seed=0):
+    """One decoding step of a transformer layer whose KV cache grows by one entry.
+
+    Integer attention: scores ``q . K^T``, then ReLU attention (``relu(scores) >> s``
+    saturated to [0, 127], an integer stand-in for softmax), then ``p @ V``; a residual
+    connection, and a ReLU feed-forward block with a second residual.
+
+    Inputs ``x`` (1, d_model), ``k_cache`` and ``v_cache`` (cache_len, d_model), all int8;
+    outputs ``y`` (1, d_model) and the caches with one more row, ``k_cache_out`` and
+    ``v_cache_out`` (the ``append`` ops), which are the caches of the next step.
+
+    Parameters
+    ----------
+    d_model, heads, d_ff : int
+        Model width, attention heads (dividing ``d_model``) and feed-forward width.
+    cache_len : int
+        Entries already in the cache (0 for the first step).
+    seed : int
+        Seed of the weights (the same for every step) and sample inputs.
+    """
+    _check_sizes(d_model=d_model, heads=heads, d_ff=d_ff)
+    if not isinstance(cache_len, int) or cache_len < 0:
+        raise TypeError(f"cache_len must be a non-negative integer, not {cache_len!r}")
+    if d_model % heads:
+        raise ValueError(f"heads must divide d_model ({d_model}), not {heads!r}")
+    dh = d_model // heads
+    rng = np.random.default_rng(seed)
+    w = {n: _weights(rng, (d_model, d_model)) for n in ("wq", "wk", "wv", "wo")}
+    w["w1"], w["w2"] = _weights(rng, (d_model, d_ff)), _weights(rng, (d_ff, d_model))
+    s_in, s_att, s_ctx, s_ff = (_shift_for(d_model), _shift_for(dh) + 2,
+                                _shift_for(cache_len + 1) + 4, _shift_for(d_ff))
+    g = DataflowGraph(f"decoder_d{d_model}_h{heads}_f{d_ff}_t{cache_len}")
+    x = g.input("x", (1, d_model), "int8")
+    kc = g.input("k_cache", (cache_len, d_model), "int8")
+    vc = g.input("v_cache", (cache_len, d_model), "int8")
+    proj = {}
+    for n in ("q", "k", "v"):
+        m = g.add("matmul", x, g.const(f"w{n}", w[f"w{n}"]), name=f"{n}_proj")
+        proj[n] = _requant(g, m, s_in, n)
+    k_all = g.add("append", kc, proj["k"], name="k_append")
+    v_all = g.add("append", vc, proj["v"], name="v_append")
+    g.output("k_cache_out", k_all)
+    g.output("v_cache_out", v_all)
+    ctx = []
+    for h in range(heads):
+        cols = {"axis": 1, "start": h * dh, "stop": (h + 1) * dh}
+        qh = g.add("slice", proj["q"], name=f"h{h}_q", **cols)
+        kh = g.add("slice", k_all, name=f"h{h}_k", **cols)
+        vh = g.add("slice", v_all, name=f"h{h}_v", **cols)
+        s = g.add("matmul", qh, g.add("transpose", kh, name=f"h{h}_kt"), name=f"h{h}_scores")
+        s = g.add("relu", s, name=f"h{h}_relu")
+        p = _requant(g, s, s_att, f"h{h}_p", lo=0)
+        ctx.append(_requant(g, g.add("matmul", p, vh, name=f"h{h}_pv"), s_ctx, f"h{h}_ctx"))
+    c = g.add("concat", *ctx, name="ctx", axis=1)
+    o = _requant(g, g.add("matmul", c, g.const("wo", w["wo"]), name="o_proj"), s_in, "o")
+    h1 = g.add("clip", g.add("add", x, o, name="res1_add"), name="res1", dtype="int8")
+    f = g.add("relu", g.add("matmul", h1, g.const("w1", w["w1"]), name="ff1"), name="ff1_relu")
+    f = _requant(g, f, s_in, "ff1_act")
+    f2 = _requant(g, g.add("matmul", f, g.const("w2", w["w2"]), name="ff2"), s_ff, "ff2_act")
+    y = g.add("clip", g.add("add", h1, f2, name="res2_add"), name="res2", dtype="int8")
+    g.output("y", y)
+
+    def reference(inputs):
+        xv = inputs["x"]
+        q, k, v = (_rq(_mm(xv, w[f"w{n}"]), s_in) for n in ("q", "k", "v"))
+        k_all = np.concatenate([inputs["k_cache"], k])
+        v_all = np.concatenate([inputs["v_cache"], v])
+        heads_out = []
+        for h in range(heads):
+            sl = slice(h * dh, (h + 1) * dh)
+            scores = np.maximum(_mm(q[:, sl], k_all[:, sl].T), 0)
+            p = _rq(scores, s_att, lo=0)
+            heads_out.append(_rq(_mm(p, v_all[:, sl]), s_ctx))
+        o = _rq(_mm(np.concatenate(heads_out, axis=1), w["wo"]), s_in)
+        h1 = np.clip(xv.astype(np.int32) + o, -128, 127).astype(np.int8)
+        f = _rq(np.maximum(_mm(h1, w["w1"]), 0), s_in)
+        f2 = _rq(_mm(f, w["w2"]), s_ff)
+        y = np.clip(h1.astype(np.int32) + f2, -128, 127).astype(np.int8)
+        return {"y": y, "k_cache_out": k_all, "v_cache_out": v_all}
+
+    inputs = {"x": _activations(rng, (1, d_model)),
+              "k_cache": _activations(rng, (cache_len, d_model)),
+              "v_cache": _activations(rng, (cache_len, d_model))}
+    return Workload(g.name, g.validate(), inputs, reference,
+                    {"d_model": d_model, "heads": heads, "d_ff": d_ff,
+                     "cache_len": cache_len, "seed": seed})
+
+
+def run_decoder(steps, *, d_model=64, heads=4, d_ff=128, seed=0, use_reference=False):
+    """Decode ``steps`` tokens from an empty cache, one step graph per cache length.
+
+    Each step ``t`` builds :func:`decoder_step` with ``cache_len=t`` and feeds it the caches the
+    previous step produced (so the KV cache grows by one entry per step) and a token derived
+    from ``seed`` and ``t``.
+
+    Returns
+    -------
+    list of dict
+        The outputs of every step (``y``, ``k_cache_out``, ``v_cache_out``).
+    """
+    _check_sizes(steps=steps)
+    kc = np.zeros((0, d_model), dtype=np.int8)
+    vc = kc
+    rng = np.random.default_rng([seed, 1])
+    results = []
+    for t in range(steps):
+        wl = decoder_step(d_model=d_model, heads=heads, d_ff=d_ff, cache_len=t, seed=seed)
+        inputs = {"x": _activations(rng, (1, d_model)), "k_cache": kc, "v_cache": vc}
+        out = wl.reference(inputs) if use_reference else wl.graph.evaluate(inputs)
+        kc, vc = out["k_cache_out"], out["v_cache_out"]
+        results.append(out)
+    return results
+
+
+# --- mixture of experts ------------------------------------------------------------------------
+
+def moe(*, tokens=16, d_model=32, d_ff=64, experts=8, k=2, seed=0, name="moe"):
+    """A mixture-of-experts layer with top-k gating.
+
+    ``logits = x @ Wg``; each token goes to the ``k`` experts with the largest logits (ties to
+    the lower expert index), with gate ``clip(logit >> s, 0, 127)``. Expert ``e`` gets the rows
+    of the tokens routed to it (``dispatch``: a run-time number of rows) and computes
+    ``relu(x_e @ W1_e) >> s1 -> int8 -> @ W2_e >> s2 -> int8``; ``combine`` adds
+    ``(gate * y_e) >> 5`` into each token's int32 output row.
+
+    Parameters
+    ----------
+    tokens, d_model, d_ff : int
+        Tokens in the batch, model width, expert hidden width.
+    experts, k : int
+        Number of experts and experts per token (``1 <= k <= experts``).
+    seed : int
+        Seed of the weights and sample inputs.
+    name : str
+        Prefix of the graph name.
+    """
+    _check_sizes(tokens=tokens, d_model=d_model, d_ff=d_ff, experts=experts, k=k)
+    if k > experts:
+        raise ValueError(f"k must be at most experts ({experts}), not {k!r}")
+    rng = np.random.default_rng(seed)
+    wg = _weights(rng, (d_model, experts))
+    w1 = [_weights(rng, (d_model, d_ff)) for _ in range(experts)]
+    w2 = [_weights(rng, (d_ff, d_model)) for _ in range(experts)]
+    s_gate, s1, s2, s_out = _shift_for(d_model), _shift_for(d_model), _shift_for(d_ff), 5
+    g = DataflowGraph(f"{name}_t{tokens}_d{d_model}_f{d_ff}_e{experts}_k{k}")
+    x = g.input("x", (tokens, d_model), "int8")
+    logits = g.add("matmul", x, g.const("wg", wg), name="gate_logits")
+    idx = g.add("topk", logits, name="gate_topk", k=k)
+    gate = g.add("clip", g.add("shr", g.add("take", logits, idx, name="gate_take"),
+                               name="gate_shr", shift=s_gate),
+                 name="gate", lo=0, hi=127, dtype="int8")
+    ys = []
+    for e in range(experts):
+        xe = g.add("dispatch", x, idx, name=f"e{e}_in", expert=e, experts=experts)
+        h = g.add("relu", g.add("matmul", xe, g.const(f"e{e}_w1", w1[e]), name=f"e{e}_fc1"),
+                  name=f"e{e}_relu")
+        h = _requant(g, h, s1, f"e{e}_act")
+        ys.append(_requant(g, g.add("matmul", h, g.const(f"e{e}_w2", w2[e]), name=f"e{e}_fc2"),
+                           s2, f"e{e}_out"))
+    out = g.add("combine", idx, gate, *ys, name="combine", shift=s_out)
+    g.output("y", out)
+
+    def reference(inputs):
+        # A direct loop over tokens: route, run each chosen expert on the token, accumulate.
+        xv = inputs["x"]
+        y = np.zeros((tokens, d_model), dtype=np.int32)
+        for t in range(tokens):
+            row = _mm(xv[t:t + 1], wg)[0]
+            chosen = sorted(range(experts), key=lambda e: (-int(row[e]), e))[:k]
+            for e in chosen:
+                gt = np.int64(min(max(int(row[e]) >> s_gate, 0), 127))
+                h = _rq(np.maximum(_mm(xv[t:t + 1], w1[e]), 0), s1)
+                ye = _rq(_mm(h, w2[e]), s2)[0]
+                term = (gt * ye.astype(np.int64)).astype(np.int32) >> s_out
+                y[t] = (y[t].astype(np.int64) + term).astype(np.int32)
+        return {"y": y}
+
+    return Workload(g.name, g.validate(), {"x": _activations(rng, (tokens, d_model))},
+                    reference, {"tokens": tokens, "d_model": d_model, "d_ff": d_ff,
+                                "experts": experts, "k": k, "seed": seed})
+
+
+def switch(*, tokens=16, d_model=32, d_ff=64, experts=8, seed=0):
+    """Switch-Transformer-like MoE: top-1 routing."""
+    return moe(tokens=tokens, d_model=d_model, d_ff=d_ff, experts=experts, k=1, seed=seed,
+               name="switch")
+
+
+def mixtral(*, tokens=16, d_model=32, d_ff=64, seed=0):
+    """Mixtral-like MoE: 8 experts, top-2 routing."""
+    return moe(tokens=tokens, d_model=d_model, d_ff=d_ff, experts=8, k=2, seed=seed,
+               name="mixtral")
+
+
+#: Workload builders by name.
+WORKLOADS = {"mlp": mlp, "decoder": decoder_step, "moe": moe, "switch": switch,
+             "mixtral": mixtral}
+
+
+def build(name, **options):
+    """Build the workload called ``name`` with ``options``.
+
+    Raises
+    ------
+    ValueError
+        If there is no workload of that name.
+    """
+    if name not in WORKLOADS:
+        raise ValueError(f"Workload must be one of {', '.join(sorted(WORKLOADS))}, "
+                         f"not {name!r}")
+    return WORKLOADS[name](**options)
+
+
+def load_graph(path):
+    """Load a user's dataflow graph from a Python file.
+
+    The file is run as a script; it must define ``build()`` returning a
+    :class:`~rdakit.compiler.graph.DataflowGraph` (or a :class:`Workload`), or a module-level
+    ``graph``. The graph is validated before it is returned.
+
+    Raises
+    ------
+    FileNotFoundError
+        If the file does not exist.
+    GraphError
+        If the file defines neither, or defines something else, or the graph is invalid.
+    """
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"Graph file {str(path)!r} does not exist")
+    namespace = runpy.run_path(str(path), run_name="rdakit_user_graph")
+    if callable(namespace.get("build")):
+        graph = namespace["build"]()
+    elif "graph" in namespace:
+        graph = namespace["graph"]
+    else:
+        raise GraphError(f"Graph file {str(path)!r} must define build() or graph")
+    if isinstance(graph, Workload):
+        graph = graph.graph
+    if not isinstance(graph, DataflowGraph):
+        raise GraphError(f"Graph file {str(path)!r} must provide a DataflowGraph, not "
+                         f"{type(graph).__name__}")
+    return graph.validate()
