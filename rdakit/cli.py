@@ -18,6 +18,7 @@ PLUGINS = [
     "rdakit.docgen",
     "rdakit.hdl.cli",
     "rdakit.sim.cli",
+    "rdakit.sim.noc_cli",
     "rdakit.fabric_cli",
     "rdakit.compiler.cli",
 ]
