@@ -307,6 +307,10 @@ class CUParams:
         if self.local_words > 65536:
             raise TypeError(f"local_words must be a power of two from 1 to 65536, "
                             f"not {self.local_words!r}")
+        if self.local_words * self.lanes > 0x8000:
+            raise ValueError(f"local_words must be at most {0x8000 // self.lanes} with "
+                             f"{self.lanes} lanes (the configuration space holds 32768 local "
+                             f"elements), not {self.local_words!r}")
         _check_int("outstanding", self.outstanding, maximum=256)
         _check_int("channels", self.channels, maximum=16)
         _check_int("mailbox", self.mailbox, maximum=16)
