@@ -27,14 +27,14 @@ def _inspect(args):
 def _verilog_fabric(args):
     from rdakit.cli import UserError
     from rdakit.hdl.fabric import Fabric
-    from rdakit.sim.runner import generate_verilog
+    from rdakit.sim.runner import generate_verilog, lint_waiver_header
 
     params = fabric_from_args(args)
     try:
         fabric = Fabric(params)
     except (TypeError, ValueError) as e:
         raise UserError(str(e)) from None
-    text = generate_verilog(fabric, name=args.name)
+    text = lint_waiver_header() + generate_verilog(fabric, name=args.name)
     path = pathlib.Path(args.output)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)

@@ -60,6 +60,8 @@ def register(commands, verilog, bench):
                     "rdakit uses, their versions, and what to install when one is missing. "
                     "Exits 1 if a required one is missing.")
     p.set_defaults(func=_doctor)
+    from .fabric_bench import register_bench as register_fabric
     from .mu_bench import register_bench
 
     register_bench(bench)
+    register_fabric(bench)

