@@ -1,0 +1,175 @@
+"""The compiler pipeline: workload -> partition -> placement -> lowering -> job and bitstream.
+
+:func:`compile_workload` is what ``rdakit compile`` (and later ``rdakit run``) calls::
+
+    workload (a built-in name with size options, a Python file, a Workload or a graph)
+        -> partition onto the fabric's CUs (any strategy of compiler.partition.STRATEGIES)
+        -> place (partitions on CU tiles, buffers on MU tiles)
+        -> lower (CU programs, host buffers, reference and weight passing)
+        -> CompiledJob + CompileSummary
+
+:func:`bitstream_for` writes the bitstream of a job with the references its host buffers get
+on a freshly reset fabric (:func:`~rdakit.compiler.lower.replay_refs`).
+"""
+
+import dataclasses
+import pathlib
+
+from rdakit.compiler.bitstream import write_bitstream
+
+from .cost import CostModel
+from .graph import DataflowGraph
+from .lower import lower, replay_refs, sample_inputs
+from .partition import Targets, measure, partition
+from .placement import Fabric, place
+from .workloads import WORKLOADS, Workload, build, load_graph
+
+__all__ = ["CompileSummary", "compile_workload", "placement_fabric", "bitstream_for",
+           "load_workload"]
+
+
+@dataclasses.dataclass
+class CompileSummary:
+    """What ``rdakit compile`` prints.
+
+    Members
+    -------
+    graph : str
+        Graph name.
+    nodes : int
+        Nodes of the graph.
+    partitioner : str
+        Strategy name.
+    parts : int
+        Partitions holding computation (= CUs with a program).
+    cut : int
+        Bytes on edges between partitions.
+    imbalance : float
+        Heaviest partition over the average, minus 1.
+    estimated_cycles : int
+        The cost model's makespan with the placement's hop distances.
+    lower_bound : float
+        The cost model's lower bound on the makespan.
+    instructions : dict
+        ``(x, y)`` of each CU -> program length.
+    mu_buffers : dict
+        ``(x, y)`` of each MU -> ``(host buffers, bound words, bound slots)``.
+    """
+
+    graph: str
+    nodes: int
+    partitioner: str
+    parts: int
+    cut: int
+    imbalance: float
+    estimated_cycles: int
+    lower_bound: float
+    instructions: dict
+    mu_buffers: dict
+
+    def lines(self):
+        """The summary as text lines."""
+        out = [f"graph {self.graph}: {self.nodes} nodes, partitioner {self.partitioner}",
+               f"parts {self.parts}, cut {self.cut} bytes, imbalance {self.imbalance:.3f}, "
+               f"estimated cycles {self.estimated_cycles} (lower bound "
+               f"{self.lower_bound:.0f})"]
+        for cu, n in sorted(self.instructions.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            out.append(f"  CU {cu}: {n} instructions")
+        for mu, (host, words, slots) in sorted(self.mu_buffers.items(),
+                                               key=lambda kv: (kv[0][1], kv[0][0])):
+            names = ", ".join(host) if host else "-"
+            out.append(f"  MU {mu}: host buffers {names}; at most {words} words in {slots} "
+                       f"buffers")
+        return out
+
+
+def placement_fabric(params, cu_program=None):
+    """The :class:`~rdakit.compiler.placement.Fabric` of a :class:`FabricParams`: its grid,
+    MU words of ``4 * lanes`` bytes (placement's sizes are estimates; the lowering checks the
+    exact ones)."""
+    return Fabric(params.rows, params.cols, tuple("".join(r) for r in params.grid),
+                  mu_words=params.mu.words, word_bytes=4 * params.cu.lanes,
+                  cu_program=cu_program or params.cu.prog_len)
+
+
+def load_workload(workload, sizes=None):
+    """A :class:`Workload` from a built-in name (with ``sizes`` options), a Python file, a
+    Workload or a DataflowGraph (sample inputs from
+    :func:`~rdakit.compiler.lower.sample_inputs`)."""
+    sizes = dict(sizes or {})
+    if isinstance(workload, Workload):
+        return workload
+    if isinstance(workload, DataflowGraph):
+        graph = workload.validate()
+    elif isinstance(workload, str | pathlib.Path) and str(workload) in WORKLOADS:
+        return build(str(workload), **sizes)
+    elif isinstance(workload, str | pathlib.Path) and (
+            str(workload).endswith(".py") or pathlib.Path(workload).exists()):
+        if sizes:
+            raise ValueError("size options apply to built-in workloads, not to graph files")
+        graph = load_graph(workload)
+    else:
+        raise ValueError(f"Workload must be one of {', '.join(sorted(WORKLOADS))} or a Python "
+                         f"file, not {str(workload)!r}")
+    inputs = sample_inputs(graph)
+    return Workload(graph.name, graph, inputs, lambda i: graph.evaluate(i), {})
+
+
+def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", seed=0,
+                     place_steps=20000, inputs=None, cost=None):
+    """Compile a workload for a fabric.
+
+    Parameters
+    ----------
+    workload : str, path, Workload or DataflowGraph
+        See :func:`load_workload`.
+    sizes : dict, optional
+        Options of a built-in workload builder (``batch``, ``d_model``, ``tokens``, ...).
+    params : FabricParams
+        The fabric.
+    partitioner : str
+        A name of :data:`~rdakit.compiler.partition.STRATEGIES`.
+    seed : int
+        Seed of the placement's annealing.
+    place_steps : int
+        Annealing steps of the placement.
+    inputs : dict, optional
+        Input values (default: the workload's sample inputs).
+    cost : CostModel, optional
+        Default: ``CostModel(lanes=params.cu.lanes)``.
+
+    Returns
+    -------
+    (CompiledJob, CompileSummary)
+
+    Raises
+    ------
+    LoweringError, PlacementError, PartitionError
+        If the workload does not fit; the message names what does not.
+    """
+    wl = load_workload(workload, sizes)
+    graph = wl.graph
+    cost = cost or CostModel(lanes=params.cu.lanes)
+    cus = params.tiles("C")
+    result = partition(graph, Targets(len(cus)), partitioner, cost=cost)
+    fabric = placement_fabric(params, cu_program=max(len(graph), params.cu.prog_len))
+    placement = place(graph, result, fabric, seed=seed, steps=place_steps)
+    job = lower(graph, result, placement, params, inputs=wl.inputs if inputs is None
+                else inputs)
+    placed = measure(result.graph, result.targets, result.parts, cost,
+                     strategy=result.strategy, hops=placement.hops(len(cus)))
+    summary = CompileSummary(
+        graph=graph.name, nodes=len(graph), partitioner=result.strategy,
+        parts=len(job.programs), cut=int(result.cut), imbalance=float(result.imbalance),
+        estimated_cycles=int(placed.makespan), lower_bound=float(result.lower_bound),
+        instructions={cu: p.instructions for cu, p in job.programs.items()},
+        mu_buffers={mu: (u["host_buffers"], u["bound_words"], u["bound_slots"])
+                    for mu, u in job.mu_usage.items()})
+    job.workload = wl
+    return job, summary
+
+
+def bitstream_for(job):
+    """The bitstream of ``job`` with the references a freshly reset fabric gives its host
+    buffers (allocated in ``job.buffers`` order)."""
+    return write_bitstream(job.bind(replay_refs(job)))

@@ -1,0 +1,132 @@
+"""``rdakit compile`` and ``rdakit bench calibrate``: the summary, the bitstream, graph files and
+errors that name what does not fit."""
+
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from rdakit.cli import main
+from rdakit.compiler.bitstream import read_bitstream
+from rdakit.compiler.calibrate import CalibratedCostModel, fit
+from rdakit.compiler.cli import parse_sizes
+from rdakit.compiler.compile import bitstream_for, compile_workload
+from rdakit.compiler.cost import CostModel
+from rdakit.compiler.partition import partition
+from rdakit.compiler.workloads import mlp
+from rdakit.fabric_args import fabric_params
+from rdakit.sim.interp import Interpreter
+
+MLP = ["--size", "batch=2", "--size", "sizes=8,16,8"]
+
+
+def test_compile_prints_the_summary_and_writes_the_bitstream(tmp_path, capsys):
+    out, lst = tmp_path / "mlp.bit", tmp_path / "mlp.lst"
+    assert main(["compile", "mlp", *MLP, "--fabric", "2x2", "--prog-len", "512",
+                 "--partitioner", "static", "-o", str(out), "--listing", str(lst)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("graph mlp_b2_8x16x8: 15 nodes, partitioner static\n")
+    assert re.search(r"^parts \d, cut \d+ bytes, imbalance \d\.\d{3}, estimated cycles \d+ "
+                     r"\(lower bound \d+\)$", text, re.M)
+    assert re.search(r"^  CU \(0, 0\): \d+ instructions$", text, re.M)
+    assert re.search(r"^  MU \(1, 0\): host buffers .*; at most \d+ words in \d+ buffers$",
+                     text, re.M)
+    assert f"wrote {out} (" in text and f"wrote {lst}" in text
+    params = fabric_params(2, 2, prog_len=512)
+    job, summary = compile_workload("mlp", sizes=dict(batch=2, sizes=(8, 16, 8)),
+                                    params=params, partitioner="static")
+    data = out.read_bytes()
+    assert data == bitstream_for(job)
+    # The bitstream runs as it is on a fresh fabric (the host allocates in job order).
+    interp = Interpreter(params, read_bitstream(data, params))
+    refs = {}
+    for b in job.buffers:
+        refs[b.name] = interp.load_buffer(
+            b.mu, b.data if b.data is not None else np.zeros((0, 4), np.int32), b.weight)
+    assert interp.run(max_steps=1_000_000).ok
+    y = interp.read_buffer(next(b.mu for b in job.buffers if b.name == "y"), refs["y"])
+    np.testing.assert_array_equal(job.decode({"y": y})["y"],
+                                  job.workload.reference(job.workload.inputs)["y"])
+    assert "tile (0, 0) CU enabled" in lst.read_text()
+    assert summary.parts == len(job.programs) and summary.estimated_cycles > 0
+
+
+def test_compile_a_graph_file(tmp_path, capsys):
+    path = tmp_path / "tiny.py"
+    path.write_text("import numpy as np\n"
+                    "from rdakit.compiler.graph import DataflowGraph\n"
+                    "def build():\n"
+                    "    g = DataflowGraph('tiny')\n"
+                    "    x = g.input('x', (3, 5), 'int8')\n"
+                    "    w = g.const('w', np.ones((5, 2), np.int8))\n"
+                    "    g.output('y', g.add('relu', g.add('matmul', x, w, name='m'), name='r'))\n"
+                    "    return g\n")
+    assert main(["compile", str(path), "--prog-len", "256", "-o", str(tmp_path / "t.bit")]) == 0
+    assert capsys.readouterr().out.startswith("graph tiny: 5 nodes, partitioner multilevel\n")
+    assert main(["compile", str(path), "--size", "batch=2"]) == 2
+    assert capsys.readouterr().err == ("rdakit: error: size options apply to built-in "
+                                       "workloads, not to graph files\n")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["nope"], "Workload must be one of decoder, mixtral, mlp, moe, switch or a Python file, "
+               "not 'nope'"),
+    (["mlp", "--size", "batch"], "--size must be KEY=VALUE, not 'batch'"),
+    (["mlp", "--size", "batch=x"], "--size batch must be an integer or integers separated "
+                                   "by commas, not 'x'"),
+    (["mlp", "--size", "batch=0"], "batch must be a positive integer, not 0"),
+    (["mlp", *MLP, "--prog-len", "32"],
+     "The program of CU (1, 1) (2 ops: 'fc0', 'bias0') is 50 instructions long but prog_len is "
+     "32 (a larger --prog-len, fabric or another partitioner may fit)"),
+    (["mlp"], "Constant 'w1' (transposed) needs 2048 words but an MU buffer holds at most 1024 "
+              "(max_buffer_words)"),
+    (["mlp", *MLP, "--fabric", "2"], "--fabric must be ROWSxCOLS like 4x4, not '2'"),
+])
+def test_compile_errors(args, message, capsys):
+    assert main(["compile", *args, "--place-steps", "200"]) == 2
+    assert capsys.readouterr().err == f"rdakit: error: {message}\n"
+
+
+def test_parse_sizes():
+    assert parse_sizes(["batch=4", "sizes=8,16,8", "k=1"]) == {"batch": 4, "sizes": (8, 16, 8),
+                                                               "k": 1}
+
+
+def test_compile_from_the_command_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "rdakit", "compile", "--help"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "usage: rdakit compile" in r.stdout
+    assert "--partitioner" in r.stdout and "--size KEY=VALUE" in r.stdout
+
+
+def test_bench_calibrate_quick(tmp_path, capsys):
+    out = tmp_path / "cal.json"
+    assert main(["bench", "calibrate", "--quick", "--no-rtl", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["bench"] == "calibrate"
+    figures = data["figures"]
+    for key in ("op_groups", "mean_abs_rel_error", "mean_rel_error",
+                "mean_abs_rel_error_expected_sizes", "fitted_work_factor",
+                "fitted_op_overhead", "fitted_mean_abs_rel_error",
+                "fitted_per_category_mean_abs_rel_error", "calibrated_coefficients"):
+        assert key in figures
+    assert figures["op_groups"] > 10
+    assert figures["fitted_per_category_mean_abs_rel_error"] <= figures["mean_abs_rel_error"]
+    rows = data["tables"]["cost model per op group: estimate (cycles) vs interpreter steps"]
+    assert all(r["measured"] > 0 for r in rows)
+    # The calibrated model plugs into the partitioners.
+    coefficients = tuple((c, a, b) for c, (a, b) in figures["calibrated_coefficients"].items())
+    cost = CalibratedCostModel(lanes=4, coefficients=coefficients)
+    wl = mlp(batch=2, sizes=(8, 16, 8))
+    assert cost.op_cycles(wl.graph, "fc0") != CostModel(lanes=4).op_cycles(wl.graph, "fc0")
+    assert partition(wl.graph, 2, "greedy", cost=cost).makespan > 0
+
+
+def test_fit_recovers_a_linear_model():
+    rows = [{"lanes_work": w, "nodes": n, "measured": 3 * w + 7 * n}
+            for w, n in ((10, 1), (40, 2), (5, 1), (100, 3))]
+    a, b, err = fit(rows)
+    assert abs(a - 3) < 1e-9 and abs(b - 7) < 1e-9 and err < 1e-12
