@@ -2010,7 +2010,8 @@ class _Lowerer:
         for key, (_, names) in self.pools.items():
             data = np.concatenate([self.tensors[c].layout.encode(self.tensors[c].value)
                                    for c in names])
-            buffers.append(HostBuffer(key, self.mu_of[key], data, max(1, self.weight[key])))
+            buffers.append(HostBuffer(key, self.mu_of[key], data, max(1, self.weight[key]),
+                                      cu_returns=self.weight[key]))
         input_layouts = {}
         for name in graph.inputs:
             t = self.tensors.get(name)
@@ -2019,7 +2020,8 @@ class _Lowerer:
             input_layouts[name] = (t.buffer, t.layout)
             buffers.append(HostBuffer(t.buffer, self.mu_of[t.buffer],
                                       t.layout.encode(inputs[name]),
-                                      max(1, self.weight[t.buffer])))
+                                      max(1, self.weight[t.buffer]),
+                                      cu_returns=self.weight[t.buffer]))
         output_layouts = {}
         for name, buf in self.plan.output_map.items():
             lay = _layout(graph.type_of(name), lanes, name)

@@ -92,6 +92,14 @@ class HostDriver:
         bits = self.params.mu.mu_id_bits
         return {"mu": ref & ((1 << bits) - 1), "buf": ref >> bits}
 
+    async def release(self, ref, weight=1):
+        """Give back ``weight`` of buffer ``ref`` (RETURN, or DECREF in counter mode)."""
+        if self.params.mu.refcount.value == "counter":
+            for _ in range(weight):
+                await self._ok({"op": MUOp.DECREF, "ref": self.ref_dict(ref)})
+        else:
+            await self._ok({"op": MUOp.RETURN, "ref": self.ref_dict(ref), "data": weight})
+
     async def append_vectors(self, ref, array):
         """Append the rows of ``array`` (n × lanes int32) to buffer ``ref``."""
         for row in np.asarray(array).reshape(-1, self.lanes):

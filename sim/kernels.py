@@ -32,13 +32,15 @@ class Ref:
 
 @dataclasses.dataclass
 class HostBuffer:
-    """A buffer the host allocates (in this order) in MU ``mu`` and fills with ``data``
-    (n × lanes int32, or ``None`` for an empty buffer)."""
+    """A buffer the host allocates (in this order) in MU ``mu`` with total weight ``weight``
+    and fills with ``data`` (n × lanes int32, or ``None`` for an empty buffer)."""
 
     name: str
     mu: tuple
     data: np.ndarray | None = None
     weight: int = 1
+    #: Weight the CUs return; the host returns the rest after reading the outputs.
+    cu_returns: int = 0
 
 
 @dataclasses.dataclass
@@ -100,9 +102,16 @@ async def run_job(host, job, *, max_cycles=2_000_000, counters=True):
     await host.start()
     st = await host.wait_done(max_cycles=max_cycles)
     cycles = await host.run_cycles()
+    if st["error"]:
+        errors = {xy: (c["error_code"], c["pc"]) for xy, c in (await host.counters()).items()
+                  if c.get("error")}
+        raise RuntimeError(f"{job.description}: CUs halted on errors (code, pc): {errors}")
     outputs = {name: await host.read_vectors(refs[name]) for name in job.outputs}
-    return JobResult(outputs, cycles, load_cycles, st,
-                     await host.counters() if counters else {})
+    result = JobResult(outputs, cycles, load_cycles, st, await host.counters() if counters else {})
+    for b in job.buffers:         # the host's own weight: the job leaves no buffer behind
+        if b.weight > b.cu_returns:
+            await host.release(refs[b.name], b.weight - b.cu_returns)
+    return result
 
 
 def run_job_interp(job, *, schedule="round_robin", seed=0):
