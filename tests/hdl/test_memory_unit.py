@@ -33,7 +33,7 @@ MODES = [(a, r) for a in AllocMode for r in RefcountMode]
     ("buf_id_bits", 3, r"^buf_id_bits must exceed log2\(max_buffers\) = 3 to leave room for "
                        r"generation bits, not 3$"),
     ("index_bits", 9, r"^index_bits must be at least log2\(max_buffer_words\) = 10, not 9$"),
-    ("data_bits", 4, r"^data_bits must be an integer between 8 and 64, not 4$"),
+    ("data_bits", 4, r"^data_bits must be an integer between 8 and 1024, not 4$"),
     ("tag_bits", -1, r"^tag_bits must be an integer between 0 and 32, not -1$"),
     ("coord_bits", 0, r"^coord_bits must be an integer between 1 and 8, not 0$"),
     ("alloc_mode", "paged", r"^alloc_mode must be one of 'virtual', 'reserve', 'single', "
