@@ -53,8 +53,7 @@ def bench_fabric(args):
         run_cocotb(Fabric(params), simulator=simulator, test_module="fabric_bench_tb",
                    test_dir=pathlib.Path(__file__).parent,
                    build_name=f"bench-fabric-{params.rows}x{params.cols}",
-                   config={"fabric": _fabric_dict(args), "jobs": jobs, "out": str(out)},
-                   optimize=not args.quick)
+                   config={"fabric": _fabric_dict(args), "jobs": jobs, "out": str(out)})
         rows = json.loads(out.read_text())
     table = []
     for r in rows:
@@ -90,6 +89,6 @@ def register_bench(bench):
     add_fabric_arguments(p, default="4x4")
     p.set_defaults(mu_words=2048)
     p.add_argument("--sim", choices=["verilator", "icarus"], default="verilator")
-    p.add_argument("--quick", action="store_true", help="matrix-vector only, unoptimized build")
+    p.add_argument("--quick", action="store_true", help="the matrix-vector product only")
     p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
     p.set_defaults(func=bench_fabric)
