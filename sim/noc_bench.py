@@ -1,9 +1,11 @@
 """NoC benchmark: latency–throughput sweeps of the real RTL, and router area.
 
-The mesh is driven by the synthesizable :class:`rdakit.hdl.noc_harness.TrafficHarness` in a
-Verilator (or Icarus) simulation through :func:`rdakit.sim.runner.run_cocotb`; the cocotb test
-:func:`noc_sweep` in this module sets the harness inputs and reads its counters, so Python runs
-only between phases, not every cycle. Methodology (the usual one of BookSim and the NoC
+The mesh is driven by the synthesizable :class:`rdakit.hdl.noc_harness.TrafficHarness`;
+Python only sets its inputs between phases and reads its counters, never every cycle. The
+harness runs either in a direct Verilator build with a small command-driven C++ main
+(:func:`build_direct`, the default: fast to build and to run) or under cocotb through
+:func:`rdakit.sim.runner.run_cocotb` (the cocotb test :func:`noc_sweep` in this module; Icarus
+always). Both run the same :func:`sweep`. Methodology (the usual one of BookSim and the NoC
 literature), per injection rate:
 
 1. **warm-up**: traffic at the rate, nothing measured;
@@ -70,7 +72,7 @@ def is_saturated(point, zero_load):
 
 
 def run_harness(*, rows, cols, queues="voq", depth=2, patterns=("uniform",), rates=None,
-                fractions=None, refine=0, simulator="verilator", cocotb=False, warmup=1000,
+                fractions=None, refine=0, simulator="verilator", use_cocotb=False, warmup=1000,
                 measure=3000, drain_limit=None, hotspot=None, hot_fraction=0.25,
                 source_depth=256, build_name=None, result_file=None, log=None):
     """Build the traffic harness for a ``rows`` × ``cols`` mesh, run the sweeps, return the
@@ -79,7 +81,7 @@ def run_harness(*, rows, cols, queues="voq", depth=2, patterns=("uniform",), rat
     ``rates`` (flits/node/cycle) overrides ``fractions`` (of each pattern's theoretical limit);
     ``refine`` bisection steps locate saturation more precisely. ``patterns=None`` runs all.
 
-    With ``simulator="verilator"`` and ``cocotb=False`` (the bench's default) the harness is
+    With ``simulator="verilator"`` and ``use_cocotb=False`` (the bench's default) the harness is
     compiled by Verilator with a small command-driven C++ main (:func:`build_direct`); otherwise
     it runs under cocotb through :func:`rdakit.sim.runner.run_cocotb` (Icarus always does).
     Both run the same sweep code (:func:`sweep`).
@@ -104,7 +106,7 @@ def run_harness(*, rows, cols, queues="voq", depth=2, patterns=("uniform",), rat
                   drain_limit=drain_limit or max(4000, 2 * measure), hotspot=list(hotspot),
                   hot_fraction=hot_fraction, coord_bits=harness.coord_bits)
     build_name = build_name or f"noc-harness-{rows}x{cols}-{queues}-d{depth}"
-    if simulator == "verilator" and not cocotb:
+    if simulator == "verilator" and not use_cocotb:
         exe, ports = build_direct(harness, build_name)
         with _ProcessDriver(exe, ports, rows * cols) as drv:
             points = asyncio.run(sweep(drv, config, log or (lambda msg: None)))
@@ -430,6 +432,10 @@ def build_direct(component, build_name):
         res = subprocess.run(cmd, cwd=build_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
     if res.returncode != 0 or not exe.exists():
         raise RuntimeError(f"Verilator build failed; see {build_dir / 'build.log'}")
+    # Keep the executable only: the C++ and objects of an 8x8 harness take hundreds of MB.
+    for f in exe.parent.iterdir():
+        if f != exe and f.is_file():
+            f.unlink()
     stamp.write_text(key)
     return exe, ports
 
@@ -569,6 +575,8 @@ def run_bench(*, mesh="4x4", patterns=("uniform",), structures=("voq",), depth=4
     for key in ("saturation_throughput", "theoretical_limit", "saturation_ratio",
                 "zero_load_latency", "zero_load_theory", "peak_accepted"):
         report.figure(key, primary[key])
+    bad = sum(p["errors"] + p["lost"] for pts in all_points.values() for p in pts)
+    report.figure("delivery_errors", bad)
     if primary["zero_load_theory"] > 2:
         report.figure("zero_load_cycles_per_hop", (primary["zero_load_latency"] - 2)
                       / (primary["zero_load_theory"] - 2))

@@ -1,6 +1,7 @@
 """``rdakit verilog router``, ``rdakit verilog noc`` and ``rdakit bench noc``."""
 
 import pathlib
+import sys
 
 __all__ = ["register"]
 
@@ -141,11 +142,15 @@ def _bench_noc(args):
     from .runner import require_simulator_or_raise
 
     require_simulator_or_raise(args.simulator)
-    run_bench(mesh=f"{rows}x{cols}", patterns=patterns, structures=structures,
-              depth=args.depth, simulator=args.simulator, warmup=args.warmup,
-              measure=args.measure, refine=args.refine, rates=rates, hotspot=hotspot,
-              hot_fraction=args.hot_fraction, json_path=args.json, plot_path=args.plot,
-              area=not args.no_area)
+    report = run_bench(mesh=f"{rows}x{cols}", patterns=patterns, structures=structures,
+                       depth=args.depth, simulator=args.simulator, warmup=args.warmup,
+                       measure=args.measure, refine=args.refine, rates=rates, hotspot=hotspot,
+                       hot_fraction=args.hot_fraction, json_path=args.json,
+                       plot_path=args.plot, area=not args.no_area)
+    if report.figures["delivery_errors"]:
+        print(f"rdakit: error: {report.figures['delivery_errors']} packets misdelivered, out "
+              f"of order or lost during the benchmark", file=sys.stderr)
+        return 1
     return 0
 
 

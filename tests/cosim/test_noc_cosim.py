@@ -102,6 +102,7 @@ def test_bench_noc_command(tmp_path):
     report = json.loads(out.read_text())
     figures = report["figures"]
     assert figures["theoretical_limit"] == 1.0
+    assert figures["delivery_errors"] == 0
     assert 0.5 < figures["saturation_throughput"] <= 1.0
     assert abs(figures["zero_load_latency"] - figures["zero_load_theory"]) < 0.35
     assert plot.stat().st_size > 1000
