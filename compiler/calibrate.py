@@ -28,7 +28,7 @@ import numpy as np
 
 from rdakit.hdl.isa import Op
 from rdakit.sim.interp import Interpreter
-from rdakit.sim.kernels import Ref
+from rdakit.sim.kernels import prepare_interp
 
 from .cost import CostModel
 from .graph import MEMORY_KINDS
@@ -75,18 +75,8 @@ class ProfilingInterpreter(Interpreter):
 def profile(job, *, schedule="round_robin", seed=0):
     """Run ``job`` as :func:`~rdakit.sim.kernels.run_job_interp` does, profiled; returns
     ``(outputs, RunResult, steps per (cu, pc))``."""
-    placeholders = {b.name: 0 for b in job.buffers}
-    interp = ProfilingInterpreter(job.params, job.bind(placeholders), schedule=schedule,
+    interp, refs = prepare_interp(job, interpreter=ProfilingInterpreter, schedule=schedule,
                                   seed=seed)
-    lanes = job.params.cu.lanes
-    refs = {}
-    for b in job.buffers:
-        data = b.data if b.data is not None else np.zeros((0, lanes), np.int32)
-        refs[b.name] = interp.load_buffer(b.mu, data, weight=b.weight)
-    for xy, tile in job.config.tiles.items():
-        for r, v in tile.regs.items():
-            if isinstance(v, Ref):
-                interp.set_register(xy, r, refs[v.name])
     result = interp.run(max_steps=50_000_000)
     mus = {b.name: b.mu for b in job.buffers}
     outputs = {name: interp.read_buffer(mus[name], refs[name]) for name in job.outputs}

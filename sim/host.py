@@ -24,7 +24,7 @@ from rdakit.hdl.packets import (
 )
 from rdakit.sim.vector import pack_vector, unpack_vector
 
-__all__ = ["HostDriver", "HostError", "AmaranthTransport", "CocotbTransport"]
+__all__ = ["HostDriver", "HostError", "AmaranthTransport", "CocotbTransport", "cocotb_host"]
 
 
 class HostError(RuntimeError):
@@ -184,6 +184,24 @@ class AmaranthTransport:
 
     async def tick(self, n=1):
         await self.ctx.tick().repeat(n)
+
+
+async def cocotb_host(dut, params, *, period_ns=10):
+    """Start the clock of a fabric's Verilog under cocotb, reset it, and return a
+    :class:`HostDriver` on its host port."""
+    import cocotb
+    from cocotb.clock import Clock
+    from cocotb.triggers import RisingEdge
+
+    cocotb.start_soon(Clock(dut.clk, period_ns, unit="ns").start())
+    dut.cmd__valid.value = 0
+    dut.reply__ready.value = 0
+    dut.rst.value = 1
+    for _ in range(3):
+        await RisingEdge(dut.clk)
+    dut.rst.value = 0
+    await RisingEdge(dut.clk)
+    return HostDriver(params, CocotbTransport(dut))
 
 
 class CocotbTransport:

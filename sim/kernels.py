@@ -18,7 +18,7 @@ from rdakit.compiler.bitstream import FabricConfig, TileConfig, write_bitstream
 from rdakit.hdl.config_loader import LoadStatus
 from rdakit.hdl.isa import assemble
 
-__all__ = ["HostBuffer", "Job", "JobResult", "run_job", "run_job_interp", "Ref",
+__all__ = ["HostBuffer", "Job", "JobResult", "run_job", "run_job_interp", "prepare_interp", "Ref",
            "vector_add", "matvec", "matmul", "moe_fanout"]
 
 
@@ -114,13 +114,14 @@ async def run_job(host, job, *, max_cycles=2_000_000, counters=True):
     return result
 
 
-def run_job_interp(job, *, schedule="round_robin", seed=0):
-    """Run ``job`` on the functional interpreter (the golden model); returns the outputs and
-    the interpreter's result."""
+def prepare_interp(job, *, interpreter=None, **kwargs):
+    """An interpreter for ``job`` with its host buffers loaded and their references bound into
+    the CUs' registers; ``kwargs`` go to :class:`~rdakit.sim.interp.Interpreter` (or the
+    subclass ``interpreter``). Returns ``(interpreter, refs)``."""
     from .interp import Interpreter
 
     placeholders = {b.name: 0 for b in job.buffers}
-    interp = Interpreter(job.params, job.bind(placeholders), schedule=schedule, seed=seed)
+    interp = (interpreter or Interpreter)(job.params, job.bind(placeholders), **kwargs)
     refs = {}
     for b in job.buffers:
         data = b.data if b.data is not None else np.zeros((0, job.params.cu.lanes), np.int32)
@@ -129,6 +130,13 @@ def run_job_interp(job, *, schedule="round_robin", seed=0):
         for r, v in tile.regs.items():
             if isinstance(v, Ref):
                 interp.set_register(xy, r, refs[v.name])
+    return interp, refs
+
+
+def run_job_interp(job, *, schedule="round_robin", seed=0):
+    """Run ``job`` on the functional interpreter (the golden model); returns the outputs and
+    the interpreter's result."""
+    interp, refs = prepare_interp(job, schedule=schedule, seed=seed)
     result = interp.run(max_steps=50_000_000)
     outputs = {name: interp.read_buffer(next(b.mu for b in job.buffers if b.name == name),
                                         refs[name]) for name in job.outputs}

@@ -33,7 +33,7 @@ from rdakit.fabric_args import fabric_params
 from rdakit.hdl.isa import AluFn, alu
 from rdakit.hdl.packets import MUOp
 from rdakit.sim.interp import Interpreter
-from rdakit.sim.kernels import Ref, run_job_interp
+from rdakit.sim.kernels import prepare_interp, run_job_interp
 
 EXAMPLES = 10 if os.environ.get("CI") else 40
 
@@ -162,15 +162,7 @@ def test_one_moe_program_serves_every_routing(name):
 
 def run_traced(job):
     """run_job_interp with every MU transaction recorded."""
-    interp = Interpreter(job.params, job.bind({b.name: 0 for b in job.buffers}), trace=True)
-    refs = {}
-    for b in job.buffers:
-        data = b.data if b.data is not None else np.zeros((0, job.params.cu.lanes), np.int32)
-        refs[b.name] = interp.load_buffer(b.mu, data, weight=b.weight)
-    for xy, tile in job.config.tiles.items():
-        for r, v in tile.regs.items():
-            if isinstance(v, Ref):
-                interp.set_register(xy, r, refs[v.name])
+    interp, refs = prepare_interp(job, trace=True)
     return interp, interp.run(max_steps=10_000_000), refs
 
 

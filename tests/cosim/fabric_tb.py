@@ -3,27 +3,17 @@ bit-exactly against numpy and against the functional interpreter."""
 
 import cocotb
 import numpy as np
-from cocotb.clock import Clock
-from cocotb.triggers import RisingEdge
 
 from rdakit.fabric_args import fabric_params
 from rdakit.sim import kernels
 from rdakit.sim.cocotb_utils import tb_config
-from rdakit.sim.host import CocotbTransport, HostDriver
+from rdakit.sim.host import cocotb_host
 
 
 async def setup(dut):
     cfg = tb_config()
     params = fabric_params(**cfg["fabric"])
-    cocotb.start_soon(Clock(dut.clk, 10, unit="ns").start())
-    dut.cmd__valid.value = 0
-    dut.reply__ready.value = 0
-    dut.rst.value = 1
-    for _ in range(3):
-        await RisingEdge(dut.clk)
-    dut.rst.value = 0
-    await RisingEdge(dut.clk)
-    return cfg, params, HostDriver(params, CocotbTransport(dut))
+    return cfg, params, await cocotb_host(dut, params)
 
 
 def build(params, spec):
