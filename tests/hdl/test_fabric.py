@@ -97,3 +97,15 @@ def test_malformed_bitstream_leaves_the_fabric_unconfigured():
 def test_init_wrong_params():
     with pytest.raises(TypeError, match=r"^Params must be a FabricParams, not 3$"):
         Fabric(3)
+
+
+@pytest.mark.slow
+def test_matvec_64x64_over_three_cus():
+    """The issue's size in Amaranth's simulator (the default suite runs 16x32 above and 64x64
+    under cocotb)."""
+    job = matvec(P, m=64, k=64)
+
+    async def body(host):
+        return await run_job(host, job, counters=False)
+
+    run_on_fabric(P, body).check(job)
