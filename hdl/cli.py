@@ -6,7 +6,7 @@ import pathlib
 
 from .params import PLASTICINE_MU, MUParams
 
-__all__ = ["register", "add_params_arguments", "params_from_args"]
+__all__ = ["register", "add_params_arguments", "params_from_args", "write_verilog"]
 
 PRESETS = {"default": MUParams(), "plasticine": PLASTICINE_MU}
 
@@ -46,7 +46,6 @@ def params_from_args(args, cls=MUParams, *, presets=PRESETS):
 
 def _verilog_mu(args):
     from rdakit.cli import UserError
-    from rdakit.sim.runner import generate_verilog
 
     from .memory_unit import MemoryUnit
 
@@ -55,15 +54,23 @@ def _verilog_mu(args):
         mu = MemoryUnit(params, mu_id=args.mu_id)
     except (TypeError, ValueError) as e:
         raise UserError(str(e)) from None
-    text = generate_verilog(mu, name=args.name)
+    return write_verilog(args, mu, f"{params.alloc_mode.value}, {params.refcount.value}, "
+                                   f"{params.words} words")
+
+
+def write_verilog(args, component, what):
+    """Write ``component``'s Verilog to ``args.output`` (``-``: standard output) as module
+    ``args.name``, headed by the Verilator lint waivers with their reasons."""
+    from rdakit.sim.runner import generate_verilog, lint_waiver_header
+
+    text = lint_waiver_header() + generate_verilog(component, name=args.name)
     if args.output == "-":
         print(text, end="")
     else:
         path = pathlib.Path(args.output)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-        print(f"wrote {path}: module {args.name}, {len(text.splitlines())} lines "
-              f"({params.alloc_mode.value}, {params.refcount.value}, {params.words} words)")
+        print(f"wrote {path}: module {args.name}, {len(text.splitlines())} lines ({what})")
     return 0
 
 

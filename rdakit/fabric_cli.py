@@ -26,21 +26,15 @@ def _inspect(args):
 
 def _verilog_fabric(args):
     from rdakit.cli import UserError
+    from rdakit.hdl.cli import write_verilog
     from rdakit.hdl.fabric import Fabric
-    from rdakit.sim.runner import generate_verilog, lint_waiver_header
 
     params = fabric_from_args(args)
     try:
         fabric = Fabric(params)
     except (TypeError, ValueError) as e:
         raise UserError(str(e)) from None
-    text = lint_waiver_header() + generate_verilog(fabric, name=args.name)
-    path = pathlib.Path(args.output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    print(f"wrote {path}: module {args.name}, {params.rows}x{params.cols} fabric, "
-          f"{len(text.splitlines())} lines")
-    return 0
+    return write_verilog(args, fabric, f"{params.rows}x{params.cols} fabric")
 
 
 def register(commands, verilog, bench):

@@ -1,6 +1,5 @@
 """``rdakit verilog router``, ``rdakit verilog noc`` and ``rdakit bench noc``."""
 
-import pathlib
 import sys
 
 __all__ = ["register"]
@@ -46,17 +45,9 @@ def _add_noc_arguments(p):
 
 
 def _write(args, component, what):
-    from rdakit.sim.runner import generate_verilog
+    from rdakit.hdl.cli import write_verilog
 
-    text = generate_verilog(component, name=args.name)
-    if args.output == "-":
-        print(text, end="")
-    else:
-        path = pathlib.Path(args.output)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        print(f"wrote {path}: module {args.name}, {len(text.splitlines())} lines ({what})")
-    return 0
+    return write_verilog(args, component, what)
 
 
 def _verilog_router(args):
