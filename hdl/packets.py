@@ -178,10 +178,6 @@ def host_reply_layout(p: MUParams):
 def pack(layout, fields):
     """Pack a dict of field values (nested dicts for nested structs, enums as members or
     integers) into the integer a stream carries. Missing fields are zero."""
-    return _pack(layout, fields)
-
-
-def _pack(layout, fields):
     value = 0
     for name, field in layout:
         if name not in fields:
@@ -189,7 +185,7 @@ def _pack(layout, fields):
         v = fields[name]
         shape = field.shape
         if isinstance(shape, data.StructLayout):
-            v = _pack(shape, v) if isinstance(v, dict) else int(v)
+            v = pack(shape, v) if isinstance(v, dict) else int(v)
         elif isinstance(v, enum.Enum):
             v = v.value
         v = int(v)

@@ -31,6 +31,7 @@ class RunResult:
     received: list             # (cycle, payload) of each response
     responses: list            # the model's responses (equal to the RTL's)
     held_trace: list           # (held words, live words) after each request (model)
+    model: MUModel             # the model after the last request
 
 
 def run_requests(params, requests, *, mu_id=0, isolated=False, backpressure=None):
@@ -62,7 +63,7 @@ def run_requests(params, requests, *, mu_id=0, isolated=False, backpressure=None
             raise BenchMismatch(f"response {i} to {requests[i]}: RTL {g:#x}, model {e:#x} "
                                 f"({expected[i]})")
     cycles = driver.received[-1][0] - driver.sent[0][0]
-    return RunResult(cycles, driver.sent, driver.received, expected, held)
+    return RunResult(cycles, driver.sent, driver.received, expected, held, model)
 
 
 def _ref(slot, gen=0, mu=0, params=None):
@@ -284,10 +285,7 @@ def trace_row(params, name, ops):
         res = run_requests(p, requests)
         cycles = res.cycles
         held_peak, live_at_peak = max(res.held_trace)
-        model = MUModel(p)
-        for r in requests:
-            model.request(r)
-        copies, mus = model.copy_words, 1
+        copies, mus = res.model.copy_words, 1
     return {
         "trace": name, "mode": mode.value, "cycles": cycles, "copied_words": copies,
         "peak_held_words": held_peak, "live_words_at_peak": live_at_peak,
