@@ -19,6 +19,7 @@ Toolchain facts this module encodes (checked on the project's machines):
 """
 
 import contextlib
+import hashlib
 import json
 import os
 import pathlib
@@ -30,7 +31,7 @@ import xml.etree.ElementTree as ET
 __all__ = [
     "SIMULATORS", "CosimFailure", "SimulatorInfo", "simulator_info", "require_simulator",
     "require_simulator_or_raise", "VERILATOR_WAIVERS", "lint_waiver_header",
-    "generate_verilog", "run_cocotb", "verilator_env", "BUILD_ROOT",
+    "generate_verilog", "cached_verilog", "run_cocotb", "verilator_env", "BUILD_ROOT",
 ]
 
 SIMULATORS = ("icarus", "verilator")
@@ -219,6 +220,32 @@ def generate_verilog(component, *, name="top"):
     return yosys.run(["-q", "-"], script, ignore_warnings=True)
 
 
+def _hdl_digest():
+    """A digest of the HDL sources and the Amaranth version: part of every cached design's key."""
+    import amaranth
+
+    h = hashlib.sha256(amaranth.__version__.encode())
+    for path in sorted((pathlib.Path(__file__).resolve().parent.parent / "hdl").glob("*.py")):
+        h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()
+
+
+def cached_verilog(key, make_component, *, name="top"):
+    """:func:`generate_verilog` of ``make_component()``, cached under :data:`BUILD_ROOT` by
+    ``key`` (a string naming the design and its parameters, e.g. ``repr(params)``) and a digest
+    of the HDL sources, so a large fabric is converted once (a 4x4 fabric takes minutes)."""
+    digest = hashlib.sha256(f"{key}|{name}|{_hdl_digest()}".encode()).hexdigest()[:24]
+    path = BUILD_ROOT / "verilog" / f"{digest}.v"
+    if path.exists():
+        return path.read_text()
+    text = generate_verilog(make_component(), name=name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return text
+
+
 @contextlib.contextmanager
 def _patched_environ(extra):
     saved = {k: os.environ.get(k) for k in extra}
@@ -279,7 +306,9 @@ def run_cocotb(component, *, simulator, test_module, test_dir, build_name, confi
     build_dir = BUILD_ROOT / "cosim" / f"{build_name}-{simulator}"
     build_dir.mkdir(parents=True, exist_ok=True)
     source = build_dir / "top.v"
-    source.write_text(verilog_text if verilog_text is not None else generate_verilog(component))
+    text = verilog_text if verilog_text is not None else generate_verilog(component)
+    if not source.exists() or source.read_text() != text:   # keep the mtime: Icarus skips
+        source.write_text(text)                             # rebuilding an unchanged design
     env = verilator_env(optimize=optimize) if simulator == "verilator" else {}
     test_env = {"RDAKIT_TB_CONFIG": json.dumps(config or {}), **(extra_env or {})}
     build_args = ICARUS_BUILD_ARGS if simulator == "icarus" else VERILATOR_BUILD_ARGS
