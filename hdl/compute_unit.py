@@ -187,9 +187,10 @@ class ComputeUnit(wiring.Component):
         fields (``OUTER`` = 1), the counters and the status, and run from pc 0 if enabled.
     done, error : Out(1)
         Not running (halted, failed or disabled); halted on an error (code in STATUS).
-    busy_cycles, stall_cycles, flits_out, flits_in : Out(32)
+    busy_cycles, stall_cycles, flits_out, flits_in, wait_cycles : Out(32)
         Cycles running; running cycles in which no instruction retired and no stream step was
-        executed; flits sent on ``req`` and ``msg_out``; flits received. Reset by ``start``.
+        executed; flits sent on ``req`` and ``msg_out``; flits received; stalled cycles spent
+        in WAIT or RECV (waiting for another CU). Reset by ``start``.
 
     Raises
     ------
@@ -231,6 +232,7 @@ class ComputeUnit(wiring.Component):
             "stall_cycles": Out(COUNTER_WIDTH),
             "flits_out": Out(COUNTER_WIDTH),
             "flits_in": Out(COUNTER_WIDTH),
+            "wait_cycles": Out(COUNTER_WIDTH),
         })
         #: The staging vector ``V`` (not a port; for testbenches).
         self.v = Signal(p.cu.data_bits, name="v")
@@ -397,6 +399,7 @@ class ComputeUnit(wiring.Component):
                       | (sf[S.D_MODE] > _MAX_DMODE))
 
         # --- Sequencer: execute -----------------------------------------------------------------
+        waiting = Signal()     # stalled in WAIT / RECV on another CU (the wait_cycles counter)
         with m.If(in_run):
             with m.Switch(op):
                 with m.Case(Op.NOP):
@@ -448,6 +451,8 @@ class ComputeUnit(wiring.Component):
                         fail("BAD_INSTRUCTION")
                     with m.Elif(tokens_a[ir.aux] >= imm):
                         m.d.comb += [wait_take.eq(1), adv.eq(1)]
+                    with m.Else():
+                        m.d.comb += waiting.eq(1)
                 with m.Case(Op.RECV):
                     with m.If(~slot_ok):
                         fail("BAD_INSTRUCTION")
@@ -455,6 +460,8 @@ class ComputeUnit(wiring.Component):
                         write_a(rd_i, mb_ref_a[ir.aux])
                         write_b(rd1_i, mb_weight_a[ir.aux])
                         m.d.comb += [recv_take.eq(1), adv.eq(1)]
+                    with m.Else():
+                        m.d.comb += waiting.eq(1)
                 with m.Case(Op.SCFG, Op.SCFGI):
                     value = Mux(op == Op.SCFG, ra_v, imm)
                     for f in S:
@@ -766,6 +773,7 @@ class ComputeUnit(wiring.Component):
         m.d.sync += [
             self.busy_cycles.eq(self.busy_cycles + running),
             self.stall_cycles.eq(self.stall_cycles + (running & ~adv & ~halt & ~pop)),
+            self.wait_cycles.eq(self.wait_cycles + (running & waiting)),
             self.flits_out.eq(self.flits_out + sent),
             self.flits_in.eq(self.flits_in + inv),
         ]
@@ -778,7 +786,7 @@ class ComputeUnit(wiring.Component):
                 *[s.eq(int(f is S.OUTER)) for f, s in sf.items()],
                 V.eq(0), r0_valid.eq(0), wr_pending.eq(0), credits.eq(0),
                 err.eq(0), code.eq(0), pc.eq(0),
-                self.busy_cycles.eq(0), self.stall_cycles.eq(0),
+                self.busy_cycles.eq(0), self.stall_cycles.eq(0), self.wait_cycles.eq(0),
                 self.flits_out.eq(0), self.flits_in.eq(0),
             ]
             m.d.comb += [prog_r.addr.eq(0), prog_r.en.eq(1)]
@@ -815,6 +823,8 @@ class ComputeUnit(wiring.Component):
             m.d.comb += value.eq(enabled)
         with m.Elif(addr == CU_MAP.STATUS):
             m.d.comb += value.eq(status)
+        with m.Elif(addr == CU_MAP.WAIT_CYCLES):
+            m.d.comb += value.eq(self.wait_cycles)
         for name, where in TILE_COUNTERS.items():
             with m.Elif(addr == where):
                 m.d.comb += value.eq(getattr(self, name))

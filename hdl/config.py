@@ -36,6 +36,9 @@ class CU_MAP:
     CONTROL = 0x3000
     #: Read-only status: bit 0 done, bit 1 error, bits 15:8 error code, bits 31:16 pc.
     STATUS = 0x3001
+    #: Read-only counter: cycles stalled in WAIT or RECV (waiting for another CU's token or
+    #: reference; part of ``stall_cycles``), reset by start.
+    WAIT_CYCLES = 0x3006
     #: Lane ``l`` of local vector word ``w`` is at ``LOCAL + w*lanes + l``.
     LOCAL = 0x8000
 

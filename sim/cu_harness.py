@@ -223,7 +223,8 @@ class CUResult:
     """The state of one CU after a run, read back over its configuration bus.
 
     ``regs`` are unsigned 32-bit; ``V`` and ``local`` are ``numpy.int32`` (``local`` is
-    ``None`` when it was not read); ``counters`` holds the ``TILE_COUNTERS``.
+    ``None`` when it was not read); ``counters`` holds the ``TILE_COUNTERS`` and
+    ``wait_cycles``.
     """
 
     x: int
@@ -454,9 +455,9 @@ class HarnessDriver:
         cu = self.h.cus[self.index(cu_xy)]
         regs = await self.cfg_read(ctx, cu_xy, [CU_MAP.REGS + r for r in range(p.regs)])
         status = await self.cfg_read(ctx, cu_xy, CU_MAP.STATUS)
-        names = list(TILE_COUNTERS)
-        counters = dict(zip(names, await self.cfg_read(
-            ctx, cu_xy, [TILE_COUNTERS[n] for n in names]), strict=True))
+        where = {**TILE_COUNTERS, "wait_cycles": CU_MAP.WAIT_CYCLES}
+        counters = dict(zip(where, await self.cfg_read(ctx, cu_xy, list(where.values())),
+                            strict=True))
         local = None
         if read_local:
             words = await self.cfg_read(ctx, cu_xy, list(range(

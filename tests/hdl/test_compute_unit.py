@@ -602,6 +602,23 @@ def test_tokens_ping_pong_between_two_cus():
     assert res.cu(*CU1).counters["flits_in"] == 3
 
 
+@pytest.mark.parametrize("delay", [5, 40])
+def test_wait_cycles_count_the_waits_for_another_cu(delay):
+    """CU1 waits in WAIT (then RECV) while CU0 loops ``delay`` times before sending: its
+    wait_cycles grow with the delay and stay within its stalls; CU0 never waits."""
+    res = run_program(P, {
+        CU0: TileConfig(program=assemble(
+            f"LI r1, {CU1_ID}\nLI r2, {delay}\nloop: LOOP r2, loop\nSEND 0, r1, 1\n"
+            f"LI r2, {delay}\nloop2: LOOP r2, loop2\nSENDREF 0, r1, r1, r2\nHALT")),
+        CU1: TileConfig(program=assemble("WAIT 0, 1\nRECV 0, r4\nHALT")),
+    }, read_local=False, read_mus=False)
+    assert res.ok, res.errors
+    c0, c1 = res.cu(*CU0).counters, res.cu(*CU1).counters
+    assert c0["wait_cycles"] == 0
+    assert 2 * delay <= c1["wait_cycles"] <= c1["stall_cycles"] <= c1["busy_cycles"]
+    assert c1["wait_cycles"] <= 2 * delay + 20
+
+
 def test_send_and_sendref_to_itself():
     _, s = run_one("""
         SELF r1
@@ -749,8 +766,8 @@ def test_configuration_read_back_and_status():
     assert after.regs == (0, 3, 7, 0xffff_fffe, 0, 0, 0, 0x1234_5678)
     np.testing.assert_array_equal(after.local[[2, 15]], [[1, -2, 3, -4], [5, 6, 7, 8]])
     assert after.counters == {"busy_cycles": 3, "stall_cycles": 0, "flits_out": 0,
-                              "flits_in": 0}
-    assert set(after.counters) == set(TILE_COUNTERS) and cycles == 4
+                              "flits_in": 0, "wait_cycles": 0}
+    assert set(after.counters) == set(TILE_COUNTERS) | {"wait_cycles"} and cycles == 4
     assert again.regs[1:4] == (3, 7, 9)
 
 
