@@ -6,7 +6,7 @@ from amaranth.utils import ceil_log2
 
 from rdakit.hdl.params import CUParams, FabricParams, MUParams
 
-__all__ = ["add_fabric_arguments", "fabric_from_args", "fabric_params"]
+__all__ = ["add_fabric_arguments", "fabric_dict", "fabric_from_args", "fabric_params"]
 
 
 def fabric_params(rows=2, cols=2, *, layout=None, lanes=4, prog_len=64, local_words=64,
@@ -47,20 +47,27 @@ def add_fabric_arguments(parser, *, default="2x2"):
     g.add_argument("--noc-depth", type=int, default=2)
 
 
-def fabric_from_args(args):
-    """The :class:`FabricParams` of the parsed options, or a UserError naming the problem."""
+def fabric_dict(args):
+    """The keyword arguments of :func:`fabric_params` given by the parsed options (JSON-able,
+    so they can cross into a cocotb process); a UserError if ``--fabric`` is malformed."""
     from rdakit.cli import UserError
 
     m = re.fullmatch(r"(\d+)x(\d+)", args.fabric)
     if not m:
         raise UserError(f"--fabric must be ROWSxCOLS like 4x4, not {args.fabric!r}")
+    return dict(rows=int(m.group(1)), cols=int(m.group(2)), layout=args.layout,
+                lanes=args.lanes, prog_len=args.prog_len, local_words=args.local_words,
+                mu_words=args.mu_words, block_words=args.block_words,
+                max_buffers=args.max_buffers, weight_bits=args.weight_bits,
+                alloc_mode=args.alloc_mode, refcount=args.refcount, noc_depth=args.noc_depth,
+                noc_queues=args.noc_queues)
+
+
+def fabric_from_args(args):
+    """The :class:`FabricParams` of the parsed options, or a UserError naming the problem."""
+    from rdakit.cli import UserError
+
     try:
-        return fabric_params(int(m.group(1)), int(m.group(2)), layout=args.layout,
-                             lanes=args.lanes, prog_len=args.prog_len,
-                             local_words=args.local_words, mu_words=args.mu_words,
-                             block_words=args.block_words, max_buffers=args.max_buffers,
-                             weight_bits=args.weight_bits, alloc_mode=args.alloc_mode,
-                             refcount=args.refcount, noc_depth=args.noc_depth,
-                             noc_queues=args.noc_queues)
+        return fabric_params(**fabric_dict(args))
     except (TypeError, ValueError) as e:
         raise UserError(str(e)) from None

@@ -5,7 +5,7 @@ import json
 import pathlib
 import tempfile
 
-from rdakit.fabric_args import add_fabric_arguments, fabric_from_args
+from rdakit.fabric_args import add_fabric_arguments, fabric_dict, fabric_from_args
 from rdakit.report import Report
 
 __all__ = ["register_bench"]
@@ -53,7 +53,7 @@ def bench_fabric(args):
         run_cocotb(Fabric(params), simulator=simulator, test_module="fabric_bench_tb",
                    test_dir=pathlib.Path(__file__).parent,
                    build_name=f"bench-fabric-{params.rows}x{params.cols}",
-                   config={"fabric": _fabric_dict(args), "jobs": jobs, "out": str(out)})
+                   config={"fabric": fabric_dict(args), "jobs": jobs, "out": str(out)})
         rows = json.loads(out.read_text())
     table = []
     for r in rows:
@@ -68,15 +68,6 @@ def bench_fabric(args):
     report.table("Area per tile type (Yosys coarse synthesis)", _cells(params))
     report.finish(args.json)
     return 0
-
-
-def _fabric_dict(args):
-    rows, cols = (int(v) for v in args.fabric.split("x"))
-    return dict(rows=rows, cols=cols, layout=args.layout, lanes=args.lanes,
-                prog_len=args.prog_len, local_words=args.local_words, mu_words=args.mu_words,
-                block_words=args.block_words, max_buffers=args.max_buffers,
-                weight_bits=args.weight_bits, alloc_mode=args.alloc_mode,
-                refcount=args.refcount, noc_depth=args.noc_depth, noc_queues=args.noc_queues)
 
 
 def register_bench(bench):

@@ -126,8 +126,11 @@ class HostDriver:
         word = (await self._command({"kind": HostCmd.STATUS}))["word"]
         return {name: bool(word >> bit & 1) for name, bit in STATUS_BITS.items()}
 
-    async def wait_done(self, *, max_cycles=1_000_000, poll=64):
-        """Poll until every CU has halted; return the status. Raises TimeoutError."""
+    async def wait_done(self, *, max_cycles=1_000_000, poll=64, on_poll=None):
+        """Poll until every CU has halted; return the status. Raises TimeoutError.
+
+        ``on_poll(cycles)``, if given, is called after every poll with the cycles waited so far
+        (progress bars)."""
         waited = 0
         while True:
             st = await self.status()
@@ -137,6 +140,8 @@ class HostDriver:
                 raise TimeoutError(f"fabric not done after {max_cycles} cycles: {st}")
             await self.transport.tick(poll)
             waited += poll
+            if on_poll is not None:
+                on_poll(waited)
 
     async def run_cycles(self):
         return (await self._command({"kind": HostCmd.CYCLES}))["word"]
@@ -151,6 +156,7 @@ class HostDriver:
                              "FREES", "COPY_CYCLES", "FREE_BLOCKS"):
                     c[name.lower()] = await self.cfg_read(x, y, getattr(MU_MAP, name))
             else:
+                c["wait_cycles"] = await self.cfg_read(x, y, CU_MAP.WAIT_CYCLES)
                 st = await self.cfg_read(x, y, CU_MAP.STATUS)
                 c.update(done=st & 1, error=st >> 1 & 1, error_code=st >> 8 & 0xff,
                          pc=st >> 16)

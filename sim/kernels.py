@@ -15,11 +15,15 @@ import dataclasses
 import numpy as np
 
 from rdakit.compiler.bitstream import FabricConfig, TileConfig, write_bitstream
+from rdakit.hdl.config import CU_STATUS_BITS, TILE_COUNTERS
 from rdakit.hdl.config_loader import LoadStatus
 from rdakit.hdl.isa import assemble
 
-__all__ = ["HostBuffer", "Job", "JobResult", "run_job", "run_job_interp", "prepare_interp", "Ref",
-           "vector_add", "matvec", "matmul", "moe_fanout"]
+__all__ = ["HostBuffer", "Job", "JobError", "JobResult", "run_job", "run_job_interp",
+           "prepare_interp", "Ref", "vector_add", "matvec", "matmul", "moe_fanout"]
+
+#: CU error code -> name (docs/compute-unit.md).
+CU_ERROR_NAMES = {code: name for name, code in CU_STATUS_BITS.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,30 +92,66 @@ class JobResult:
                                      f"{got[tuple(bad[0])]} instead of {want[tuple(bad[0])]}")
 
 
-async def run_job(host, job, *, max_cycles=2_000_000, counters=True):
+class JobError(RuntimeError):
+    """The fabric refused a job's bitstream or a CU halted on an error; ``counters`` holds the
+    tiles' counters and states when they could be read."""
+
+    def __init__(self, message, counters=None):
+        super().__init__(message)
+        self.counters = counters or {}
+
+
+async def run_job(host, job, *, max_cycles=2_000_000, counters=True, on_stage=None,
+                  on_poll=None):
     """Fill the host buffers, load the bound bitstream, start, wait, read back: returns a
-    :class:`JobResult`."""
+    :class:`JobResult`. ``on_stage(name)`` is called as the job moves through ``"fill"``,
+    ``"load"``, ``"run"`` and ``"read"``; ``on_poll(cycles)`` while it runs. Raises
+    :class:`JobError` if the bitstream is refused or a CU halts on an error."""
+    stage = on_stage or (lambda name: None)
+    stage("fill")
     refs = {}
     for b in job.buffers:
         refs[b.name] = await host.alloc(b.mu, b.weight)
         if b.data is not None:
             await host.append_vectors(refs[b.name], b.data)
+    stage("load")
     status, load_cycles = await host.load(write_bitstream(job.bind(refs)))
     if status is not LoadStatus.OK:
-        raise RuntimeError(f"bitstream rejected by the fabric: {status.name}")
+        raise JobError(f"bitstream rejected by the fabric: {status.name}")
+    at_start = await host.counters() if counters else {}
+    stage("run")
     await host.start()
-    st = await host.wait_done(max_cycles=max_cycles)
+    st = await host.wait_done(max_cycles=max_cycles, on_poll=on_poll)
     cycles = await host.run_cycles()
+    stage("read")
     if st["error"]:
-        errors = {xy: (c["error_code"], c["pc"]) for xy, c in (await host.counters()).items()
-                  if c.get("error")}
-        raise RuntimeError(f"{job.description}: CUs halted on errors (code, pc): {errors}")
+        tiles = await host.counters()
+        errors = {xy: (CU_ERROR_NAMES.get(c["error_code"], c["error_code"]), c["pc"])
+                  for xy, c in tiles.items() if c.get("error")}
+        raise JobError(f"{job.description}: CUs halted on errors (code, pc): {errors}", tiles)
     outputs = {name: await host.read_vectors(refs[name]) for name in job.outputs}
-    result = JobResult(outputs, cycles, load_cycles, st, await host.counters() if counters else {})
+    result = JobResult(outputs, cycles, load_cycles, st,
+                       _since(job.params, at_start, await host.counters()) if counters else {})
     for b in job.buffers:         # the host's own weight: the job leaves no buffer behind
         if b.weight > b.cu_returns:
             await host.release(refs[b.name], b.weight - b.cu_returns)
     return result
+
+
+#: MU-tile counters that count from reset (the others are occupancy readings).
+_MU_CUMULATIVE = (*TILE_COUNTERS, "allocs", "frees", "copy_cycles")
+
+
+def _since(params, before, after):
+    """The counters of one run: a CU's restart at START; an MU tile's count from reset, so
+    their values at START are subtracted (occupancy and peak are kept as read)."""
+    out = {}
+    for xy, c in after.items():
+        if params.kind(*xy) == "C":
+            out[xy] = c
+        else:
+            out[xy] = {k: v - before[xy][k] if k in _MU_CUMULATIVE else v for k, v in c.items()}
+    return out
 
 
 def prepare_interp(job, *, interpreter=None, **kwargs):

@@ -1,0 +1,175 @@
+"""``rdakit run``: compile a workload, run it on a simulated fabric, check it and report."""
+
+import contextlib
+
+__all__ = ["register"]
+
+#: ``rdakit run``'s program length unless --prog-len says otherwise: compiled programs are
+#: hundreds of instructions long (the fabric commands' default, 64, suits hand-written kernels).
+RUN_PROG_LEN = 2048
+
+
+def spec_from_args(args, *, iterations=1):
+    from rdakit.compiler.cli import parse_sizes
+    from rdakit.sim.e2e import RunSpec
+
+    from .fabric_args import fabric_dict
+
+    return RunSpec(workload=args.workload, sizes=parse_sizes(args.size),
+                   fabric=fabric_dict(args), partitioner=args.partitioner, seed=args.seed,
+                   iterations=iterations, place_steps=args.place_steps)
+
+
+def compile_or_explain(spec, cost=None):
+    """Compile ``spec`` or raise a UserError saying why it does not fit."""
+    from rdakit.cli import UserError
+    from rdakit.compiler.lower import LoweringError
+    from rdakit.compiler.partition import PartitionError
+    from rdakit.compiler.placement import PlacementError
+
+    params = spec.params
+    try:
+        return spec.compile(cost)
+    except (LoweringError, PlacementError, PartitionError) as e:
+        raise UserError(f"{spec.workload} does not fit the {params.rows}x{params.cols} fabric: "
+                        f"{e}") from None
+    except (TypeError, ValueError, OSError) as e:
+        raise UserError(str(e)) from None
+
+
+@contextlib.contextmanager
+def progress_bar(enabled):
+    """A rich progress bar fed by ``progress(stage, done, total)`` calls (a no-op when
+    disabled or when the output is not a terminal)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    if not enabled:
+        yield lambda stage, done=None, total=None: None
+        return
+    bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                   MofNCompleteColumn(), TextColumn("cycles (of the estimate)"),
+                   TimeElapsedColumn(), transient=True)
+    task = bar.add_task("starting", total=None)
+
+    def update(stage, done=None, total=None):
+        if total is not None:
+            bar.update(task, description=stage, completed=done, total=max(total, done or 0))
+        else:
+            bar.update(task, description=stage, completed=0, total=None)
+
+    with bar:
+        yield update
+
+
+def _run(args):
+    from rdakit.cli import UserError
+    from rdakit.report import Report
+    from rdakit.sim import e2e
+
+    if args.adapt is not None and args.adapt < 1:
+        raise UserError(f"--adapt takes a number of iterations >= 1, not {args.adapt}")
+    spec = spec_from_args(args, iterations=args.adapt or 1)
+    params = spec.params
+    _, summary = compile_or_explain(spec)
+    if args.sim != "amaranth":
+        from rdakit.sim.runner import require_simulator_or_raise
+
+        require_simulator_or_raise(args.sim)
+    report = Report("run")
+    report.console.print(f"[bold]{summary.graph}[/bold] on a {params.rows}x{params.cols} fabric "
+                         f"({params.cu.lanes} lanes) with {args.sim}; partitioner "
+                         f"{summary.partitioner}")
+    with progress_bar(not args.quiet and report.console.is_terminal) as progress:
+        rows = e2e.run(spec, sim=args.sim, waves=args.waves, progress=progress)
+    last = rows[-1]
+    report.table("Iterations" + (" (adaptation: re-partitioned with measured costs)"
+                                 if spec.iterations > 1 else ""),
+                 [{k: r.get(k) for k in ("iteration", "cycles", "estimated_cycles",
+                                         "lower_bound", "utilization", "parts", "cut",
+                                         "noc_flits", "numpy", "interpreter")}
+                  for r in rows])
+    if last["tiles"]:
+        report.table(f"Tiles (iteration {last['iteration']}): utilization = busy / cycles, "
+                     f"active = (busy - stall) / cycles", last["tiles"])
+    best = min((r for r in rows if r["cycles"]), key=lambda r: r["cycles"], default=None)
+    for key in ("cycles", "load_cycles", "lower_bound", "utilization", "active", "noc_flits",
+                "mu_peak_words", "allocs", "frees", "leaked_buffers", "numpy", "interpreter",
+                "hw_error"):
+        report.figure(key, last.get(key))
+    if best is not None and spec.iterations > 1:
+        report.figure("best_iteration", best["iteration"])
+        report.figure("best_cycles", best["cycles"])
+    report.figure("workload", summary.graph)
+    report.figure("fabric", f"{params.rows}x{params.cols}")
+    report.figure("simulator", args.sim)
+    report.tables["iterations_full"] = rows
+    report.finish(args.report)
+    if args.plot and last["tiles"]:
+        e2e.plot_utilization(params, last["tiles"], args.plot,
+                             title=f"{summary.graph}, {last['cycles']} cycles ({args.sim})")
+        report.console.print(f"wrote {args.plot}")
+    if args.waves:
+        report.console.print(f"wrote {args.waves}")
+    if e2e.failed(rows):
+        r = next(r for r in rows if e2e.failed([r]))
+        why = r["hw_error"] or (r["numpy"] if r["numpy"] != "ok" else None) or (
+            r["interpreter"] if r["interpreter"] != "ok" else None) or (
+            f"{r['leaked_buffers']} buffers left allocated")
+        report.console.print(f"[bold red]FAILED[/bold red] in iteration {r['iteration']}: {why}")
+        return 1
+    report.console.print("[bold green]PASS[/bold green]: outputs equal numpy's and the "
+                         "interpreter's bit for bit; every buffer freed")
+    return 0
+
+
+def add_run_arguments(p):
+    """The workload and compilation options of ``rdakit run`` (also used by benches)."""
+    from rdakit.compiler.partition import STRATEGIES
+
+    from .fabric_args import add_fabric_arguments
+
+    p.add_argument("--size", action="append", default=[], metavar="KEY=VALUE",
+                   help="a size option of the workload builder, e.g. tokens=8 (repeatable)")
+    p.add_argument("--partitioner", default="multilevel", choices=sorted(STRATEGIES),
+                   help="partitioning strategy (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the placement (default 0)")
+    p.add_argument("--place-steps", type=int, default=20000,
+                   help="annealing steps of the placement (default: %(default)s)")
+    add_fabric_arguments(p)
+    p.set_defaults(prog_len=RUN_PROG_LEN)
+
+
+def register(commands, verilog, bench):
+    from rdakit.sim.e2e import BACKENDS
+
+    p = commands.add_parser(
+        "run", help="compile a workload, run it on a simulated fabric and check it",
+        description="Compile a workload (mlp, decoder, moe, switch, mixtral or a Python graph "
+                    "file), generate the fabric, load the bitstream and inputs through the host "
+                    "port, run to done, read the outputs, compare them bit for bit with numpy "
+                    "and with the functional interpreter, and report cycles, per-tile "
+                    "utilization, NoC flits, MU peak memory and buffers allocated and freed. "
+                    "Exits 1 on a mismatch, a CU error or a leaked buffer; 2 when the workload "
+                    f"does not fit. CU program length defaults to {RUN_PROG_LEN} here.")
+    p.add_argument("workload", metavar="WORKLOAD",
+                   help="mlp, decoder, moe, switch, mixtral, or a Python file")
+    p.add_argument("--sim", choices=BACKENDS, default="amaranth",
+                   help="simulator: amaranth (built in, no tools), icarus or verilator "
+                        "(default: %(default)s)")
+    p.add_argument("--waves", metavar="FILE",
+                   help="write waveforms to FILE (VCD; FST with verilator)")
+    p.add_argument("--report", metavar="FILE.json", help="write the full report as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="write a heatmap of tile utilization")
+    p.add_argument("--adapt", type=int, metavar="N",
+                   help="run N iterations; after each, feed the measured per-CU costs into "
+                        "the cost model, re-partition and reload")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    add_run_arguments(p)
+    p.set_defaults(func=_run)

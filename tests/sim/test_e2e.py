@@ -1,0 +1,199 @@
+"""End to end (``rdakit run``): compile, run on the RTL, check against numpy and the
+interpreter, report, adapt; and the errors."""
+
+import json
+
+import numpy as np
+import pytest
+
+from rdakit.cli import main
+from rdakit.compiler.adapt import MeasuredCostModel, measured_cost
+from rdakit.compiler.cost import CostModel
+from rdakit.sim import e2e
+from rdakit.sim.e2e import SMALLEST, RunSpec
+from rdakit.sim.runner import SIMULATORS, require_simulator
+
+FABRIC_2X2 = {"rows": 2, "cols": 2, "prog_len": 2048}
+FABRIC_4X4 = {"rows": 4, "cols": 4, "prog_len": 2048}
+
+
+def _sizes_args(name):
+    out = []
+    for k, v in SMALLEST[name].items():
+        value = ",".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        out += ["--size", f"{k}={value}"]
+    return out
+
+
+def _check_rows(rows, spec):
+    assert len(rows) == spec.iterations
+    for r in rows:
+        assert r["hw_error"] is None, r["hw_error"]
+        assert r["numpy"] == "ok" and r["interpreter"] == "ok", (r["numpy"], r["interpreter"])
+        assert r["leaked_buffers"] == 0 and r["allocs"] == r["frees"] > 0
+        assert r["cycles"] >= r["lower_bound"] > 0
+        assert 0 < r["utilization"] <= 1 and r["noc_flits"] > 0 and r["mu_peak_words"] > 0
+        assert not r["misrouted"]
+        cus = [t for t in r["tiles"] if t["kind"] == "CU"]
+        assert all(t["busy"] <= r["cycles"] and t["wait"] <= t["stall"] <= t["busy"]
+                   for t in cus)
+
+
+# --- the CLI on the built-in simulator --------------------------------------------------------
+
+def test_run_smallest_moe_on_the_builtin_simulator(tmp_path, capsys):
+    report, plot = tmp_path / "r.json", tmp_path / "u.png"
+    rc = main(["run", "moe", *_sizes_args("moe"), "--report", str(report), "--plot", str(plot),
+               "-q"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "PASS" in out and "Tiles" in out
+    data = json.loads(report.read_text())
+    assert data["figures"]["numpy"] == "ok" and data["figures"]["interpreter"] == "ok"
+    assert data["figures"]["allocs"] == data["figures"]["frees"]
+    rows = data["tables"]["iterations_full"]
+    assert rows[0]["cycles"] == data["figures"]["cycles"] > 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_workload_too_large_for_the_fabric(capsys):
+    rc = main(["run", "mlp", "--size", "batch=64", "--size", "sizes=512,512,512",
+               "--fabric", "1x2", "-q"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "does not fit the 1x2 fabric" in err and "words" in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--adapt", "0"], "--adapt takes a number of iterations >= 1"),
+    (["--fabric", "2by2"], "--fabric must be ROWSxCOLS"),
+    (["--size", "tokens"], "--size must be KEY=VALUE"),
+])
+def test_bad_options(args, message, capsys):
+    assert main(["run", "moe", *args, "-q"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_workload(capsys):
+    assert main(["run", "transformer-xl", "-q"]) == 2
+    assert "Workload must be one of" in capsys.readouterr().err
+
+
+def _tampered(monkeypatch, tamper):
+    original = RunSpec.compile
+
+    def compile_(self, cost=None):
+        job, summary = original(self, cost)
+        tamper(job)
+        return job, summary
+
+    monkeypatch.setattr(RunSpec, "compile", compile_)
+
+
+def test_mismatch_exits_nonzero(monkeypatch, capsys):
+    """A wrong expectation (as if the hardware computed something else) fails the run."""
+    def tamper(job):
+        name = job.outputs[0]
+        job.expected[name] = job.expected[name].copy()
+        job.expected[name][0, 0] += 1
+
+    _tampered(monkeypatch, tamper)
+    rc = main(["run", "switch", *_sizes_args("switch"), "-q"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "FAILED" in out and "differs from numpy in 1 elements" in out
+
+
+def test_hardware_error_exits_nonzero(monkeypatch, capsys):
+    """A CU that halts on an error (here an undefined instruction patched into a program)
+    fails the run with the CU and the error named."""
+    import dataclasses
+
+    def tamper(job):
+        xy, tile = next(iter(job.config.tiles.items()))
+        if not tile.program:
+            xy, tile = next((k, t) for k, t in job.config.tiles.items() if t.program)
+        program = list(tile.program)
+        program[len(program) // 2] = 0x3f            # opcode 63: undefined
+        job.config.tiles[xy] = dataclasses.replace(tile, program=program)
+
+    _tampered(monkeypatch, tamper)
+    rc = main(["run", "switch", *_sizes_args("switch"), "-q"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "BAD_INSTRUCTION" in out
+
+
+def test_adaptation_runs_iterations_and_learns_costs(tmp_path):
+    spec = RunSpec("switch", SMALLEST["switch"], FABRIC_2X2, iterations=3)
+    rows = e2e.run(spec)
+    _check_rows(rows, spec)
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    # After the first run the model has measured every CU: its estimate moves towards the
+    # measured cycles (the static model under-estimates this fabric several times over).
+    first, second = rows[0], rows[1]
+    assert abs(second["estimated_cycles"] - first["cycles"]) < \
+        abs(first["estimated_cycles"] - first["cycles"])
+    assert {a["cu"] for a in first["adaptation"]} == {
+        f"{xy}" for xy in spec.params.tiles("C") if any(
+            a["cu"] == f"{xy}" for a in first["adaptation"])}
+
+
+# --- the measured cost model ----------------------------------------------------------------
+
+def test_measured_cost_scales_nodes_by_their_cu_and_averages_runs():
+    spec = RunSpec("switch", SMALLEST["switch"], FABRIC_2X2)
+    job, _ = spec.compile()
+    base = CostModel(lanes=4)
+    by_cu = {}
+    for _n, _k, cu, nodes in job.lowered:
+        by_cu.setdefault(tuple(cu), []).extend(nodes)
+    predicted = {cu: sum(base.op_cycles(job.graph, n) for n in nodes)
+                 for cu, nodes in by_cu.items()}
+    counters = {cu: {"busy_cycles": 3 * p + 50, "wait_cycles": 50}
+                for cu, p in predicted.items()}      # every CU three times slower
+    model, rows = measured_cost(base, job, counters)
+    assert isinstance(model, MeasuredCostModel) and len(rows) == len(by_cu)
+    node = by_cu[next(iter(by_cu))][0]
+    assert model.factor(node) == pytest.approx(3.0)
+    if base.op_cycles(job.graph, node):
+        assert model.op_cycles(job.graph, node) == round(3 * base.op_cycles(job.graph, node))
+    # A second run at the predicted speed: the factor becomes the geometric mean sqrt(3).
+    counters = {cu: {"busy_cycles": p, "wait_cycles": 0} for cu, p in predicted.items()}
+    model2, _ = measured_cost(model, job, counters)
+    assert model2.factor(node) == pytest.approx(np.sqrt(3.0))
+    with pytest.raises(ValueError, match="No counters for CU"):
+        measured_cost(base, job, {})
+    with pytest.raises(ValueError, match="Runs of node"):
+        MeasuredCostModel(lanes=4, samples=(("a", 0.0, 0),))
+
+
+def test_run_many_needs_one_fabric():
+    a = RunSpec("switch", SMALLEST["switch"], FABRIC_2X2)
+    b = RunSpec("switch", SMALLEST["switch"], FABRIC_4X4)
+    with pytest.raises(ValueError, match="same fabric"):
+        e2e.run_many([a, b])
+    with pytest.raises(ValueError, match="Simulator must be one of"):
+        e2e.run_many([a], sim="modelsim")
+    with pytest.raises(ValueError, match="iterations must be a positive integer"):
+        RunSpec("switch", iterations=0)
+
+
+# --- every workload on Icarus and Verilator ---------------------------------------------------
+
+@pytest.mark.cosim
+@pytest.mark.parametrize("simulator", SIMULATORS)
+@pytest.mark.parametrize("fabric", [
+    FABRIC_2X2,
+    # 4x4: minutes to convert and build per simulator; run with -m slow.
+    pytest.param(FABRIC_4X4, marks=pytest.mark.slow),
+], ids=["2x2", "4x4"])
+def test_every_workload_on_the_rtl(simulator, fabric):
+    """Each built-in workload, compiled for the fabric, runs on the Verilog bit-exactly: its
+    outputs equal numpy's and the functional interpreter's, and every buffer is freed."""
+    require_simulator(simulator)
+    specs = [RunSpec(name, sizes, fabric) for name, sizes in SMALLEST.items()]
+    results = e2e.run_many(specs, sim=simulator)
+    assert len(results) == len(specs)
+    for spec, rows in zip(specs, results, strict=True):
+        _check_rows(rows, spec)
