@@ -16,7 +16,28 @@ from rdakit.hdl.jitter import jitter_salt, stall_sequence, xorshift32
 from rdakit.hdl.mesh import DualMesh, Mesh
 from rdakit.hdl.params import FabricParams
 from rdakit.sim.noc_model import PATTERNS, Destinations, NocScoreboard, hops, tb_payload_layout
-from tests.hdl.test_mesh import drive
+
+
+async def drive(ctx, net, n, queues, *, ready_p, rng, on_eject, limit, until=None):
+    """Offer the head of ``queues[t]`` on ``net.inject[t]`` and drain ``net.eject[t]`` with
+    probability ``ready_p`` (as in ``test_mesh.py``); returns the cycles run and the
+    injections."""
+    injected = []
+    for cycle in range(limit):
+        if until is not None and until():
+            return cycle, injected
+        for t in range(n):
+            ctx.set(net.inject[t].valid, bool(queues[t]))
+            if queues[t]:
+                ctx.set(net.inject[t].payload.as_value(), queues[t][0])
+            ctx.set(net.eject[t].ready, rng.random() < ready_p)
+        for t in range(n):
+            if queues[t] and ctx.get(net.inject[t].ready):
+                injected.append((cycle, t, queues[t].pop(0)))
+            if ctx.get(net.eject[t].valid) and ctx.get(net.eject[t].ready):
+                on_eject(cycle, t, ctx.get(net.eject[t].payload.as_value()))
+        await ctx.tick()
+    return limit, injected
 
 
 def run(dut, testbench):
