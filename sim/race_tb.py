@@ -48,6 +48,8 @@ async def race_scenarios(dut):
                            weight_bits=cfg.get("partial_weight_bits"))
         assert build_key(sc.scheme, sc.weight_bits) == (cfg["refcount"], cfg["weight_bits"])
         rows.append(await run_scenario(dut, host, params, sc, reset=reset))
+        if len(rows) % 250 == 0:
+            dut._log.info("%d of %d scenarios", len(rows), len(cfg["scenarios"]))
     with open(cfg["out"], "w") as f:
         json.dump(rows, f)
     dut._log.info("%d race scenarios", len(rows))
