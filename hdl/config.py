@@ -55,6 +55,11 @@ class MU_MAP:
     COPY_CYCLES = 0x3015
     BUSY_CYCLES = 0x3016
     FREE_BLOCKS = 0x3017
+    #: Only in a fabric built with ``stamps=True`` (``docs/race.md``), else 0: the tile's
+    #: cycle counter (cycles since reset) when it last answered a READ with OK, and when its
+    #: FREES counter last rose.
+    LAST_READ_CYCLE = 0x3018
+    LAST_FREE_CYCLE = 0x3019
 
 
 #: Counters every tile has (read-only), with their addresses.

@@ -14,11 +14,14 @@ from .compute_unit import ComputeUnit
 from .config import MU_MAP, STATUS_BITS, TILE_COUNTERS, config_bus_signature
 from .config_loader import ConfigLoader, LoadStatus
 from .flit import flit_layout
+from .jitter import RATE_BITS, SEED_BITS
 from .memory_unit import MemoryUnit
 from .mesh import DualMesh, tile_index
 from .packets import (
     HostCmd,
     MsgKind,
+    MUOp,
+    MUStatus,
     host_cmd_layout,
     host_reply_layout,
     host_tag_bit,
@@ -33,12 +36,15 @@ class MUTile(wiring.Component):
     """A memory unit with its network adapters, counters and configuration-space reads.
 
     Requests arrive as request-network flits (the payload is the MU request); responses leave
-    as response-network flits of kind RESPONSE addressed to the request's ``src``.
+    as response-network flits of kind RESPONSE addressed to the request's ``src``. With
+    ``stamps`` the tile also counts cycles since reset and records when it last answered a READ
+    with OK and when a buffer was last freed (``MU_MAP.LAST_READ_CYCLE``, ``LAST_FREE_CYCLE``).
     """
 
-    def __init__(self, params: FabricParams, *, x, y):
+    def __init__(self, params: FabricParams, *, x, y, stamps=False):
         self.params = params
         self.x, self.y = x, y
+        self.stamps = stamps
         p = params.mu
         cb = params.coord_bits
         super().__init__({
@@ -85,6 +91,17 @@ class MUTile(wiring.Component):
             TILE_COUNTERS["flits_out"]: flits_out,
             TILE_COUNTERS["flits_in"]: flits_in,
         }
+        if self.stamps:
+            now, last_read, last_free = Signal(32), Signal(32), Signal(32)
+            frees_seen = Signal.like(mu.frees)
+            m.d.sync += [now.eq(now + 1), frees_seen.eq(mu.frees)]
+            with m.If(mu.resp.valid & mu.resp.ready & (mu.resp.payload.op == MUOp.READ)
+                      & (mu.resp.payload.status == MUStatus.OK)):
+                m.d.sync += last_read.eq(now)
+            with m.If(mu.frees != frees_seen):
+                m.d.sync += last_free.eq(now)
+            readable[MU_MAP.LAST_READ_CYCLE] = last_read
+            readable[MU_MAP.LAST_FREE_CYCLE] = last_free
         with m.If(self.cfg.sel & self.cfg.re):
             with m.Switch(self.cfg.addr):
                 for addr, value in readable.items():
@@ -297,15 +314,27 @@ class Fabric(wiring.Component):
         Host replies.
     configured, done, error : Out(1)
         A bitstream passed every check; every CU has halted; a CU halted on an error.
+    jitter_seed : In(32), jitter_rate : In(8)
+        Only with ``jitter``: random stalls on every link of both networks
+        (:class:`~rdakit.hdl.mesh.Mesh`, ``docs/race.md``); 0 rate = none.
+
+    The keyword options are off by default and leave the design unchanged: ``jitter`` adds the
+    link stall gates, ``stamps`` the MU tiles' cycle stamps (:class:`MUTile`). Both are for the
+    race tests and ``rdakit bench race``; neither is a fabric parameter (a bitstream does not
+    depend on them).
     """
 
-    def __init__(self, params: FabricParams):
+    def __init__(self, params: FabricParams, *, jitter=False, stamps=False):
         from rdakit.compiler.bitstream import params_hash
 
         if not isinstance(params, FabricParams):
             raise TypeError(f"Params must be a FabricParams, not {params!r}")
+        for name, value in (("jitter", jitter), ("stamps", stamps)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, not {value!r}")
         self.params = params
         self.params_hash = params_hash(params)
+        self.jitter, self.stamps = jitter, stamps
         p = params.mu
         super().__init__({
             "cmd": In(stream.Signature(host_cmd_layout(p))),
@@ -313,6 +342,7 @@ class Fabric(wiring.Component):
             "configured": Out(1),
             "done": Out(1),
             "error": Out(1),
+            **({"jitter_seed": In(SEED_BITS), "jitter_rate": In(RATE_BITS)} if jitter else {}),
         })
 
     def elaborate(self, platform):
@@ -323,7 +353,10 @@ class Fabric(wiring.Component):
         m.submodules.noc = noc = DualMesh(
             rows=fp.rows, cols=fp.cols, request_shape=mu_request_layout(p),
             response_shape=msg_layout(p), coord_bits=cb, depth=fp.noc_depth,
-            queues=fp.noc_queues)
+            queues=fp.noc_queues, jitter=self.jitter)
+        if self.jitter:
+            m.d.comb += [noc.jitter_seed.eq(self.jitter_seed),
+                         noc.jitter_rate.eq(self.jitter_rate)]
         m.submodules.host = host = HostPort(fp, params_hash=self.params_hash)
         wiring.connect(m, wiring.flipped(self.cmd), host.cmd)
         wiring.connect(m, host.reply, wiring.flipped(self.reply))
@@ -366,7 +399,7 @@ class Fabric(wiring.Component):
                 error_bits.append(cu.error)
                 unit_cfg = cu.cfg
             else:
-                tile = MUTile(fp, x=x, y=y)
+                tile = MUTile(fp, x=x, y=y, stamps=self.stamps)
                 m.submodules[f"mu_{x}_{y}"] = tile
                 wiring.connect(m, req_eject, tile.req_in)
                 wiring.connect(m, tile.msg_out, rsp_in)

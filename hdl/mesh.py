@@ -4,11 +4,12 @@ Tiles are numbered row by row: tile ``t`` is at column ``x = t % cols`` and row
 ``y = t // cols``. Every port array of a mesh is indexed by that number.
 """
 
-from amaranth.hdl import Module
+from amaranth.hdl import Module, Mux
 from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from .flit import DIRECTIONS, PORT_DELTA, Port, flit_layout
+from .jitter import RATE_BITS, SEED_BITS, add_stall, jitter_salt
 from .packets import mu_request_layout, mu_response_layout
 from .params import MUParams
 from .router import Router, check_mesh_params
@@ -26,7 +27,7 @@ def tile_coords(t, cols):
     return t % cols, t // cols
 
 
-def mesh_signature(*, rows, cols, flit, counter_bits):
+def mesh_signature(*, rows, cols, flit, counter_bits, jitter=False):
     """Signature of a mesh of ``rows * cols`` tiles carrying flits of layout ``flit``.
 
     Members
@@ -42,8 +43,11 @@ def mesh_signature(*, rows, cols, flit, counter_bits):
         Per tile, injected flits dropped because their destination is outside the mesh.
     reject : Out(1).array(n)
         Per tile, high in the cycle such a flit is dropped.
+    jitter_seed : In(32), jitter_rate : In(8)
+        Only with ``jitter``: the link stall generators' seed and rate (:mod:`.jitter`).
     """
     n = rows * cols
+    extra = {"jitter_seed": In(SEED_BITS), "jitter_rate": In(RATE_BITS)} if jitter else {}
     return wiring.Signature({
         "inject": In(stream.Signature(flit)).array(n),
         "eject": Out(stream.Signature(flit)).array(n),
@@ -51,6 +55,7 @@ def mesh_signature(*, rows, cols, flit, counter_bits):
         "blocked": Out(counter_bits).array(n, len(Port)),
         "rejected": Out(counter_bits).array(n),
         "reject": Out(1).array(n),
+        **extra,
     })
 
 
@@ -73,6 +78,12 @@ class Mesh(wiring.Component):
         Shape of the flit payload.
     coord_bits, depth, queues, counter_bits
         As for :class:`~rdakit.hdl.router.Router`.
+    jitter : bool
+        Put a random stall gate on every link, injection and ejection port (race testing,
+        ``docs/race.md``; off by default). A gate lowers a stream port's ``valid`` and
+        ``ready`` together, and a router-to-router link's ``ready`` bits (the sender only
+        raises ``valid`` for a queue whose bit is set), so a stalled link simply transfers
+        nothing that cycle. ``jitter_salt`` keeps the gates of two meshes apart.
 
     Members
     -------
@@ -87,15 +98,36 @@ class Mesh(wiring.Component):
     """
 
     def __init__(self, *, rows, cols, payload_shape, coord_bits=None, depth=2, queues="voq",
-                 counter_bits=32):
+                 counter_bits=32, jitter=False, jitter_salt=0):
         coord_bits = check_mesh_params(rows=rows, cols=cols, coord_bits=coord_bits, depth=depth,
                                        queues=queues, counter_bits=counter_bits)
+        if not isinstance(jitter, bool):
+            raise TypeError(f"jitter must be a bool, not {jitter!r}")
         self.flit = flit_layout(coord_bits, payload_shape)
         self.rows, self.cols, self.coord_bits = rows, cols, coord_bits
         self.payload_shape = payload_shape
         self.depth, self.queues, self.counter_bits = depth, queues, counter_bits
+        self.jitter, self.jitter_salt = jitter, jitter_salt
         super().__init__(mesh_signature(rows=rows, cols=cols, flit=self.flit,
-                                        counter_bits=counter_bits))
+                                        counter_bits=counter_bits, jitter=jitter))
+
+    def _stall(self, m, *key):
+        """The stall signal of a new gate named ``key`` (``None`` without jitter)."""
+        if not self.jitter:
+            return None
+        return add_stall(m, seed=self.jitter_seed, rate=self.jitter_rate,
+                         salt=jitter_salt(self.jitter_salt, *key),
+                         name="_".join(str(k) for k in key))
+
+    @staticmethod
+    def _gated(m, src, dst, stall):
+        """Connect stream ``src`` (a producer) to ``dst``, through a stall gate if ``stall``
+        is not ``None``."""
+        if stall is None:
+            wiring.connect(m, src, dst)
+            return
+        m.d.comb += [dst.payload.eq(src.payload), dst.valid.eq(src.valid & ~stall),
+                     src.ready.eq(dst.ready & ~stall)]
 
     @property
     def n_tiles(self):
@@ -115,8 +147,10 @@ class Mesh(wiring.Component):
                 r = routers[x, y] = self.router(x, y)
                 m.submodules[f"r_{x}_{y}"] = r
                 t = tile_index(x, y, self.cols)
-                wiring.connect(m, wiring.flipped(self.inject[t]), r.inject)
-                wiring.connect(m, wiring.flipped(self.eject[t]), r.eject)
+                self._gated(m, wiring.flipped(self.inject[t]), r.inject,
+                            self._stall(m, "inject", x, y))
+                self._gated(m, r.eject, wiring.flipped(self.eject[t]),
+                            self._stall(m, "eject", x, y))
                 for p in Port:
                     m.d.comb += [self.forwarded[t][p.value].eq(r.forwarded[p.value]),
                                  self.blocked[t][p.value].eq(r.blocked[p.value])]
@@ -129,8 +163,15 @@ class Mesh(wiring.Component):
             for d in DIRECTIONS:
                 if r.has_port(d):
                     dx, dy = PORT_DELTA[d]
-                    wiring.connect(m, r.link_out[d.value],
-                                   routers[x + dx, y + dy].link_in[opposite[d].value])
+                    out, into = r.link_out[d.value], routers[x + dx, y + dy].link_in[
+                        opposite[d].value]
+                    stall = self._stall(m, "link", x, y, d.name)
+                    if stall is None:
+                        wiring.connect(m, out, into)
+                    else:
+                        m.d.comb += [into.valid.eq(out.valid), into.payload.eq(out.payload),
+                                     into.port.eq(out.port),
+                                     out.ready.eq(Mux(stall, 0, into.ready))]
         return m
 
 
@@ -158,7 +199,7 @@ class DualMesh(wiring.Component):
     """
 
     def __init__(self, *, rows, cols, request_shape, response_shape, coord_bits=None, depth=2,
-                 queues="voq", counter_bits=32):
+                 queues="voq", counter_bits=32, jitter=False):
         coord_bits = check_mesh_params(rows=rows, cols=cols, coord_bits=coord_bits, depth=depth,
                                        queues=queues, counter_bits=counter_bits)
         flits = []
@@ -170,13 +211,18 @@ class DualMesh(wiring.Component):
                 raise TypeError(f"{name} must be a shape-castable object, "
                                 f"not {shape!r}") from None
         self.request_flit, self.response_flit = flits
+        if not isinstance(jitter, bool):
+            raise TypeError(f"jitter must be a bool, not {jitter!r}")
         self._mesh_kw = dict(rows=rows, cols=cols, coord_bits=coord_bits, depth=depth,
-                             queues=queues, counter_bits=counter_bits)
+                             queues=queues, counter_bits=counter_bits, jitter=jitter)
+        self.jitter = jitter
         self.request_shape, self.response_shape = request_shape, response_shape
         self.rows, self.cols, self.coord_bits = rows, cols, coord_bits
         sig = dict(rows=rows, cols=cols, counter_bits=counter_bits)
         super().__init__({"req": Out(mesh_signature(flit=self.request_flit, **sig)),
-                          "rsp": Out(mesh_signature(flit=self.response_flit, **sig))})
+                          "rsp": Out(mesh_signature(flit=self.response_flit, **sig)),
+                          **({"jitter_seed": In(SEED_BITS), "jitter_rate": In(RATE_BITS)}
+                             if jitter else {})})
 
     @classmethod
     def for_mu(cls, params: MUParams, *, rows, cols, **kwargs):
@@ -189,8 +235,14 @@ class DualMesh(wiring.Component):
 
     def elaborate(self, platform):
         m = Module()
-        m.submodules.req = req = Mesh(payload_shape=self.request_shape, **self._mesh_kw)
-        m.submodules.rsp = rsp = Mesh(payload_shape=self.response_shape, **self._mesh_kw)
+        m.submodules.req = req = Mesh(payload_shape=self.request_shape, jitter_salt="req",
+                                      **self._mesh_kw)
+        m.submodules.rsp = rsp = Mesh(payload_shape=self.response_shape, jitter_salt="rsp",
+                                      **self._mesh_kw)
+        if self.jitter:
+            for net in (req, rsp):
+                m.d.comb += [net.jitter_seed.eq(self.jitter_seed),
+                             net.jitter_rate.eq(self.jitter_rate)]
         # (wiring.flipped() of a whole mesh interface fails on its port arrays in Amaranth 0.5,
         # so the ports are connected one by one.)
         for outer, inner in ((self.req, req), (self.rsp, rsp)):

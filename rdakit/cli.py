@@ -19,6 +19,7 @@ PLUGINS = [
     "rdakit.hdl.cli",
     "rdakit.sim.cli",
     "rdakit.sim.noc_cli",
+    "rdakit.sim.race_cli",
     "rdakit.fabric_cli",
     "rdakit.compiler.cli",
     "rdakit.run_cli",
