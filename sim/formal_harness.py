@@ -1,0 +1,382 @@
+"""Formal harnesses: the properties of the memory unit, the router and reference counting.
+
+Each :class:`Property` names a harness (an elaboratable holding the design under proof, an
+environment of ``Assume``/``AnySeq`` inputs and the ``Assert`` statements), how it is proven
+(``prove`` is k-induction; ``bmc`` a bounded check) and the deliberately broken variants that
+must make it fail. :data:`PROPERTIES` is the single list: ``rdakit verify``, the tests in
+``tests/formal/`` and the table in ``docs/verification.md`` all read it.
+
+Harnesses observe internal state through the private ``_observe=True`` argument of the
+components (documented there), and inject bugs through ``_fault=``.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+from amaranth.asserts import AnySeq
+from amaranth.hdl import Assert, Assume, Cat, Const, Elaboratable, Module, Signal
+
+from rdakit.hdl.free_list import FreeList
+from rdakit.hdl.memory_unit import MU_STATES, MemoryUnit
+from rdakit.hdl.packets import MUOp, MUStatus
+from rdakit.hdl.params import MUParams
+
+__all__ = ["Property", "PROPERTIES", "get_property", "prove"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Property:
+    """One proof: a harness, how it is run, and what it states.
+
+    Members
+    -------
+    name : str
+        Identifier (``unit.what``), also the SymbiYosys task name.
+    statement : str
+        What is proven, in words.
+    harness : callable
+        ``harness(fault)`` returns the elaboratable; ``fault`` is ``None`` or one of
+        ``faults``.
+    params : str
+        The parameters of the design under proof.
+    mode, depth : str, int
+        ``"prove"`` (k-induction of length ``depth``) or ``"bmc"`` (bounded, ``depth`` cycles).
+    expect : str
+        ``"PASS"``, or ``"FAIL"`` for a property that is expected to have a counterexample (a
+        demonstration of a known flaw).
+    faults : tuple of str
+        Broken variants (``fault`` values) for which the proof must fail.
+    fault_depth : int
+        Bound of the bounded check run on a broken variant, which must find a counterexample
+        from the initial state (``FAIL``), not merely break the induction; ``0`` means
+        ``depth``.
+    ci : bool
+        Part of the subset CI runs.
+    """
+
+    name: str
+    statement: str
+    harness: Callable
+    params: str
+    mode: str = "prove"
+    depth: int = 10
+    expect: str = "PASS"
+    faults: tuple = ()
+    fault_depth: int = 0
+    ci: bool = True
+
+    @property
+    def where(self):
+        return f"{self.harness.__module__}.{self.harness.__qualname__}"
+
+
+def _popcount(bits):
+    total = Const(0, 1)
+    for b in bits:
+        total = total + b
+    return total
+
+
+# --- Free list ---------------------------------------------------------------------------------
+
+FREE_LIST_DEPTH = 4
+
+
+def free_list_exclusive(fault=None):
+    """The free list against an environment that pops when it is not empty and pushes back
+    only entries it holds. ``held`` is the environment's set of entries."""
+    m = Module()
+    depth = FREE_LIST_DEPTH
+    m.submodules.dut = fl = FreeList(depth, _observe=True,
+                                     _fault={"pop_keeps": "pop_keeps"}.get(fault))
+    held = Signal(depth)
+    pop, push, push_data = AnySeq(1), AnySeq(1), AnySeq(fl.width)
+    m.d.comb += [fl.pop.eq(pop), fl.push.eq(push), fl.push_data.eq(push_data)]
+    with m.If(pop):
+        m.d.comb += Assume(~fl.empty)
+    with m.If(push):
+        m.d.comb += Assume((push_data < depth) & held.bit_select(push_data, 1))
+
+    held_next = Signal(depth)
+    m.d.comb += held_next.eq(held)
+    for k in range(depth):
+        with m.If(push & (push_data == k)):
+            m.d.comb += held_next[k].eq(0)
+        with m.If(pop & (fl.head == k)):
+            m.d.comb += held_next[k].eq(1)
+    m.d.sync += held.eq(held_next)
+
+    # Every entry is in exactly one place: held, on the stack, or never taken since reset.
+    n, taken = fl.obs_n, fl.obs_taken
+    m.d.comb += [Assert(n <= depth), Assert(taken <= depth)]
+    for k in range(depth):
+        on_stack = Cat(*((n > j) & (fl.obs_stack[j] == k) for j in range(depth)))
+        fresh = Const(k) >= taken
+        m.d.comb += Assert(_popcount([held[k], fresh, *on_stack]) == 1)
+    m.d.comb += [
+        Assert(fl.count == depth - _popcount(held)),
+        Assert(fl.empty == (fl.count == 0)),
+    ]
+    with m.If(~fl.empty):
+        m.d.comb += Assert(~held.bit_select(fl.head, 1) & (fl.head < depth))
+    return m
+
+
+# --- Memory unit -------------------------------------------------------------------------------
+
+#: The memory unit under proof: 4 blocks of 2 words, 2 buffer slots of up to 2 virtual blocks,
+#: 2-bit weights, one generation bit, 8-bit words; indices reach past the largest buffer.
+MU_FORMAL = MUParams(words=8, block_words=2, max_buffers=2, max_buffer_words=4, weight_bits=2,
+                     mu_id_bits=1, buf_id_bits=2, index_bits=3, data_bits=8, tag_bits=2,
+                     coord_bits=1)
+
+MU_PARAMS_TEXT = ("virtual, weighted; words=8, block_words=2 (4 blocks), max_buffers=2, "
+                  "max_buffer_words=4, weight_bits=2, buf_id_bits=2, index_bits=3, data_bits=8")
+
+
+def _state(obs, name):
+    return obs.state == MU_STATES.index(name)
+
+
+class _MUHarness(Elaboratable):
+    """A memory unit under an environment that sends arbitrary requests under the stream
+    rules (valid held until accepted, payload stable meanwhile; tags numbered in order) and
+    takes responses whenever it likes, with the invariants that make the proofs inductive.
+
+    ``check`` selects the property-specific assertions added to the invariants.
+    """
+
+    def __init__(self, check, fault=None, params=MU_FORMAL):
+        self.check, self.fault, self.p = check, fault, params
+
+    def elaborate(self, platform):
+        p = self.p
+        m = Module()
+        m.submodules.mu = mu = MemoryUnit(p, _observe=True, _fault=self.fault)
+        obs = mu.obs
+        self.m, self.mu, self.obs = m, mu, obs
+        self._environment()
+        self._invariants()
+        getattr(self, f"_check_{self.check}")()
+        return m
+
+    # Environment: any request under the stream rules; tags count requests.
+    def _environment(self):
+        m, mu = self.m, self.mu
+        req_layout = mu.req.payload.shape()
+        valid, payload, ready = AnySeq(1), AnySeq(req_layout.size), AnySeq(1)
+        m.d.comb += [mu.req.valid.eq(valid), mu.req.payload.eq(payload),
+                     mu.resp.ready.eq(ready)]
+        was_waiting = Signal()
+        last = Signal(req_layout.size)
+        m.d.sync += [was_waiting.eq(mu.req.valid & ~mu.req.ready), last.eq(mu.req.payload)]
+        with m.If(was_waiting):
+            m.d.comb += Assume(valid & (payload == last))
+        tag_bits = len(mu.req.payload.tag)
+        self.sent = sent = Signal(tag_bits)       # requests accepted (mod 2**tag_bits)
+        self.got = got = Signal(tag_bits)         # responses taken
+        m.d.comb += Assume(mu.req.payload.tag == sent)
+        with m.If(mu.req.valid & mu.req.ready):
+            m.d.sync += sent.eq(sent + 1)
+        with m.If(mu.resp.valid & mu.resp.ready):
+            m.d.sync += got.eq(got + 1)
+        # The response link keeps its side of the rules too.
+        resp_waiting = Signal()
+        resp_last = Signal(len(mu.resp.payload.as_value()))
+        m.d.sync += [resp_waiting.eq(mu.resp.valid & ~mu.resp.ready),
+                     resp_last.eq(mu.resp.payload.as_value())]
+        with m.If(resp_waiting):
+            m.d.comb += Assert(mu.resp.valid & (mu.resp.payload.as_value() == resp_last))
+
+    def _entry(self, slot, vb):
+        return self.obs.blocktab.obs_entries[slot * self.p.max_vblocks + vb]
+
+    def _nvb(self, length):
+        return (length + (self.p.block_words - 1)) >> self.p.offset_bits
+
+    def _invariants(self):
+        m, mu, obs, p = self.m, self.mu, self.obs, self.p
+        ob, sb = p.offset_bits, p.slot_bits
+        blocks, slots, bt = obs.blocks, obs.slots, obs.blocktab
+        init = _state(obs, "INIT")
+        a = []   # assertions outside INIT
+        s1_slot = obs.s1.ref.buf[:sb]
+
+        # INIT: nothing in flight, free lists at their reset state, tables cleared so far.
+        with m.If(init):
+            m.d.comb += [Assert(~obs.s1_valid & ~obs.s2_valid & (obs.live == 0)),
+                         Assert((slots.obs_n == 0) & (slots.obs_taken == 0)),
+                         Assert((blocks.obs_n == 0) & (blocks.obs_taken == 0)),
+                         Assert((obs.init_i <= p.max_buffers) & (mu.held_words == 0)),
+                         Assert(bt.obs_clear <= len(bt.obs_entries))]
+            for k, ent in enumerate(obs.buftab):
+                with m.If(obs.init_i > k):
+                    m.d.comb += Assert(ent.as_value() == 0)
+            for k, ent in enumerate(bt.obs_entries):
+                with m.If(bt.obs_clear > k):
+                    m.d.comb += Assert(ent.as_value() == 0)
+        a.append(bt.obs_clear == len(bt.obs_entries))
+        a.append(obs.state < len(MU_STATES) - 2)          # no reserve-mode states
+        a.append((blocks.obs_n <= p.n_blocks) & (blocks.obs_taken <= p.n_blocks))
+        a.append((slots.obs_n <= p.max_buffers) & (slots.obs_taken <= p.max_buffers))
+
+        # Slots: each is exactly one of live or free.
+        for s in range(p.max_buffers):
+            on_stack = [(slots.obs_n > j) & (slots.obs_stack[j] == s)
+                        for j in range(p.max_buffers)]
+            a.append(_popcount([obs.buftab[s].live, Const(s) >= slots.obs_taken, *on_stack])
+                     == 1)
+        a.append(obs.live == _popcount([e.live for e in obs.buftab]))
+
+        # Blocks: each is exactly one of free or mapped by one (slot, virtual block); mapped
+        # entries belong to live buffers and lie below their length.
+        for b in range(p.n_blocks):
+            on_stack = [(blocks.obs_n > j) & (blocks.obs_stack[j] == b)
+                        for j in range(p.n_blocks)]
+            mapped = [self._entry(s, v).valid & (self._entry(s, v).block == b)
+                      for s in range(p.max_buffers) for v in range(p.max_vblocks)]
+            a.append(_popcount([Const(b) >= blocks.obs_taken, *on_stack, *mapped]) == 1)
+        n_mapped = _popcount([e.valid for e in bt.obs_entries])
+        a.append(mu.free_blocks == p.n_blocks - n_mapped)
+        a.append(mu.held_words == n_mapped * p.block_words)
+
+        walking = _state(obs, "FREE_WALK")
+        ending = _state(obs, "FREE_END")
+        for s in range(p.max_buffers):
+            ent = obs.buftab[s]
+            a.append(ent.length <= p.max_buffer_words)
+            a.append(ent.collected <= ent.total)
+            for v in range(p.max_vblocks):
+                valid = self._entry(s, v).valid
+                # Entries being released by a free walk of this slot are gone below walk_vb.
+                released = (s1_slot == s) & ((walking & (v < obs.walk_vb - obs.walk_pending))
+                                             | ending)
+                a.append(~valid | (ent.live & (v < self._nvb(ent.length)) & ~released))
+
+        # The pipeline: reads presented on acceptance match the tables at execution.
+        with m.If(~init):
+            for k, cond in enumerate(a):
+                m.d.comb += Assert(cond, f"inv_{k}")
+            with m.If(_state(obs, "EXEC") & obs.s1_valid):
+                vb = obs.s1.index[ob:ob + exact_vbits(p)]
+                for s in range(p.max_buffers):
+                    with m.If(s1_slot == s):
+                        m.d.comb += Assert(obs.entry == obs.buftab[s])
+                        for v in range(p.max_vblocks):
+                            with m.If(vb == v):
+                                m.d.comb += Assert(bt.entry == self._entry(s, v))
+            with m.If(_state(obs, "ALLOC")):
+                m.d.comb += Assert(obs.s1_valid)
+                for s in range(p.max_buffers):
+                    with m.If(~slots.empty & (slots.head == s)):
+                        m.d.comb += Assert(obs.entry == obs.buftab[s])
+            with m.If(walking | ending):
+                m.d.comb += Assert(obs.s1_valid & ~obs.s2_valid)
+                for s in range(p.max_buffers):
+                    with m.If(s1_slot == s):
+                        ent = obs.buftab[s]
+                        m.d.comb += [Assert(ent.live & (obs.entry == ent)),
+                                     Assert(obs.saved.gen == ent.gen)]
+                        with m.If(walking):
+                            m.d.comb += [
+                                Assert(obs.walk_n == self._nvb(ent.length)),
+                                Assert((obs.walk_vb == 1) | (obs.walk_vb <= obs.walk_n)),
+                                Assert(obs.walk_vb >= 1),
+                                Assert(~obs.walk_pending | (obs.walk_prev + 1 == obs.walk_vb)),
+                            ]
+                            for v in range(p.max_vblocks):
+                                with m.If(obs.walk_pending & (obs.walk_prev == v)):
+                                    m.d.comb += Assert(bt.entry == self._entry(s, v))
+
+        # Requests in flight: each accepted request has exactly one response, in order.
+        in_flight = (self.sent - self.got)[:len(self.sent)]
+        m.d.comb += Assert(in_flight == obs.s1_valid + obs.s2_valid)
+        with m.If(obs.s2_valid):
+            m.d.comb += Assert(obs.s2.tag == self.got)
+        with m.If(obs.s1_valid):
+            m.d.comb += Assert(obs.s1.tag == (self.got + obs.s2_valid)[:len(self.got)])
+
+    def _check_exclusive(self):
+        pass   # the invariants are the property
+
+    def _check_responses(self):
+        mu = self.mu
+        with self.m.If(mu.resp.valid):
+            self.m.d.comb += Assert(mu.resp.payload.tag == self.got)
+
+
+def exact_vbits(p):
+    from amaranth.utils import exact_log2
+    return exact_log2(p.max_vblocks)
+
+
+def mu_exclusive(fault=None):
+    """Memory unit: blocks, slots and the block table are consistent (see the invariants)."""
+    return _MUHarness("exclusive", fault)
+
+
+def mu_responses(fault=None):
+    """Memory unit: every request gets exactly one response, in order."""
+    return _MUHarness("responses", fault)
+
+
+# --- The list ----------------------------------------------------------------------------------
+
+PROPERTIES = [
+    Property(
+        name="free_list.exclusive",
+        statement="Every entry of a free list is exactly one of: held by the environment, on "
+                  "the stack, never taken since reset; the head is never held; the count is "
+                  "the number of entries not held.",
+        harness=free_list_exclusive, params=f"depth={FREE_LIST_DEPTH}", depth=4,
+        faults=("pop_keeps",)),
+    Property(
+        name="mu.blocks",
+        statement="Every physical block is exactly one of: free (on the free list or never "
+                  "taken) or mapped by one (live buffer, virtual block below its length); "
+                  "every slot is live or free; the free-block count and held words match; the "
+                  "pipeline's table reads match the tables.",
+        harness=mu_exclusive, params=MU_PARAMS_TEXT, depth=6,
+        faults=("walk_keeps_entry",), fault_depth=13),
+]
+
+
+def get_property(name):
+    """The :class:`Property` called ``name``.
+
+    Raises
+    ------
+    ValueError
+        If there is no such property.
+    """
+    for prop in PROPERTIES:
+        if prop.name == name:
+            return prop
+    names = ", ".join(p.name for p in PROPERTIES)
+    raise ValueError(f"Property must be one of {names}, not {name!r}")
+
+
+def prove(prop, *, fault=None, workdir=None, timeout=None):
+    """Run ``prop`` (a :class:`Property` or its name), or its broken variant ``fault``, and
+    return the :class:`~rdakit.sim.formal.FormalResult`.
+
+    Raises
+    ------
+    ValueError
+        If ``fault`` is not one of the property's broken variants.
+    """
+    from rdakit.sim.formal import run_sby
+
+    if isinstance(prop, str):
+        prop = get_property(prop)
+    if fault is not None and fault not in prop.faults:
+        raise ValueError(f"Fault of {prop.name} must be one of "
+                         f"{', '.join(map(repr, prop.faults)) or 'none'}, not {fault!r}")
+    name = prop.name.replace(".", "-") + (f"-{fault}" if fault else "")
+    if fault is None:
+        mode, depth = prop.mode, prop.depth
+    else:
+        # A broken variant must show a real counterexample from the initial state.
+        mode, depth = "bmc", prop.fault_depth or prop.depth
+    return run_sby(prop.harness(fault), name=name, mode=mode, depth=depth, workdir=workdir,
+                   timeout=timeout)
