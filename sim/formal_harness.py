@@ -13,8 +13,9 @@ components (documented there), and inject bugs through ``_fault=``.
 import dataclasses
 from collections.abc import Callable
 
-from amaranth.asserts import AnySeq
-from amaranth.hdl import Assert, Assume, Cat, Const, Elaboratable, Module, Signal
+from amaranth.asserts import AnyConst, AnySeq
+from amaranth.hdl import Assert, Assume, Cat, Const, Elaboratable, Module, Mux, Signal
+from amaranth.utils import exact_log2
 
 from rdakit.hdl.free_list import FreeList
 from rdakit.hdl.memory_unit import MU_STATES, MemoryUnit
@@ -266,12 +267,13 @@ class _MUHarness(Elaboratable):
                             with m.If(vb == v):
                                 m.d.comb += Assert(bt.entry == self._entry(s, v))
             with m.If(_state(obs, "ALLOC")):
-                m.d.comb += Assert(obs.s1_valid)
+                m.d.comb += Assert(obs.s1_valid & (obs.s1.op == MUOp.ALLOC))
                 for s in range(p.max_buffers):
                     with m.If(~slots.empty & (slots.head == s)):
                         m.d.comb += Assert(obs.entry == obs.buftab[s])
             with m.If(walking | ending):
-                m.d.comb += Assert(obs.s1_valid & ~obs.s2_valid)
+                m.d.comb += Assert(obs.s1_valid & ~obs.s2_valid
+                                   & ((obs.s1.op == MUOp.RETURN) | (obs.s1.op == MUOp.DECREF)))
                 for s in range(p.max_buffers):
                     with m.If(s1_slot == s):
                         ent = obs.buftab[s]
@@ -296,7 +298,7 @@ class _MUHarness(Elaboratable):
         with m.If(obs.s1_valid):
             m.d.comb += Assert(obs.s1.tag == (self.got + obs.s2_valid)[:len(self.got)])
 
-    def _check_exclusive(self):
+    def _check_blocks(self):
         pass   # the invariants are the property
 
     def _check_responses(self):
@@ -304,20 +306,195 @@ class _MUHarness(Elaboratable):
         with self.m.If(mu.resp.valid):
             self.m.d.comb += Assert(mu.resp.payload.tag == self.got)
 
+    def _snapshot(self):
+        """Everything a request may change: tables, free lists, scratchpad, counts."""
+        obs = self.obs
+        parts = [e.as_value() for e in obs.buftab] + list(obs.scratch)
+        parts += [e.as_value() for e in obs.blocktab.obs_entries]
+        for fl in (obs.slots, obs.blocks):
+            parts += [fl.obs_n, fl.obs_taken, *fl.obs_stack]
+        parts += [obs.live, self.mu.held_words]
+        return Cat(*parts)
+
+    def _check_errors(self):
+        m, obs = self.m, self.obs
+        snap = self._snapshot()
+        before = Signal(len(snap))
+        refused = Signal()
+        m.d.sync += [before.eq(snap),
+                     refused.eq(obs.done & (obs.done_status != MUStatus.OK))]
+        with m.If(refused):
+            m.d.comb += Assert(snap == before, "refused request changed state")
+
+    def _check_weights(self):
+        m, mu, obs, p = self.m, self.mu, self.obs, self.p
+        sb, wb = p.slot_bits, p.weight_bits
+        req, resp = mu.req.payload, mu.resp.payload
+        n = p.max_buffers
+        # The environment as one holder per slot: the weight it holds (hw), the generation of
+        # the reference it holds (hgen), and the weight of ADD_WEIGHT requests in flight.
+        hw = [Signal(wb + 1, name=f"held_weight_{s}") for s in range(n)]
+        hgen = [Signal(p.gen_bits, name=f"held_gen_{s}") for s in range(n)]
+        ntags = 1 << len(req.tag)
+        pend = [Signal(p.data_bits, name=f"pending_add_{t}") for t in range(ntags)]
+        accept = mu.req.valid & mu.req.ready
+        deliver = mu.resp.valid & mu.resp.ready
+        slot_of = req.ref.buf[:sb]
+        gen_of = req.ref.buf[sb:]
+        # RETURN and ADD_WEIGHT only by a holder, RETURN of 1 .. what it holds.
+        for s in range(n):
+            holds = (req.ref.mu == 0) & (gen_of == hgen[s]) & (hw[s] != 0)
+            with m.If(mu.req.valid & (slot_of == s)):
+                with m.If(req.op == MUOp.RETURN):
+                    m.d.comb += Assume(holds & (req.data != 0) & (req.data <= hw[s]))
+                with m.If(req.op == MUOp.ADD_WEIGHT):
+                    m.d.comb += Assume(holds)
+            # A RETURN leaves the holder when it is sent; ADD_WEIGHT and ALLOC weight reach it
+            # with their responses (both may happen in one cycle).
+            returned = Mux(accept & (slot_of == s) & (req.op == MUOp.RETURN), req.data, 0)
+            added = Const(0, p.data_bits)
+            rslot = resp.ref.buf[:sb]
+            got_ok = deliver & (rslot == s) & (resp.status == MUStatus.OK)
+            for t in range(ntags):
+                added = Mux(got_ok & (resp.op == MUOp.ADD_WEIGHT) & (resp.tag == t), pend[t],
+                            added)
+            m.d.sync += hw[s].eq(hw[s] - returned + added)
+            with m.If(got_ok & (resp.op == MUOp.ALLOC)):
+                m.d.sync += [hw[s].eq(resp.data[:wb]), hgen[s].eq(resp.ref.buf[sb:])]
+        for t in range(ntags):
+            with m.If(accept & (req.tag == t)):
+                m.d.sync += pend[t].eq(req.data)
+
+        # Weighted reference counting: total = collected + held + in flight, for every live
+        # buffer; a holder holds no weight of a buffer that is not live.
+        s1, s2 = obs.s1, obs.s2
+        with m.If(~_state(obs, "INIT")):
+            for s in range(n):
+                ent = obs.buftab[s]
+                holds = hgen[s] == ent.gen
+                alloc_here = (obs.s2_valid & (s2.op == MUOp.ALLOC) & (s2.status == MUStatus.OK)
+                              & (s2.ref.buf[:sb] == s))
+                alloc_w = Mux(alloc_here, s2.data, 0)
+                with m.If(alloc_here):
+                    m.d.comb += Assert(ent.live & (s2.ref.buf[sb:] == ent.gen)
+                                       & (s2.ref.mu == 0) & (s2.data == ent.total)
+                                       & (ent.collected == 0) & (s2.data != 0))
+                s1_here = obs.s1_valid & (s1.ref.buf[:sb] == s) & (s1.ref.buf[sb:] == ent.gen)
+                ret_w = Mux(s1_here & (s1.op == MUOp.RETURN), s1.data, 0)
+                add_w = Const(0, p.data_bits)
+                for t in range(ntags):
+                    add_w = Mux(obs.s2_valid & (s2.op == MUOp.ADD_WEIGHT)
+                                & (s2.status == MUStatus.OK) & (s2.ref.buf[:sb] == s)
+                                & (s2.tag == t), pend[t], add_w)
+                add_here = (obs.s2_valid & (s2.op == MUOp.ADD_WEIGHT) & (s2.status == MUStatus.OK)
+                            & (s2.ref.buf[:sb] == s))
+                with m.If(add_here):
+                    m.d.comb += Assert(ent.live & (s2.ref.buf[sb:] == ent.gen) & holds)
+                with m.If(obs.s1_valid & (s1.ref.buf[:sb] == s)
+                          & ((s1.op == MUOp.RETURN) | (s1.op == MUOp.ADD_WEIGHT))):
+                    m.d.comb += Assert(ent.live & (s1.ref.buf[sb:] == ent.gen) & holds
+                                       & (s1.ref.mu == 0) & ~alloc_here)
+                    with m.If(s1.op == MUOp.ADD_WEIGHT):
+                        m.d.comb += Assert(hw[s] != 0)
+                with m.If(ent.live):
+                    m.d.comb += Assert(
+                        ent.total == ent.collected + Mux(holds, hw[s], 0) + alloc_w + ret_w
+                        + add_w, f"weight accounting of slot {s}")
+                    m.d.comb += Assert((alloc_w == 0) | (hw[s] == 0))
+                with m.If(hw[s] != 0):
+                    m.d.comb += Assert(ent.live & holds,
+                                       f"weight held for a freed buffer in slot {s}")
+            for t in range(ntags):
+                with m.If(obs.s1_valid & (s1.tag == t)):
+                    m.d.comb += Assert(pend[t] == s1.data)
+            with m.If(obs.frees_now):
+                m.d.comb += Assert(obs.entry.collected + s1.data == obs.entry.total,
+                                   "freed before its weight was collected")
+
+    def _check_read_write(self):
+        m, mu, obs, p = self.m, self.mu, self.obs, self.p
+        sb, ob = p.slot_bits, p.offset_bits
+        vbits = exact_vbits(p)
+        # One watched word: (slot, index) chosen by the solver, and what was last written.
+        w_slot, w_index = AnyConst(sb), AnyConst(exact_log2(p.max_buffer_words))
+        written = Signal()
+        value = Signal(p.data_bits)
+        s1 = obs.s1
+        here = (s1.ref.buf[:sb] == w_slot)
+        ok_exec = _state(obs, "EXEC") & obs.done & (obs.done_status == MUStatus.OK)
+        with m.If(ok_exec & here & ((s1.op == MUOp.WRITE) | (s1.op == MUOp.APPEND))
+                  & (obs.idx == w_index)):
+            m.d.sync += [written.eq(1), value.eq(s1.data)]
+        with m.If(_state(obs, "FREE_END") & obs.done & here):
+            m.d.sync += written.eq(0)
+        # A READ of the watched word: its response carries the value.
+        expect = Signal()
+        with m.If(ok_exec & here & (s1.op == MUOp.READ) & (s1.index == w_index) & written):
+            m.d.sync += expect.eq(1)
+        with m.Elif(mu.resp.ready):
+            m.d.sync += expect.eq(0)
+        with m.If(expect):
+            m.d.comb += Assert(mu.resp.valid & (mu.resp.payload.data == value),
+                               "read returned a different word")
+        # Invariant: the watched word is mapped, inside the length, and holds the value.
+        with m.If(~_state(obs, "INIT")):
+            with m.If(expect):
+                m.d.comb += Assert(obs.s2_valid & (obs.s2.op == MUOp.READ)
+                                   & (obs.s2.status == MUStatus.OK))
+            freeing = ((_state(obs, "FREE_WALK") | _state(obs, "FREE_END"))
+                       & (s1.ref.buf[:sb] == w_slot))
+            for s in range(p.max_buffers):
+                ent = obs.buftab[s]
+                with m.If((w_slot == s) & written & ~freeing):
+                    m.d.comb += Assert(ent.live & (ent.length > w_index))
+                    for v in range(p.max_vblocks):
+                        with m.If(w_index[ob:ob + vbits] == v):
+                            blk = self._entry(s, v)
+                            m.d.comb += Assert(blk.valid)
+                            for b in range(p.n_blocks):
+                                with m.If(blk.block == b):
+                                    for o in range(p.block_words):
+                                        with m.If(w_index[:ob] == o):
+                                            m.d.comb += Assert(
+                                                obs.scratch[b * p.block_words + o] == value)
+                # The tail is the block of the last word.
+                freeing_s = ((_state(obs, "FREE_WALK") | _state(obs, "FREE_END"))
+                             & (s1.ref.buf[:sb] == s))
+                with m.If(ent.live & (ent.length != 0) & ~freeing_s):
+                    last = (ent.length - 1)[ob:ob + vbits]
+                    for v in range(p.max_vblocks):
+                        with m.If(last == v):
+                            m.d.comb += Assert(self._entry(s, v).valid
+                                               & (self._entry(s, v).block == ent.tail))
+
 
 def exact_vbits(p):
-    from amaranth.utils import exact_log2
     return exact_log2(p.max_vblocks)
 
 
-def mu_exclusive(fault=None):
+def mu_blocks(fault=None):
     """Memory unit: blocks, slots and the block table are consistent (see the invariants)."""
-    return _MUHarness("exclusive", fault)
+    return _MUHarness("blocks", fault)
 
 
 def mu_responses(fault=None):
     """Memory unit: every request gets exactly one response, in order."""
     return _MUHarness("responses", fault)
+
+
+def mu_errors(fault=None):
+    """Memory unit: a refused request changes nothing."""
+    return _MUHarness("errors", fault)
+
+
+def mu_weights(fault=None):
+    """Memory unit: weighted reference counting against holders of weight shares."""
+    return _MUHarness("weights", fault)
+
+
+def mu_read_write(fault=None):
+    """Memory unit: a read returns the last word written at that (buffer, index)."""
+    return _MUHarness("read_write", fault)
 
 
 # --- The list ----------------------------------------------------------------------------------
@@ -336,8 +513,37 @@ PROPERTIES = [
                   "taken) or mapped by one (live buffer, virtual block below its length); "
                   "every slot is live or free; the free-block count and held words match; the "
                   "pipeline's table reads match the tables.",
-        harness=mu_exclusive, params=MU_PARAMS_TEXT, depth=6,
+        harness=mu_blocks, params=MU_PARAMS_TEXT, depth=6,
         faults=("walk_keeps_entry",), fault_depth=13),
+    Property(
+        name="mu.responses",
+        statement="Every accepted request gets exactly one response, in request order (tags "
+                  "count requests); requests in flight are exactly those in the pipeline; the "
+                  "response link holds valid and payload until ready.",
+        harness=mu_responses, params=MU_PARAMS_TEXT, depth=6,
+        faults=("len_no_response",), fault_depth=10),
+    Property(
+        name="mu.errors",
+        statement="A request refused with an error status changes nothing (tables, free lists, "
+                  "scratchpad, counts); under arbitrary requests collected weight never exceeds "
+                  "total weight.",
+        harness=mu_errors, params=MU_PARAMS_TEXT, depth=6,
+        faults=("error_writes", "return_no_overflow"), fault_depth=12),
+    Property(
+        name="mu.weights",
+        statement="Weighted reference counting with the environment as holders of weight "
+                  "shares: for every live buffer total = collected + held + in flight; a buffer "
+                  "is freed only when collected = total; no holder holds weight of a freed "
+                  "buffer.",
+        harness=mu_weights, params=MU_PARAMS_TEXT, depth=6,
+        faults=("return_frees_early",), fault_depth=12),
+    Property(
+        name="mu.read_write",
+        statement="A READ of a (buffer, index) returns the last word written there by WRITE or "
+                  "APPEND (one word chosen by the solver, watched from its write to the free "
+                  "of its buffer).",
+        harness=mu_read_write, params=MU_PARAMS_TEXT, depth=6,
+        faults=("append_no_tail",), fault_depth=14),
 ]
 
 
