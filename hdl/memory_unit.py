@@ -597,7 +597,6 @@ class MemoryUnit(wiring.Component):
         import types
 
         entry = buffer_entry_layout(p)
-        nvb = p.max_buffers * p.max_vblocks
         sig = Signal
         return types.SimpleNamespace(
             state=sig(range(len(MU_STATES))),

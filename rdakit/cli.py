@@ -19,6 +19,7 @@ PLUGINS = [
     "rdakit.hdl.cli",
     "rdakit.sim.cli",
     "rdakit.sim.noc_cli",
+    "rdakit.sim.formal_cli",
     "rdakit.fabric_cli",
     "rdakit.compiler.cli",
 ]

@@ -177,7 +177,8 @@ def run_sby(harness, *, name, mode="prove", depth=10, workdir=None, timeout=None
     # Assertion messages by cell, to name failed assertions by their message.
     messages = dict(re.findall(r'cell \$check \$(\d+)\n\s*parameter \\FORMAT "([^"]+)"', il))
     sby_file = workdir / f"{name}.sby"
-    sby_file.write_text(_SBY_TEMPLATE.format(mode=mode, depth=depth, engines=ENGINES[mode], name=name))
+    sby_file.write_text(_SBY_TEMPLATE.format(mode=mode, depth=depth, engines=ENGINES[mode],
+                                             name=name))
     task_dir = workdir / name
     start = time.monotonic()
     try:
@@ -199,7 +200,7 @@ def run_sby(harness, *, name, mode="prove", depth=10, workdir=None, timeout=None
         text = messages.get(cell) or src
         if text not in failed:
             failed.append(text)
-    step = re.search(r"(?:BMC|Induction) failed!|Assert failed", log)
+    # The step of the first failed assertion: the last step whose assertions were checked.
     step_no = None
     for m in re.finditer(r"Checking assertions in step (\d+)", log):
         step_no = int(m.group(1))
@@ -211,7 +212,7 @@ def run_sby(harness, *, name, mode="prove", depth=10, workdir=None, timeout=None
     if trace is not None and not trace.exists():
         trace = None
     return FormalResult(status=status, seconds=seconds, mode=mode, depth=depth, trace=trace,
-                        failed=failed, step=step_no if step else None, workdir=task_dir, log=log)
+                        failed=failed, step=step_no if failed else None, workdir=task_dir, log=log)
 
 
 def _formal_root():

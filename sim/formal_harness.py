@@ -22,7 +22,7 @@ from rdakit.hdl.memory_unit import MU_STATES, MemoryUnit
 from rdakit.hdl.packets import MUOp, MUStatus
 from rdakit.hdl.params import MUParams
 
-__all__ = ["Property", "PROPERTIES", "get_property", "prove"]
+__all__ = ["Property", "PROPERTIES", "get_property", "prove", "properties_table"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -521,7 +521,7 @@ PROPERTIES = [
                   "count requests); requests in flight are exactly those in the pipeline; the "
                   "response link holds valid and payload until ready.",
         harness=mu_responses, params=MU_PARAMS_TEXT, depth=6,
-        faults=("len_no_response",), fault_depth=10),
+        faults=("len_no_response",), fault_depth=14),
     Property(
         name="mu.errors",
         statement="A request refused with an error status changes nothing (tables, free lists, "
@@ -586,3 +586,17 @@ def prove(prop, *, fault=None, workdir=None, timeout=None):
         mode, depth = "bmc", prop.fault_depth or prop.depth
     return run_sby(prop.harness(fault), name=name, mode=mode, depth=depth, workdir=workdir,
                    timeout=timeout)
+
+
+def properties_table():
+    """The Markdown table of :data:`PROPERTIES` in ``docs/verification.md``."""
+    lines = ["| property | states | harness | parameters | mode, depth | broken variants "
+             "(bounded check depth) | CI |", "|---|---|---|---|---|---|---|"]
+    for prop in PROPERTIES:
+        mode = "k-induction" if prop.mode == "prove" else "bounded"
+        faults = ", ".join(f"`{f}`" for f in prop.faults) or "-"
+        if prop.faults:
+            faults += f" ({prop.fault_depth or prop.depth})"
+        lines.append(f"| `{prop.name}` | {prop.statement} | `{prop.where}` | {prop.params} "
+                     f"| {mode}, {prop.depth} | {faults} | {'yes' if prop.ci else 'no'} |")
+    return "\n".join(lines)
