@@ -521,14 +521,14 @@ PROPERTIES = [
                   "count requests); requests in flight are exactly those in the pipeline; the "
                   "response link holds valid and payload until ready.",
         harness=mu_responses, params=MU_PARAMS_TEXT, depth=6,
-        faults=("len_no_response",), fault_depth=14),
+        faults=("len_no_response",), fault_depth=11),
     Property(
         name="mu.errors",
         statement="A request refused with an error status changes nothing (tables, free lists, "
                   "scratchpad, counts); under arbitrary requests collected weight never exceeds "
                   "total weight.",
         harness=mu_errors, params=MU_PARAMS_TEXT, depth=6,
-        faults=("error_writes", "return_no_overflow"), fault_depth=12),
+        faults=("error_writes", "return_no_overflow"), fault_depth=11),
     Property(
         name="mu.weights",
         statement="Weighted reference counting with the environment as holders of weight "
@@ -536,14 +536,14 @@ PROPERTIES = [
                   "is freed only when collected = total; no holder holds weight of a freed "
                   "buffer.",
         harness=mu_weights, params=MU_PARAMS_TEXT, depth=6,
-        faults=("return_frees_early",), fault_depth=12),
+        faults=("return_frees_early",), fault_depth=11),
     Property(
         name="mu.read_write",
         statement="A READ of a (buffer, index) returns the last word written there by WRITE or "
                   "APPEND (one word chosen by the solver, watched from its write to the free "
                   "of its buffer).",
         harness=mu_read_write, params=MU_PARAMS_TEXT, depth=6,
-        faults=("append_no_tail",), fault_depth=14),
+        faults=("append_no_tail",), fault_depth=12),
 ]
 
 
