@@ -26,6 +26,7 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -172,7 +173,9 @@ def run_sby(harness, *, name, mode="prove", depth=10, workdir=None, timeout=None
     top = Module()
     top.domains.sync = cd = ClockDomain("sync", reset_less=True)
     top.submodules.harness = harness
-    il = rtlil.convert(top, name="top", ports=[cd.clk])
+    # platform="formal" turns on the checks Amaranth's own FIFOs carry for formal proofs
+    # (pointer and level consistency), which make them inductive.
+    il = rtlil.convert(top, name="top", platform="formal", ports=[cd.clk])
     (workdir / f"{name}.il").write_text(il)
     # Assertion messages by cell, to name failed assertions by their message.
     messages = dict(re.findall(r'cell \$check \$(\d+)\n\s*parameter \\FORMAT "([^"]+)"', il))
@@ -181,14 +184,21 @@ def run_sby(harness, *, name, mode="prove", depth=10, workdir=None, timeout=None
                                              name=name))
     task_dir = workdir / name
     start = time.monotonic()
+    # SymbiYosys starts solvers of its own: run it in a session of its own, so that stopping
+    # it (time out, interrupt) stops them too.
+    proc = subprocess.Popen([*SBY_COMMAND, f"{name}.sby"], cwd=workdir, env=_tool_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run([*SBY_COMMAND, f"{name}.sby"], cwd=workdir, env=_tool_env(),
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise FormalError(f"SymbiYosys ran out of time ({timeout} s) on {name!r}; "
-                          f"see {task_dir}") from None
+        log, _ = proc.communicate(timeout=timeout)
+    except BaseException as e:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+        if isinstance(e, subprocess.TimeoutExpired):
+            raise FormalError(f"SymbiYosys ran out of time ({timeout} s) on {name!r}; "
+                              f"see {task_dir}") from None
+        raise
     seconds = time.monotonic() - start
-    log = proc.stdout + proc.stderr
     done = re.search(r"DONE \((PASS|FAIL|UNKNOWN|ERROR|TIMEOUT)", log)
     if done is None or done.group(1) in ("ERROR", "TIMEOUT"):
         tail = "\n".join(log.splitlines()[-20:])

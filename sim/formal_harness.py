@@ -17,10 +17,12 @@ from amaranth.asserts import AnyConst, AnySeq
 from amaranth.hdl import Assert, Assume, Cat, Const, Elaboratable, Module, Mux, Signal
 from amaranth.utils import exact_log2
 
+from rdakit.hdl.flit import DIRECTIONS, Port
 from rdakit.hdl.free_list import FreeList
 from rdakit.hdl.memory_unit import MU_STATES, MemoryUnit
 from rdakit.hdl.packets import MUOp, MUStatus
 from rdakit.hdl.params import MUParams
+from rdakit.hdl.router import Router, xy_route
 
 __all__ = ["Property", "PROPERTIES", "get_property", "prove", "properties_table"]
 
@@ -632,6 +634,79 @@ class _CounterHarness(_MUHarness):
                                            & (s2.ref.mu == 0))
 
 
+# --- Router --------------------------------------------------------------------------------
+
+#: The router under proof: the middle router of a 3 × 3 mesh (all five ports), 2-bit
+#: coordinates and payloads, queues of 2 per (input, output) pair.
+ROUTER_FORMAL = dict(payload_shape=2, x=1, y=1, rows=3, cols=3, coord_bits=2, depth=2,
+                     queues="voq", counter_bits=1)
+
+ROUTER_PARAMS_TEXT = "router (1, 1) of 3x3, voq queues of depth 2, 2-bit coordinates and payload"
+
+
+class _RouterHarness(Elaboratable):
+    """One router with every input driven by the environment: locally injected flits under the
+    stream rules, and flits on the four links as a neighbour would send them (only into a
+    queue with room, with the lookahead port XY routing gives, arriving from a direction XY
+    routing allows). Every receiver (the ejection port, the links' ready bits) stalls at will.
+    """
+
+    def __init__(self, fault=None):
+        self.fault = fault
+
+    def elaborate(self, platform):
+        m = Module()
+        m.submodules.router = r = Router(**ROUTER_FORMAL, _fault=self.fault)
+        x, y = r.x, r.y
+        flit = r.flit
+
+        def inside(dst):
+            return (dst.x < r.cols) & (dst.y < r.rows)
+
+        # Local injection under the stream rules.
+        inj = r.inject
+        m.d.comb += [inj.valid.eq(AnySeq(1)), inj.payload.eq(AnySeq(flit.size))]
+        waiting, last = Signal(), Signal(flit.size)
+        m.d.sync += [waiting.eq(inj.valid & ~inj.ready), last.eq(inj.payload)]
+        with m.If(waiting):
+            m.d.comb += Assume(inj.valid & (inj.payload.as_value() == last))
+        # Receivers that stall at will.
+        m.d.comb += r.eject.ready.eq(AnySeq(1))
+        for d in DIRECTIONS:
+            m.d.comb += r.link_out[d.value].ready.eq(AnySeq(len(Port)))
+        # Links in: what a neighbour following the protocol sends.
+        came_from = {Port.WEST: lambda t: t.x >= x, Port.EAST: lambda t: t.x <= x,
+                     Port.NORTH: lambda t: (t.x == x) & (t.y >= y),
+                     Port.SOUTH: lambda t: (t.x == x) & (t.y <= y)}
+        for d in DIRECTIONS:
+            link = r.link_in[d.value]
+            m.d.comb += [link.valid.eq(AnySeq(1)), link.payload.eq(AnySeq(flit.size)),
+                         link.port.eq(xy_route(link.payload.dst, x, y))]
+            with m.If(link.valid):
+                m.d.comb += Assume(inside(link.payload.dst) & came_from[d](link.payload.dst)
+                                   & link.ready.bit_select(link.port.as_value(), 1))
+
+        # Link rules: a link is driven only towards a queue with room; the ejection port keeps
+        # valid and payload until taken.
+        for d in DIRECTIONS:
+            out = r.link_out[d.value]
+            with m.If(out.valid):
+                m.d.comb += Assert(out.ready.bit_select(out.port.as_value(), 1),
+                                   f"{d.name} link driven without room")
+        ej_waiting, ej_last = Signal(), Signal(flit.size)
+        m.d.sync += [ej_waiting.eq(r.eject.valid & ~r.eject.ready),
+                     ej_last.eq(r.eject.payload)]
+        with m.If(ej_waiting):
+            m.d.comb += Assert(r.eject.valid & (r.eject.payload.as_value() == ej_last),
+                               "eject changed while waiting")
+        return m
+
+
+def router_links(fault=None):
+    """Router: valid/ready rules on every link, with receivers that stall at will."""
+    return _RouterHarness(fault)
+
+
 def exact_vbits(p):
     return exact_log2(p.max_vblocks)
 
@@ -713,6 +788,14 @@ PROPERTIES = [
                   "of its buffer).",
         harness=mu_read_write, params=MU_PARAMS_TEXT, depth=6,
         faults=("append_no_tail",), fault_depth=12),
+    Property(
+        name="router.links",
+        statement="With receivers that stall at will and any traffic on all five inputs: a "
+                  "router drives a link only towards a queue with room (the link's ready bit "
+                  "for the flit's lookahead port); its ejection port holds valid and payload "
+                  "until taken.",
+        harness=router_links, params=ROUTER_PARAMS_TEXT, depth=4,
+        faults=("ignore_room",), fault_depth=6),
     Property(
         name="refcount.counter_gated",
         statement="Counter-based reference counting with acknowledgement gating: holder A "

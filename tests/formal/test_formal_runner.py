@@ -7,6 +7,7 @@ from amaranth.hdl import Assert, Module, Signal
 
 from rdakit.hdl.free_list import FreeList
 from rdakit.hdl.memory_unit import MemoryUnit
+from rdakit.hdl.router import Router
 from rdakit.sim import formal_harness
 from rdakit.sim.formal import run_sby, sby_available
 from rdakit.sim.formal_harness import PROPERTIES, get_property, prove
@@ -56,6 +57,8 @@ def test_fault_hooks_validate():
         FreeList(4, _fault="x")
     with pytest.raises(TypeError, match=r"Fault must be one of 'walk_keeps_entry', .*not 'x'"):
         MemoryUnit(_fault="x")
+    with pytest.raises(TypeError, match=r"Fault must be one of 'ignore_room', not 'x'"):
+        Router(payload_shape=2, _fault="x")
 
 
 def test_property_list_is_consistent():
