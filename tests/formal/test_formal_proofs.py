@@ -31,3 +31,6 @@ def test_broken_variant_is_caught(prop, fault, tmp_path):
     assert result.status == "FAIL", f"{prop.name} with {fault}: {result.status}"
     assert result.failed, "a failing run names the assertions that failed"
     assert result.trace is not None and result.trace.exists()
+    if fault == "ungated":
+        # The paper's Figure 1(b): the INCREF overtaken by a DECREF frees the buffer early.
+        assert "buffer freed while a holder holds its reference" in result.failed
