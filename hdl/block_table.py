@@ -45,12 +45,24 @@ class BlockTable(wiring.Component):
         The value written.
     ready : Out(1)
         The table has been cleared since reset.
+
+    Notes
+    -----
+    The private, test-only argument ``_observe=True`` adds the members ``obs_entries`` (every
+    entry, indexed ``slot * max_vblocks + vblock``, through combinational read ports) and
+    ``obs_clear`` (entries cleared since reset) for the formal proofs.
     """
 
-    def __init__(self, params):
+    def __init__(self, params, *, _observe=False):
         if not isinstance(params, MUParams):
             raise TypeError(f"Params must be an MUParams, not {params!r}")
         self.params = params
+        self._observe = bool(_observe)
+        if self._observe:
+            depth = params.max_buffers * params.max_vblocks
+            self.obs_entries = [Signal(block_entry_layout(params), name=f"obs_entry_{k}")
+                                for k in range(depth)]
+            self.obs_clear = Signal(range(depth + 1))
         slot = max(1, params.slot_bits)
         vb = max(1, exact_log2(params.max_vblocks))
         entry = block_entry_layout(params)
@@ -95,4 +107,9 @@ class BlockTable(wiring.Component):
                 wp.data.eq(self.write_entry),
                 wp.en.eq(self.write_en),
             ]
+        if self._observe:
+            for k, obs in enumerate(self.obs_entries):
+                port = mem.read_port(domain="comb")
+                m.d.comb += [port.addr.eq(k), obs.eq(port.data)]
+            m.d.comb += self.obs_clear.eq(clear)
         return m

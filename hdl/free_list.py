@@ -5,7 +5,11 @@ from amaranth.lib import memory, wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import ceil_log2
 
-__all__ = ["FreeList"]
+__all__ = ["FreeList", "FREE_LIST_FAULTS"]
+
+#: Deliberate bugs for the formal harnesses' self-test (``_fault=``), never for real designs:
+#: ``"pop_keeps"`` leaves a popped entry on the stack, so it is handed out twice.
+FREE_LIST_FAULTS = ("pop_keeps",)
 
 
 class FreeList(wiring.Component):
@@ -49,9 +53,16 @@ class FreeList(wiring.Component):
     ------
     TypeError
         If ``depth`` is not a positive integer or ``width`` is too narrow.
+
+    Notes
+    -----
+    Two private, test-only arguments serve the formal proofs (``rdakit.sim.formal_harness``):
+    ``_observe=True`` adds the members ``obs_stack`` (every stack entry, through combinational
+    read ports), ``obs_n`` (entries on the stack) and ``obs_taken`` (fresh entries handed out),
+    so that invariants can name the state; ``_fault`` injects one of :data:`FREE_LIST_FAULTS`.
     """
 
-    def __init__(self, depth, *, width=None, fresh=True):
+    def __init__(self, depth, *, width=None, fresh=True, _observe=False, _fault=None):
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
             raise TypeError(f"Depth must be a positive integer, not {depth!r}")
         if width is None:
@@ -59,9 +70,18 @@ class FreeList(wiring.Component):
         if not isinstance(width, int) or width < 1 or (fresh and (depth - 1) >> width):
             raise TypeError(f"Width must be a positive integer that holds {depth - 1}, "
                             f"not {width!r}")
+        if _fault is not None and _fault not in FREE_LIST_FAULTS:
+            raise TypeError(f"Fault must be one of {', '.join(map(repr, FREE_LIST_FAULTS))}, "
+                            f"not {_fault!r}")
         self.depth = depth
         self.width = width
         self.fresh = fresh
+        self._fault = _fault
+        self._observe = bool(_observe)
+        if self._observe:
+            self.obs_stack = [Signal(width, name=f"obs_stack_{k}") for k in range(depth)]
+            self.obs_n = Signal(range(depth + 1))
+            self.obs_taken = Signal(range(depth + 1))
         super().__init__({
             "head": Out(width),
             "empty": Out(1),
@@ -115,7 +135,8 @@ class FreeList(wiring.Component):
                     m.d.comb += taken_next.eq(taken + 1)
         with m.Elif(self.pop):
             with m.If(on_stack):
-                m.d.comb += n_next.eq(n - 1)
+                if self._fault != "pop_keeps":
+                    m.d.comb += n_next.eq(n - 1)
             with m.Else():
                 m.d.comb += taken_next.eq(taken + 1)
         with m.Elif(self.push):
@@ -123,4 +144,9 @@ class FreeList(wiring.Component):
 
         m.d.comb += [rp.en.eq(1), rp.addr.eq(n_next - 1)]
         m.d.sync += [n.eq(n_next), taken.eq(taken_next)]
+        if self._observe:
+            for k, obs in enumerate(self.obs_stack):
+                port = mem.read_port(domain="comb")
+                m.d.comb += [port.addr.eq(k), obs.eq(port.data)]
+            m.d.comb += [self.obs_n.eq(n), self.obs_taken.eq(taken)]
         return m

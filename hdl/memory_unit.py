@@ -14,7 +14,29 @@ from .free_list import FreeList
 from .packets import MUOp, MUStatus, mu_request_layout, mu_response_layout
 from .params import AllocMode, MUParams, RefcountMode
 
-__all__ = ["MemoryUnit", "COUNTER_WIDTH", "buffer_entry_layout"]
+__all__ = ["MemoryUnit", "COUNTER_WIDTH", "buffer_entry_layout", "MU_FAULTS", "MU_STATES"]
+
+#: States of the memory unit's control FSM (``obs.state`` is the index in this tuple).
+MU_STATES = ("INIT", "EXEC", "ALLOC", "FREE_WALK", "FREE_END", "COPY", "COPY_END")
+
+#: Deliberate bugs for the formal harnesses' self-test (``_fault=``), never for real designs:
+#:
+#: ``"walk_keeps_entry"``
+#:     Freeing a buffer pushes its blocks onto the free list but leaves them mapped.
+#: ``"blocks_pop_keeps"``
+#:     The block free list leaves a popped block on its stack (handed out twice).
+#: ``"return_no_overflow"``
+#:     ``RETURN`` of more weight than outstanding is applied instead of refused.
+#: ``"return_frees_early"``
+#:     ``RETURN`` frees the buffer when one unit of weight is still outstanding.
+#: ``"error_writes"``
+#:     A ``WRITE`` refused as out of range still updates the buffer's length.
+#: ``"len_no_response"``
+#:     ``LEN`` completes without a response.
+#: ``"append_no_tail"``
+#:     ``APPEND`` into a new block does not record it as the buffer's tail.
+MU_FAULTS = ("walk_keeps_entry", "blocks_pop_keeps", "return_no_overflow", "return_frees_early",
+             "error_writes", "len_no_response", "append_no_tail")
 
 #: Width of the performance counters.
 COUNTER_WIDTH = 32
@@ -66,9 +88,16 @@ class MemoryUnit(wiring.Component):
     ------
     TypeError
         If ``params`` is not an :class:`MUParams` or ``mu_id`` does not fit ``mu_id_bits``.
+
+    Notes
+    -----
+    Two private, test-only arguments serve the formal proofs (``rdakit.sim.formal_harness``):
+    ``_observe=True`` adds a member ``obs`` whose signals show the internal state (pipeline
+    registers, FSM state, every entry of the buffer table, block table, free lists and
+    scratchpad, see :meth:`_observation`); ``_fault`` injects one of :data:`MU_FAULTS`.
     """
 
-    def __init__(self, params=None, *, mu_id=0):
+    def __init__(self, params=None, *, mu_id=0, _observe=False, _fault=None):
         if params is None:
             params = MUParams()
         if not isinstance(params, MUParams):
@@ -76,8 +105,13 @@ class MemoryUnit(wiring.Component):
         if not isinstance(mu_id, int) or not 0 <= mu_id < (1 << params.mu_id_bits):
             raise TypeError(f"MU ID must be an integer from 0 to {(1 << params.mu_id_bits) - 1} "
                             f"(mu_id_bits = {params.mu_id_bits}), not {mu_id!r}")
+        if _fault is not None and _fault not in MU_FAULTS:
+            raise TypeError(f"Fault must be one of {', '.join(map(repr, MU_FAULTS))}, "
+                            f"not {_fault!r}")
         self.params = params
         self.mu_id = mu_id
+        self._fault = _fault
+        self.obs = self._observation(params, _fault) if _observe else None
         held_width = exact_log2(params.words) + 1
         super().__init__({
             "req": In(stream.Signature(mu_request_layout(params))),
@@ -116,12 +150,16 @@ class MemoryUnit(wiring.Component):
         sp_w = scratch.write_port()
         sp_r = scratch.read_port()
 
-        m.submodules.slots = slots = FreeList(p.max_buffers)
+        obs = self.obs
+        fault = self._fault
+        m.submodules.slots = slots = obs.slots if obs else FreeList(p.max_buffers)
         m.d.comb += self.free_slots.eq(slots.count)
 
         if virtual:
-            m.submodules.blocktab = bk = BlockTable(p)
-            m.submodules.blocks = blocks = FreeList(p.n_blocks)
+            m.submodules.blocktab = bk = obs.blocktab if obs else BlockTable(p)
+            m.submodules.blocks = blocks = (
+                obs.blocks if obs else
+                FreeList(p.n_blocks, _fault="pop_keeps" if fault == "blocks_pop_keeps" else None))
             m.d.comb += self.free_blocks.eq(blocks.count)
         if reserve:
             regions = []
@@ -269,7 +307,7 @@ class MemoryUnit(wiring.Component):
         with m.Elif(op == MUOp.RETURN):
             with m.If(weight == 0):
                 m.d.comb += status.eq(MUStatus.BAD_REQUEST)
-            with m.Elif(weight > outstanding):
+            with m.Elif((weight > outstanding) & (fault != "return_no_overflow")):
                 m.d.comb += status.eq(MUStatus.WEIGHT_OVERFLOW)
         with m.Elif(op == MUOp.ADD_WEIGHT):
             with m.If(weight == 0):
@@ -283,7 +321,10 @@ class MemoryUnit(wiring.Component):
 
         frees_now = Signal()
         with m.If(ok & (op == MUOp.RETURN)):
-            m.d.comb += frees_now.eq(weight == outstanding)
+            if fault == "return_frees_early":
+                m.d.comb += frees_now.eq(weight + 1 == outstanding)
+            else:
+                m.d.comb += frees_now.eq(weight == outstanding)
         with m.If(ok & (op == MUOp.DECREF)):
             m.d.comb += frees_now.eq(e.total == 1)
 
@@ -330,7 +371,7 @@ class MemoryUnit(wiring.Component):
         e_next = Signal(entry_layout)
         m.d.comb += e_next.eq(e)
 
-        with m.FSM(init="INIT"):
+        with m.FSM(init="INIT") as fsm:
             with m.State("INIT"):
                 # Clear the buffer table after reset (the block table clears itself) so that
                 # no stale entry survives a reset.
@@ -379,7 +420,8 @@ class MemoryUnit(wiring.Component):
                                     bk.write_en.eq(1),
                                     held_next.eq(held + p.block_words),
                                 ]
-                            with m.If(extends):
+                            with m.If(extends & ~(is_append if fault == "append_no_tail"
+                                                  else Const(0))):
                                 m.d.comb += e_next.tail.eq(phys_block)
                         m.d.comb += [bt_w.addr.eq(slot), bt_w.data.eq(e_next), bt_w.en.eq(1)]
                         respond(data=idx)
@@ -387,7 +429,10 @@ class MemoryUnit(wiring.Component):
                         m.d.comb += [sp_r.addr.eq(addr), sp_r.en.eq(1)]
                         respond(data=0, from_scratch=mapped)
                     with m.Elif(ok & (op == MUOp.LEN)):
-                        respond(data=e.length)
+                        if fault == "len_no_response":
+                            m.d.comb += s1_done.eq(1)
+                        else:
+                            respond(data=e.length)
                     with m.Elif(ok & (op == MUOp.RETURN)):
                         m.d.comb += [e_next.collected.eq(e.collected + weight),
                                      bt_w.addr.eq(slot), bt_w.data.eq(e_next), bt_w.en.eq(1)]
@@ -401,6 +446,10 @@ class MemoryUnit(wiring.Component):
                         respond(data=total)
                     with m.Else():
                         respond(data=0)   # an error: nothing changes
+                        if fault == "error_writes":
+                            with m.If((op == MUOp.WRITE) & (status == MUStatus.OUT_OF_RANGE)):
+                                m.d.comb += [e_next.length.eq(new_len), bt_w.addr.eq(slot),
+                                             bt_w.data.eq(e_next), bt_w.en.eq(1)]
 
             with m.State("ALLOC"):
                 # The entry of the slot to take is on the read port now.
@@ -458,7 +507,7 @@ class MemoryUnit(wiring.Component):
                         m.d.comb += [
                             blocks.push.eq(1), blocks.push_data.eq(bk.entry.block),
                             bk.write_slot.eq(slot), bk.write_vblock.eq(walk_prev[:vbits]),
-                            bk.write_entry.eq(0), bk.write_en.eq(1),
+                            bk.write_entry.eq(0), bk.write_en.eq(fault != "walk_keeps_entry"),
                             held_next.eq(held - p.block_words),
                         ]
                     with m.If(walk_vb >= walk_n):
@@ -518,7 +567,58 @@ class MemoryUnit(wiring.Component):
                         m.d.comb += resp_next.status.eq(MUStatus.OK)
                         respond(data=idx)
                         m.next = "EXEC"
+
+        if obs:
+            for k, state in enumerate(MU_STATES):
+                if state in fsm.encoding:
+                    with m.If(fsm.ongoing(state)):
+                        m.d.comb += obs.state.eq(k)
+            for k, word in enumerate(obs.scratch):
+                port = scratch.read_port(domain="comb")
+                m.d.comb += [port.addr.eq(k), word.eq(port.data)]
+            for k, ent in enumerate(obs.buftab):
+                port = buftab.read_port(domain="comb")
+                m.d.comb += [port.addr.eq(k), ent.eq(port.data)]
+            m.d.comb += [
+                obs.s1_valid.eq(s1_valid), obs.s1.eq(s1), obs.s2_valid.eq(s2_valid),
+                obs.s2.eq(s2), obs.s2_from_scratch.eq(s2_from_scratch), obs.entry.eq(e),
+                obs.saved.eq(saved_entry), obs.walk_vb.eq(walk_vb), obs.walk_n.eq(walk_n),
+                obs.walk_pending.eq(walk_pending), obs.walk_prev.eq(walk_prev),
+                obs.init_i.eq(init_i), obs.live.eq(live), obs.status.eq(status),
+                obs.frees_now.eq(frees_now), obs.done.eq(s1_done),
+                obs.done_status.eq(resp_next.status), obs.idx.eq(idx), obs.addr.eq(addr),
+                obs.mapped.eq(mapped),
+            ]
         return m
+
+    @staticmethod
+    def _observation(p, fault):
+        """Signals that show the internal state to the formal harnesses (``_observe=True``)."""
+        import types
+
+        entry = buffer_entry_layout(p)
+        sig = Signal
+        return types.SimpleNamespace(
+            state=sig(range(len(MU_STATES))),
+            s1_valid=sig(), s1=sig(mu_request_layout(p)),
+            s2_valid=sig(), s2=sig(mu_response_layout(p)), s2_from_scratch=sig(),
+            entry=sig(entry),                   # the buffer-table read port's output
+            buftab=[sig(entry, name=f"obs_buf_{k}") for k in range(p.max_buffers)],
+            scratch=[sig(p.data_bits, name=f"obs_word_{k}") for k in range(p.words)],
+            saved=sig(entry),
+            walk_vb=sig(p.vblock_bits + 1), walk_n=sig(p.vblock_bits + 1),
+            walk_pending=sig(), walk_prev=sig(p.vblock_bits + 1),
+            init_i=sig(range(p.max_buffers + 1)),
+            live=sig(range(p.max_buffers + 1)),
+            status=sig(MUStatus), frees_now=sig(),
+            done=sig(), done_status=sig(MUStatus),   # a response is produced, its status
+            idx=sig(p.index_bits + 1), addr=sig(p.addr_bits), mapped=sig(),
+            slots=FreeList(p.max_buffers, _observe=True),
+            blocks=(FreeList(p.n_blocks, _observe=True,
+                             _fault="pop_keeps" if fault == "blocks_pop_keeps" else None)
+                    if p.alloc_mode is AllocMode.VIRTUAL else None),
+            blocktab=BlockTable(p, _observe=True) if p.alloc_mode is AllocMode.VIRTUAL else None,
+        )
 
     @staticmethod
     def _start_growth(m, p, regions, new_order, bump, size, grow_base, e, copy_i, copy_src,

@@ -37,13 +37,18 @@ from amaranth.utils import ceil_log2
 from .flit import DIRECTIONS, PORT_DELTA, Port, check_coord_bits, flit_layout
 
 __all__ = ["Router", "ScanQueue", "link_signature", "QUEUE_KINDS", "reachable_outputs",
-           "port_exists", "check_mesh_params", "xy_route", "EJECT_DEPTH"]
+           "port_exists", "check_mesh_params", "xy_route", "EJECT_DEPTH", "ROUTER_FAULTS"]
 
 #: Queue structures a router can be built with.
 QUEUE_KINDS = ("voq", "fifo", "scan")
 
 #: Depth of the ejection buffer in front of each ``eject`` port.
 EJECT_DEPTH = 2
+
+#: Deliberate bugs for the formal harnesses' self-test (``_fault=``), never for real designs:
+#: ``"ignore_room"`` sends a flit on a link whether or not the receiver's queue has room
+#: (``voq`` queues).
+ROUTER_FAULTS = ("ignore_room",)
 
 _REACHABLE = {
     # Under XY routing a flit moves in x first, then in y, then leaves: it never turns back and
@@ -290,10 +295,15 @@ class Router(wiring.Component):
         If a parameter has the wrong type or is out of range.
     ValueError
         If ``x``/``y`` lies outside the mesh or the mesh does not fit in ``coord_bits``.
+
+    Notes
+    -----
+    The private, test-only argument ``_fault`` injects one of :data:`ROUTER_FAULTS` for the
+    formal harnesses (``rdakit.sim.formal_harness``).
     """
 
     def __init__(self, *, payload_shape, x=1, y=1, rows=3, cols=3, coord_bits=None, depth=2,
-                 queues="voq", counter_bits=32):
+                 queues="voq", counter_bits=32, _fault=None):
         coord_bits = check_mesh_params(rows=rows, cols=cols, coord_bits=coord_bits, depth=depth,
                                        queues=queues, counter_bits=counter_bits)
         _check_int("x", x, minimum=0, maximum=255)
@@ -302,6 +312,10 @@ class Router(wiring.Component):
             raise ValueError(f"x must be less than cols ({cols}), not {x!r}")
         if y >= rows:
             raise ValueError(f"y must be less than rows ({rows}), not {y!r}")
+        if _fault is not None and _fault not in ROUTER_FAULTS:
+            raise TypeError(f"Fault must be one of {', '.join(map(repr, ROUTER_FAULTS))}, "
+                            f"not {_fault!r}")
+        self._fault = _fault
         self.flit = flit_layout(coord_bits, payload_shape)
         self.payload_shape = payload_shape
         self.x, self.y, self.rows, self.cols = x, y, rows, cols
@@ -413,6 +427,8 @@ class Router(wiring.Component):
                         q = fifo.SyncFIFO(width=entry.size, depth=self.depth)
                         head, waiting = entry(q.r_data), q.r_rdy
                         ok = waiting & room_vector(o).bit_select(head.next.as_value(), 1)
+                        if self._fault == "ignore_room" and o is not Port.LOCAL:
+                            ok = waiting
                     m.submodules[f"q_{lname}_{o.name.lower()}"] = q
                     m.d.comb += [q.w_data.eq(w), q.w_en.eq(valid & (port == o))]
                     room[o] = q.w_rdy

@@ -20,6 +20,7 @@ PLUGINS = [
     "rdakit.sim.cli",
     "rdakit.sim.noc_cli",
     "rdakit.sim.race_cli",
+    "rdakit.sim.formal_cli",
     "rdakit.fabric_cli",
     "rdakit.compiler.cli",
     "rdakit.run_cli",

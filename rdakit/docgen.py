@@ -55,10 +55,17 @@ def _isa():
     return "\n".join(lines)
 
 
+def _properties():
+    from rdakit.sim.formal_harness import properties_table
+
+    return properties_table()
+
+
 #: file name in docs/ -> section name -> function returning the Markdown.
 SECTIONS = {
     "memory-unit.md": {"ops": _mu_ops, "packets": _mu_packets},
     "compute-unit.md": {"isa": _isa},
+    "verification.md": {"properties": _properties},
 }
 
 

@@ -1,0 +1,88 @@
+# amaranth: UnusedElaboratable=no
+"""The SymbiYosys runner and the property list: argument checks (fast, default suite), and the
+runner's verdicts on a tiny counter (formal)."""
+
+import pytest
+from amaranth.hdl import Assert, Module, Signal
+
+from rdakit.hdl.free_list import FreeList
+from rdakit.hdl.memory_unit import MemoryUnit
+from rdakit.hdl.router import Router
+from rdakit.sim import formal_harness
+from rdakit.sim.formal import run_sby, sby_available
+from rdakit.sim.formal_harness import PROPERTIES, get_property, prove
+
+
+def _counter(limit):
+    # Counts 0..9 and wraps; asserts the count stays below `limit`.
+    m = Module()
+    c = Signal(4)
+    m.d.sync += c.eq(c + 1)
+    with m.If(c == 9):
+        m.d.sync += c.eq(0)
+    m.d.comb += Assert(c < limit, "count in range")
+    return m
+
+
+def test_run_sby_wrong_name():
+    with pytest.raises(TypeError, match=r"Name must be letters, digits, '_' and '-', "
+                                        r"not 'a b'"):
+        run_sby(_counter(10), name="a b")
+
+
+def test_run_sby_wrong_mode():
+    with pytest.raises(TypeError, match=r"Mode must be one of 'prove', 'bmc', not 'sim'"):
+        run_sby(_counter(10), name="c", mode="sim")
+
+
+def test_run_sby_wrong_depth():
+    with pytest.raises(TypeError, match=r"Depth must be a positive integer, not 0"):
+        run_sby(_counter(10), name="c", depth=0)
+
+
+def test_unknown_property():
+    with pytest.raises(ValueError, match=r"Property must be one of .*mu\.blocks.*, "
+                                         r"not 'nope'"):
+        get_property("nope")
+
+
+def test_unknown_fault_of_property():
+    with pytest.raises(ValueError, match=r"Fault of mu\.blocks must be one of "
+                                         r"'walk_keeps_entry', not 'len_no_response'"):
+        prove("mu.blocks", fault="len_no_response")
+
+
+def test_fault_hooks_validate():
+    with pytest.raises(TypeError, match=r"Fault must be one of 'pop_keeps', not 'x'"):
+        FreeList(4, _fault="x")
+    with pytest.raises(TypeError, match=r"Fault must be one of 'walk_keeps_entry', .*not 'x'"):
+        MemoryUnit(_fault="x")
+    with pytest.raises(TypeError, match=r"Fault must be one of 'ignore_room', not 'x'"):
+        Router(payload_shape=2, _fault="x")
+
+
+def test_property_list_is_consistent():
+    names = [p.name for p in PROPERTIES]
+    assert len(names) == len(set(names))
+    for prop in PROPERTIES:
+        assert prop.mode in ("prove", "bmc") and prop.expect in ("PASS", "FAIL")
+        assert prop.faults, f"{prop.name} has no broken variant that shows its harness works"
+        assert prop.where.startswith("rdakit.sim.formal_harness.")
+    table = formal_harness.properties_table()
+    for name in names:
+        assert f"`{name}`" in table
+
+
+@pytest.mark.formal
+@pytest.mark.skipif(sby_available() is not None, reason=str(sby_available()))
+@pytest.mark.parametrize("limit,mode,status", [(10, "prove", "PASS"), (8, "prove", "FAIL"),
+                                               (8, "bmc", "FAIL"), (12, "bmc", "PASS")])
+def test_runner_verdicts(limit, mode, status, tmp_path):
+    result = run_sby(_counter(limit), name="counter", mode=mode, depth=12, workdir=tmp_path)
+    assert result.status == status
+    if status == "FAIL":
+        assert result.failed == ["count in range"]
+        assert result.step == 8
+        assert result.trace.exists()
+    else:
+        assert result.failed == [] and result.trace is None
