@@ -21,6 +21,7 @@ PLUGINS = [
     "rdakit.sim.noc_cli",
     "rdakit.fabric_cli",
     "rdakit.compiler.cli",
+    "rdakit.boards.cli",
 ]
 
 
