@@ -26,7 +26,7 @@ from rdakit.hdl.frames import (
     reply_bytes,
 )
 
-__all__ = ["FramedTransport", "LinkError", "SimUARTPort", "uart_bits"]
+__all__ = ["FramedTransport", "LinkError", "SimUARTPort", "CocotbUARTPort", "uart_bits"]
 
 
 class LinkError(RuntimeError):
@@ -191,6 +191,71 @@ class SimUARTPort:
                 byte |= ctx.get(self.tx) << i
             await ctx.tick().repeat(d)
             if not ctx.get(self.tx):
+                self.framing_errors += 1
+                continue
+            self.received.append(byte)
+
+
+class CocotbUARTPort:
+    """The serial line of a bridge's Verilog under cocotb (ports ``rx``, ``tx``, ``clk``), like
+    :class:`SimUARTPort`: ``write`` drives ``rx``; :meth:`start` launches a receiver that decodes
+    ``tx`` into a queue. ``timeout`` is in cycles. The clock must already run."""
+
+    def __init__(self, dut, *, divisor, timeout):
+        self.dut = dut
+        self.divisor = divisor
+        self.timeout = timeout
+        self.received = collections.deque()
+        self.framing_errors = 0
+
+    def start(self):
+        import cocotb
+
+        self.dut.rx.value = 1
+        cocotb.start_soon(self._receiver())
+
+    async def write(self, data):
+        for byte in bytes(data):
+            await self.write_bits(uart_bits(byte))
+
+    async def write_bits(self, bits):
+        from cocotb.triggers import ClockCycles
+
+        for bit in bits:
+            self.dut.rx.value = bit
+            await ClockCycles(self.dut.clk, self.divisor)
+
+    async def read_byte(self):
+        from cocotb.triggers import ClockCycles
+
+        waited = 0
+        while not self.received:
+            if waited >= self.timeout:
+                return None
+            await ClockCycles(self.dut.clk, self.divisor)
+            waited += self.divisor
+        return self.received.popleft()
+
+    async def tick(self, n=1):
+        from cocotb.triggers import ClockCycles
+
+        await ClockCycles(self.dut.clk, n)
+
+    async def _receiver(self):
+        from cocotb.triggers import ClockCycles, FallingEdge
+
+        d, tx, clk = self.divisor, self.dut.tx, self.dut.clk
+        while True:
+            await FallingEdge(tx)
+            await ClockCycles(clk, d // 2)
+            if tx.value:
+                continue
+            byte = 0
+            for i in range(8):
+                await ClockCycles(clk, d)
+                byte |= int(tx.value) << i
+            await ClockCycles(clk, d)
+            if not tx.value:
                 self.framing_errors += 1
                 continue
             self.received.append(byte)
