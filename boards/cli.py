@@ -134,12 +134,18 @@ def _run(args):
 
 def _bench(args):
     from rdakit.boards.bench import bench_boards
+    from rdakit.cli import UserError
 
     boards = args.boards.split(",")
     for b in boards:
         _spec(b)
     grids = [_grid(g, "--grids") for g in args.grids.split(",")]
-    mu_words = [int(w) for w in args.mu_words.split(",")] if args.mu_words else None
+    try:
+        mu_words = ([int(w) for w in args.bench_mu_words.split(",")]
+                    if args.bench_mu_words else None)
+    except ValueError:
+        raise UserError(f"--mu-words must be numbers separated by commas, not "
+                        f"{args.bench_mu_words!r}") from None
     return bench_boards(boards, grids=grids, mu_words=mu_words, root=pathlib.Path(args.root),
                         json_path=args.json, args=args)
 
@@ -201,7 +207,9 @@ def register(commands, verilog, bench):
     p.add_argument("--boards", default="icebreaker,ulx3s")
     p.add_argument("--grids", default="1x2,2x2,2x3,3x3,3x4,4x4",
                    help="grids to try in order (default: %(default)s)")
-    p.add_argument("--mu-words", help="MU sizes to try on the largest grid, e.g. 512,1024,2048")
+    p.add_argument("--mu-words", dest="bench_mu_words",
+                   help="MU sizes to try on the largest grid, e.g. 512,1024,2048 (default: "
+                        "twice and four times the preset's)")
     p.add_argument("--root", default="build/bench-boards", help="build folders under this")
     p.add_argument("--json", metavar="FILE")
     p.set_defaults(func=_bench)

@@ -114,6 +114,8 @@ def test_serial_port_moves_bytes_and_times_out():
     (["bench", "boards", "--boards", "icebreaker,nope"],
      "Board must be one of icebreaker, ulx3s, not 'nope'"),
     (["bench", "boards", "--grids", "2x2,3"], "--grids must be ROWSxCOLS like 2x2, not '3'"),
+    (["bench", "boards", "--mu-words", "1k"],
+     "--mu-words must be numbers separated by commas, not '1k'"),
 ])
 def test_cli_errors(argv, message, capsys, tmp_path):
     if argv[1] == "build":
@@ -130,3 +132,38 @@ def test_board_run_without_a_board_says_so(capsys):
     err = capsys.readouterr().err
     assert "no answer to a OPEN frame (SEQ 0) after 5 tries" in err
     assert "is the board programmed" in err
+
+
+def test_bench_search_stops_at_the_first_misfit_and_grows_the_mu(monkeypatch, tmp_path):
+    """The search with a stand-in for the builds: a design fits while its tiles times MU words
+    stay under a budget."""
+    import json
+
+    from rdakit.boards import bench
+    from rdakit.boards.build import BuildResult
+
+    built = []
+
+    def fake_build(board, params, *, build_dir, log=None):
+        size = params.rows * params.cols * params.mu.words
+        built.append((params.rows, params.cols, params.mu.words))
+        fits = size <= 4 * 2048
+        return BuildResult(board=board, fits=fits,
+                           utilization={"TRELLIS_COMB": (size, 4 * 2048)},
+                           fmax_mhz=60.0 if fits else None, clock_mhz=50.0,
+                           problem=None if fits else "does not fit: needs more",
+                           seconds=1.0, build_dir=str(build_dir), bitstream=None)
+
+    monkeypatch.setattr(bench, "build", fake_build)
+    out = tmp_path / "b.json"
+    assert main(["bench", "boards", "--boards", "ulx3s", "--grids", "1x2,2x2,3x3,4x4",
+                 "--root", str(tmp_path), "--json", str(out)]) == 0
+    # 1x2 and 2x2 fit with the preset's 1024 words, 3x3 does not; then 2x2 with 2048 fits
+    # and 4096 does not.
+    assert built == [(1, 2, 1024), (2, 2, 1024), (3, 3, 1024), (2, 2, 2048), (2, 2, 4096)]
+    data = json.loads(out.read_text())
+    assert data["figures"] == {"ulx3s.largest_grid": "2x2", "ulx3s.largest_mu_words": 2048,
+                               "ulx3s.fmax_mhz": 60.0, "ulx3s.meets_clock": True}
+    rows = data["tables"]["ULX3S (ECP5 85F): builds"]
+    assert [r["fits"] for r in rows] == [True, True, False, True, False]
+    assert rows[2]["problem"] == "does not fit: needs more"
