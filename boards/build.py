@@ -67,11 +67,12 @@ def board_spec(name):
 
 def board_preset(board):
     """Fabric options sized for a board (``rdakit.fabric_args.fabric_params`` keywords):
-    one lane, short programs, small local and MU memories, FIFO router queues of depth 2."""
+    one lane, short programs, small local and MU memories, FIFO router queues of depth 2 (the
+    ECP5 board gets longer programs and four times the MU: it has the room)."""
     preset = dict(lanes=1, prog_len=32, local_words=16, mu_words=256, block_words=16,
                   max_buffers=4, outstanding=4, noc_depth=2, noc_queues="fifo")
     if board_spec(board).family == "ecp5":
-        preset.update(lanes=2, prog_len=64, local_words=32, mu_words=1024, max_buffers=8)
+        preset.update(prog_len=64, local_words=32, mu_words=1024, max_buffers=8)
     return preset
 
 
