@@ -176,7 +176,9 @@ def build(board, params, *, build_dir, clock_hz=None, baud=None, seed=1, log=Non
     build_dir = pathlib.Path(build_dir)
     if build_dir.exists():
         shutil.rmtree(build_dir)
-    overrides = {"nextpnr_opts": f"--report report.json --seed {seed}"}
+    # A design that misses the clock is still placed, routed and packed: the bench reports
+    # its Fmax, and a board can run it with a slower --clock-mhz.
+    overrides = {"nextpnr_opts": f"--report report.json --seed {seed} --timing-allow-fail"}
     if spec.family == "ice40":
         overrides["synth_opts"] = "-dsp"
     else:

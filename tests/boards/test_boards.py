@@ -46,13 +46,14 @@ Info: 	        ICESTORM_DSP:     6/    8    75%
 ERROR: Unable to place cell 'x', no BELs remaining to implement cell type 'ICESTORM_LC'
 Info: Max frequency for clock 'clk': 18.20 MHz (PASS at 12.00 MHz)
 Info: Max frequency for clock 'clk': 17.91 MHz (PASS at 12.00 MHz)
+ERROR: Max frequency for clock '$glbnet$clk': 19.67 MHz (FAIL at 50.00 MHz)
 """
 
 
 def test_parse_nextpnr_log():
     assert parse_utilization(LOG) == {"ICESTORM_LC": (10617, 5280), "ICESTORM_RAM": (20, 30),
                                       "ICESTORM_SPRAM": (0, 4), "ICESTORM_DSP": (6, 8)}
-    assert parse_fmax(LOG) == {"clk": 17.91}
+    assert parse_fmax(LOG) == {"clk": 17.91, "$glbnet$clk": 19.67}
     assert parse_utilization("nothing") == {} and parse_fmax("") == {}
 
 
