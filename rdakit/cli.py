@@ -24,6 +24,7 @@ PLUGINS = [
     "rdakit.fabric_cli",
     "rdakit.compiler.cli",
     "rdakit.run_cli",
+    "rdakit.boards.cli",
 ]
 
 

@@ -61,11 +61,52 @@ def _properties():
     return properties_table()
 
 
+def _frames():
+    from rdakit.boards.build import BOARDS, board_preset
+    from rdakit.fabric_args import fabric_params
+    from rdakit.hdl.frames import (
+        ERROR_DOC,
+        FRAME_CRC,
+        KIND_DOC,
+        SOF,
+        FrameError,
+        FrameKind,
+        cmd_bytes,
+        reply_bytes,
+    )
+
+    alg = FRAME_CRC.algorithm
+    lines = ["| byte | field | meaning |", "|---|---|---|",
+             f"| 0 | `SOF` | 0x{SOF:02X} |",
+             "| 1 | `SEQ` | sequence number, echoed in the answer |",
+             "| 2 | `KIND` | `FrameKind` below |",
+             "| 3 | `LEN` | payload bytes |",
+             "| 4 ... 3+LEN | payload | little-endian, trailing zero bytes left out |",
+             f"| 4+LEN, 5+LEN | `CRC` | CRC-16 of bytes 1 to 3+LEN, high byte first: "
+             f"polynomial 0x{alg.polynomial:04X}, initial 0x{alg.initial_crc:04X}, "
+             f"reflected {alg.reflect_input}/{alg.reflect_output}, "
+             f"xor 0x{alg.xor_output:04X} (CRC-16/CCITT-FALSE) |",
+             "", "| kind | value | from | payload | answer |", "|---|---|---|---|---|"]
+    for k in FrameKind:
+        frm, payload, answer = KIND_DOC[k]
+        lines.append(f"| `{k.name}` | 0x{k.value:02X} | {frm} | {payload} | {answer} |")
+    lines += ["", "| error | code | meaning |", "|---|---|---|"]
+    for e in FrameError:
+        lines.append(f"| `{e.name}` | {e.value} | {ERROR_DOC[e]} |")
+    lines += ["", "| board preset | command payload (max) | reply payload (max) |",
+              "|---|---|---|"]
+    for b in BOARDS:
+        p = fabric_params(2, 2, **board_preset(b))
+        lines.append(f"| {b} | {cmd_bytes(p.mu)} bytes | {reply_bytes(p.mu)} bytes |")
+    return "\n".join(lines)
+
+
 #: file name in docs/ -> section name -> function returning the Markdown.
 SECTIONS = {
     "memory-unit.md": {"ops": _mu_ops, "packets": _mu_packets},
     "compute-unit.md": {"isa": _isa},
     "verification.md": {"properties": _properties},
+    "boards.md": {"frames": _frames},
 }
 
 

@@ -1,8 +1,10 @@
 """``rdakit doctor`` and ``rdakit bench mu``."""
 
 import importlib.metadata
+import pathlib
 import shutil
 import subprocess
+import sys
 
 __all__ = ["register"]
 
@@ -39,7 +41,9 @@ def _doctor(args):
             missing += 1
             table.add_row(pkg, "MISSING", "not installed", f"pip install {pkg}")
     for tool, pkg in FPGA_TOOLS:
-        path = shutil.which(tool)
+        # A venv's tools count even when the venv is not activated (.venv/bin/rdakit doctor).
+        beside = pathlib.Path(sys.executable).parent / tool
+        path = shutil.which(tool) or (str(beside) if beside.exists() else None)
         if path is None:
             table.add_row(tool, "optional, missing", "not on PATH", f"pip install {pkg}")
             continue
