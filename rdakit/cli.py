@@ -20,6 +20,7 @@ PLUGINS = [
     "rdakit.sim.cli",
     "rdakit.sim.noc_cli",
     "rdakit.fabric_cli",
+    "rdakit.cluster_cli",
     "rdakit.compiler.cli",
 ]
 

@@ -49,8 +49,9 @@ def add_fabric_arguments(parser, *, default="2x2"):
     g.add_argument("--noc-depth", type=int, default=2)
 
 
-def fabric_from_args(args):
-    """The :class:`FabricParams` of the parsed options, or a UserError naming the problem."""
+def fabric_from_args(args, *, cluster_bits=0):
+    """The :class:`FabricParams` of the parsed options (with ``cluster_bits`` for a cluster of
+    a system), or a UserError naming the problem."""
     from rdakit.cli import UserError
 
     m = re.fullmatch(r"(\d+)x(\d+)", args.fabric)
@@ -63,6 +64,6 @@ def fabric_from_args(args):
                              block_words=args.block_words, max_buffers=args.max_buffers,
                              weight_bits=args.weight_bits, alloc_mode=args.alloc_mode,
                              refcount=args.refcount, noc_depth=args.noc_depth,
-                             noc_queues=args.noc_queues)
+                             noc_queues=args.noc_queues, cluster_bits=cluster_bits)
     except (TypeError, ValueError) as e:
         raise UserError(str(e)) from None

@@ -23,3 +23,19 @@ def test_two_clusters(simulator):
     run_cocotb(system, simulator=simulator, test_module="system_tb", test_dir=HERE,
                build_name="system-2x1x3",
                config={"fabric": FABRIC, "clusters": 2, "rounds": 3, "increments": 4})
+
+
+def test_system_verilog_passes_verilator_lint_wall(tmp_path):
+    import os
+    import subprocess
+
+    from rdakit.cli import main
+
+    info = require_simulator("verilator")
+    out = tmp_path / "system.v"
+    assert main(["verilog", "system", "--clusters", "2", "--rows", "1", "--cols", "2",
+                 "--lanes", "1", "-o", str(out)]) == 0
+    r = subprocess.run([info.path, "--lint-only", "-Wall", "--top-module", "top", str(out)],
+                       capture_output=True, text=True, env={**os.environ, **info.env},
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
