@@ -44,7 +44,7 @@ from .wgraph import WeightedGraph
 
 __all__ = ["ClusterSpec", "LinkModel", "CrossClusterGreedy", "CLUSTER_STRATEGIES",
            "place_buffers", "partition_clusters", "partition_system", "system_schedule",
-           "SystemPartition", "induced_subgraph"]
+           "SystemPartition", "induced_subgraph", "observed_clusters"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,3 +399,27 @@ def system_schedule(wg, cluster, cu, clusters, link, cost=None):
             s = ready
         finish[v] = s + w[v]
     return int(np.ceil(max(finish, default=0.0)))
+
+
+def observed_clusters(clusters, work, cycles):
+    """Cluster specs for re-partitioning at run time (seed 2's monitoring): cluster ``c`` was
+    given ``work[c]`` cycles of work and took ``cycles[c]`` cycles on its ``cus`` CUs, so it
+    behaves as if it carried a load of ``cycles[c] * cus - work[c]`` (never negative, never
+    less than the load already known). A cluster that got no work keeps its spec."""
+    clusters = _check_clusters(clusters)
+    work = np.asarray(work, dtype=float)
+    cycles = np.asarray(cycles, dtype=float)
+    if work.shape != (len(clusters),) or cycles.shape != (len(clusters),):
+        raise ValueError(f"work and cycles must have {len(clusters)} entries (one a cluster), "
+                         f"not {work.shape[0] if work.ndim else work!r} and "
+                         f"{cycles.shape[0] if cycles.ndim else cycles!r}")
+    if (work < 0).any() or (cycles < 0).any():
+        raise ValueError("work and cycles must be non-negative")
+    out = []
+    for spec, w, t in zip(clusters, work.tolist(), cycles.tolist(), strict=True):
+        if w <= 0 or spec.cus == 0:
+            out.append(spec)
+            continue
+        load = max(spec.load, t * spec.cus - w)
+        out.append(dataclasses.replace(spec, load=float(load)))
+    return out

@@ -11,6 +11,7 @@ from rdakit.compiler.clusters import (
     ClusterSpec,
     LinkModel,
     induced_subgraph,
+    observed_clusters,
     partition_clusters,
     partition_system,
     place_buffers,
@@ -174,3 +175,17 @@ def test_every_strategy_on_every_cluster_count(graphs):
         r = partition_system(wg, [ClusterSpec(2)] * k, s, link=LINK)
         assert set(r.cluster.tolist()) <= set(range(k))
         assert r.makespan >= wg.critical_path()
+
+
+def test_repartitioning_from_observed_cycles_moves_work_away(graphs):
+    wg = graphs["mixtral"]
+    clusters = [ClusterSpec(4), ClusterSpec(4)]
+    first = partition_system(wg, clusters, link=LINK)
+    # Cluster 1 turned out three times slower than its CUs promise (an injected load).
+    cycles = [first.work[0] / 4, 3 * first.work[1] / 4]
+    seen = observed_clusters(clusters, first.work, cycles)
+    assert seen[0].load == 0 and seen[1].load == pytest.approx(2 * first.work[1])
+    second = partition_system(wg, seen, link=LINK)
+    assert second.work[1] < first.work[1]
+    with pytest.raises(ValueError, match=r"^work and cycles must have 2 entries"):
+        observed_clusters(clusters, [1], [1, 2])

@@ -156,3 +156,23 @@ async def lock_mutual_exclusion_under_contention(dut):
     assert sorted(held) == sorted(t for t in tags.values() for _ in range(n_inc))
     await hosts[0].release(lock)
     await hosts[0].release(log)
+
+
+@cocotb.test()
+async def matvec_partitioned_across_clusters_bit_exact(dut):
+    """y = W x with W's rows split over the 4 CUs of both clusters and x one buffer of
+    cluster 0 shared by all (read remotely by cluster 1), bit-exact against numpy; x is
+    freed by the last CU to return it."""
+    from rdakit.sim.clusters import cluster_matvec, run_system_job
+
+    cfg, params, hosts = await setup(dut)
+    job = cluster_matvec(params, clusters=2, m=cfg.get("m", 16), k=cfg.get("k", 32))
+    x_mu = next(b.mu for b in job.buffers if b.name == "x")
+    outputs, cycles, refs = await run_system_job(hosts, job)
+    for name in job.outputs:
+        np.testing.assert_array_equal(outputs[name], job.expected[name])
+    r = await hosts[1].mu_request({"op": MUOp.LEN, "ref": hosts[1].ref_dict(refs["x"])})
+    assert r["status"] is MUStatus.BAD_REF
+    x, y, _ = x_mu
+    assert await hosts[0].cfg_read(x, y, MU_MAP.LIVE_BUFFERS) == 0
+    dut._log.info("%s: %s cycles", job.description, cycles)

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.cosim
 
 HERE = pathlib.Path(__file__).parent
 
-FABRIC = dict(rows=1, cols=3, layout="CMC", lanes=2, mu_words=256, max_buffers=4,
+FABRIC = dict(rows=1, cols=3, layout="CMC", lanes=2, mu_words=256, max_buffers=8,
               prog_len=32, local_words=16, outstanding=4, cluster_bits=1)
 
 

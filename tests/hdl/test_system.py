@@ -151,3 +151,17 @@ def test_fabric_cluster_must_fit_cluster_bits():
         Fabric(FP, cluster=2)
     with pytest.raises(TypeError, match=r"^bridge must be the \(x, y\) of a tile"):
         Fabric(FP, bridge=(0, 1))
+
+
+@pytest.mark.slow
+def test_remote_access_costs_two_link_crossings():
+    from rdakit.sim.cluster_bench import measure_access
+
+    fig = measure_access(SP, reads=8, words=32)
+    local, remote = fig["local"], fig["remote"]
+    assert local["link_packets"] == 0
+    assert remote["link_packets"] == 2 * (8 + 32)       # a request and a response each
+    # A round trip crosses two links: each at least beats + latency cycles.
+    beats = -(-SP.request_bits // SP.link_width)
+    assert remote["latency_cycles"] >= local["latency_cycles"] + 2 * (beats + SP.link_latency)
+    assert remote["words_per_cycle"] < local["words_per_cycle"]
