@@ -9,8 +9,9 @@ here. An instruction is 64 bits (first field in the low bits)::
 Registers are 32-bit scalars ``r0`` .. ``r{regs-1}``; ``V`` is the CU's staging vector (one
 vector word, ``lanes`` 32-bit elements). Memory is reached through references held in
 registers: a reference is ``{mu, buf}`` packed as in :func:`~rdakit.hdl.packets.ref_layout`
-(``mu`` in the low bits), and an MU's ID is its tile's coordinates (``y << coord_bits | x``), so
-the CU routes a request from the reference alone.
+(``mu`` in the low bits), and an MU's ID is its tile's coordinates (``y << coord_bits | x``, with
+the cluster above them in a system of clusters), so the CU routes a request from the reference
+alone.
 """
 
 import dataclasses
