@@ -165,3 +165,22 @@ def test_remote_access_costs_two_link_crossings():
     beats = -(-SP.request_bits // SP.link_width)
     assert remote["latency_cycles"] >= local["latency_cycles"] + 2 * (beats + SP.link_latency)
     assert remote["words_per_cycle"] < local["words_per_cycle"]
+
+
+def test_bridge_on_the_host_tile():
+    """The bridge may share tile (0, 0) with the host port (and a CU): remote requests from
+    both host ports still get their responses, and the data crosses intact."""
+    sp = SP.replace(bridge=(0, 0), link_latency=2, link_width=5)
+
+    async def body(ctx, system, hosts):
+        out = []
+        for k in range(2):
+            ref = await hosts[k].alloc((1, 0, 1 - k))
+            await hosts[k].append_vectors(ref, [[k, 2, 3, 4 + k]])
+            out.append((await hosts[1 - k].read_vectors(ref)).tolist())
+            await hosts[1 - k].release(ref)
+        return out, int(ctx.get(system.dropped))
+
+    out, dropped = run_on_system(sp, body)
+    assert out == [[[0, 2, 3, 4]], [[1, 2, 3, 5]]]
+    assert dropped == 0
