@@ -12,7 +12,7 @@ pytestmark = pytest.mark.cosim
 
 HERE = pathlib.Path(__file__).parent
 
-FABRIC = dict(rows=1, cols=3, layout="CMC", lanes=2, mu_words=256, max_buffers=8,
+FABRIC = dict(rows=1, cols=3, layout="CMC", lanes=1, mu_words=256, max_buffers=8,
               prog_len=32, local_words=16, outstanding=4, cluster_bits=1)
 
 
@@ -22,7 +22,8 @@ def test_two_clusters(simulator):
     system = System(SystemParams(fabric_params(**FABRIC), clusters=2, link_latency=20))
     run_cocotb(system, simulator=simulator, test_module="system_tb", test_dir=HERE,
                build_name="system-2x1x3",
-               config={"fabric": FABRIC, "clusters": 2, "rounds": 3, "increments": 4})
+               config={"fabric": FABRIC, "clusters": 2, "rounds": 3, "increments": 4,
+                       "m": 8, "k": 16})
 
 
 def test_system_verilog_passes_verilator_lint_wall(tmp_path):
