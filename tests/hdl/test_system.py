@@ -184,3 +184,26 @@ def test_bridge_on_the_host_tile():
     out, dropped = run_on_system(sp, body)
     assert out == [[[0, 2, 3, 4]], [[1, 2, 3, 5]]]
     assert dropped == 0
+
+
+def test_four_clusters_every_pair():
+    """Four clusters: every host port allocates and fills a buffer in every cluster, the next
+    host port reads it back, its own cluster frees it; every request crosses the switch to the
+    right cluster."""
+    fp = fabric_params(1, 2, cluster_bits=2, lanes=1, mu_words=64, max_buffers=4, prog_len=8)
+    sp = SystemParams(fp, clusters=4, link_latency=5)
+
+    async def body(ctx, system, hosts):
+        out = {}
+        for a in range(4):
+            for b in range(4):
+                ref = await hosts[a].alloc((1, 0, b))
+                await hosts[a].append_vectors(ref, [[a * 10 + b]])
+                out[a, b] = int((await hosts[(a + 1) % 4].read_vectors(ref))[0, 0])
+                await hosts[b].release(ref)
+        return out, [int(ctx.get(system.req_packets[k])) for k in range(4)]
+
+    out, packets = run_on_system(sp, body)
+    assert out == {(a, b): a * 10 + b for a in range(4) for b in range(4)}
+    # Host a: ALLOC and APPEND in the 3 other clusters, LEN and READ of 3 buffers elsewhere.
+    assert packets == [12] * 4
