@@ -103,6 +103,7 @@ _MU_OP = {
     Op.ALLOC: MUOp.ALLOC, Op.READ: MUOp.READ, Op.VREAD: MUOp.READ, Op.VWRITE: MUOp.WRITE,
     Op.VAPPEND: MUOp.APPEND, Op.LEN: MUOp.LEN, Op.RET: MUOp.RETURN, Op.RETI: MUOp.RETURN,
     Op.ADDW: MUOp.ADD_WEIGHT, Op.INCREF: MUOp.INCREF, Op.DECREF: MUOp.DECREF,
+    Op.FADD: MUOp.FETCH_ADD, Op.UNLOCK: MUOp.UNLOCK,
 }
 
 
@@ -377,7 +378,12 @@ class ComputeUnit(wiring.Component):
                 m.d.comb += bq_data.eq(rb_v)
             with m.Case(Op.VWRITE, Op.VAPPEND):
                 m.d.comb += bq_data.eq(V)
-        indexed = (op == Op.READ) | (op == Op.VREAD) | (op == Op.VWRITE)
+            with m.Case(Op.FADD):
+                m.d.comb += bq_data.eq(imm.as_signed())
+            with m.Case(Op.UNLOCK):
+                m.d.comb += bq_data.eq(rd_v)
+        indexed = ((op == Op.READ) | (op == Op.VREAD) | (op == Op.VWRITE) | (op == Op.FADD)
+                   | (op == Op.UNLOCK))
         request(bq, op=bq_op, tag=TAG_BLOCKING,
                 ref=Mux(op == Op.ALLOC, ra_v[:mp.mu_id_bits], ra_v),
                 index=Mux(indexed, rb_v, 0), data=bq_data)
@@ -496,7 +502,7 @@ class ComputeUnit(wiring.Component):
                         write_a(rd_i, r0_ref)
                     with m.Case(Op.READ):
                         write_a(rd_i, _lane(r0_data, ir.fn, L))
-                    with m.Case(Op.VAPPEND, Op.LEN):
+                    with m.Case(Op.VAPPEND, Op.LEN, Op.FADD):
                         write_a(rd_i, r0_data[:32])
                     with m.Case(Op.VREAD):
                         m.d.sync += V.eq(r0_data)

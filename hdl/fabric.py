@@ -4,6 +4,11 @@ See ``docs/fabric.md``. The request network carries MU requests; the response ne
 MU responses, tokens and references, which every receiver accepts at once, so it always drains.
 The host port shares tile (0, 0)'s network ports: its MU requests carry the top tag bit, and
 responses with that bit go to the host instead of the tile's unit.
+
+With ``cluster_bits`` (``docs/clusters.md``) the fabric is one cluster of a
+:class:`~rdakit.hdl.system.System`: requests leaving a tile are stamped with the cluster, and
+requests for another cluster's MU and responses for another cluster's requester are routed to
+the bridge tile, which hands them to the ``bridge_*`` ports and injects what arrives on them.
 """
 
 from amaranth.hdl import Cat, Const, Module, Mux, Signal
@@ -41,9 +46,9 @@ class MUTile(wiring.Component):
     with OK and when a buffer was last freed (``MU_MAP.LAST_READ_CYCLE``, ``LAST_FREE_CYCLE``).
     """
 
-    def __init__(self, params: FabricParams, *, x, y, stamps=False):
+    def __init__(self, params: FabricParams, *, x, y, cluster=0, stamps=False):
         self.params = params
-        self.x, self.y = x, y
+        self.x, self.y, self.cluster = x, y, cluster
         self.stamps = stamps
         p = params.mu
         cb = params.coord_bits
@@ -55,7 +60,7 @@ class MUTile(wiring.Component):
 
     def elaborate(self, platform):
         m = Module()
-        mu = MemoryUnit(self.params.mu, mu_id=self.params.mu_id(self.x, self.y))
+        mu = MemoryUnit(self.params.mu, mu_id=self.params.mu_id(self.x, self.y, self.cluster))
         m.submodules.mu = mu
         m.d.comb += [
             mu.req.valid.eq(self.req_in.valid),
@@ -314,36 +319,70 @@ class Fabric(wiring.Component):
         Host replies.
     configured, done, error : Out(1)
         A bitstream passed every check; every CU has halted; a CU halted on an error.
-    jitter_seed : In(32), jitter_rate : In(8)
-        Only with ``jitter``: random stalls on every link of both networks
-        (:class:`~rdakit.hdl.mesh.Mesh`, ``docs/race.md``); 0 rate = none.
+    bridge_req_out, bridge_rsp_out : Out(stream of request / message payloads)
+        Only with ``cluster_bits``: requests for another cluster's MU and responses for
+        another cluster's requester, leaving through the bridge tile.
+    bridge_req_in, bridge_rsp_in : In(stream of request / message payloads)
+        Only with ``cluster_bits``: requests for this cluster's MUs and responses for this
+        cluster's requesters, arriving from other clusters.
 
-    The keyword options are off by default and leave the design unchanged: ``jitter`` adds the
-    link stall gates, ``stamps`` the MU tiles' cycle stamps (:class:`MUTile`). Both are for the
-    race tests and ``rdakit bench race``; neither is a fabric parameter (a bitstream does not
-    depend on them).
+    Other parameters
+    ----------------
+    cluster : int
+        This fabric's cluster ID (part of its MUs' IDs), below ``2**cluster_bits``.
+    bridge : (int, int) or None
+        ``(x, y)`` of the bridge tile; ``None`` is the last tile ``(cols - 1, rows - 1)``.
+    jitter, stamps : bool
+        Off by default, leaving the design unchanged: ``jitter`` adds random stall gates on
+        every link of both networks (:class:`~rdakit.hdl.mesh.Mesh`, ``docs/race.md``), driven
+        by the ``jitter_seed : In(32)`` and ``jitter_rate : In(8)`` ports (0 rate = none);
+        ``stamps`` the MU tiles' cycle stamps (:class:`MUTile`). Both are for the race tests
+        and ``rdakit bench race``; neither is a fabric parameter (a bitstream does not depend
+        on them).
     """
 
-    def __init__(self, params: FabricParams, *, jitter=False, stamps=False):
+    def __init__(self, params: FabricParams, *, cluster=0, bridge=None, jitter=False,
+                 stamps=False):
         from rdakit.compiler.bitstream import params_hash
 
         if not isinstance(params, FabricParams):
             raise TypeError(f"Params must be a FabricParams, not {params!r}")
+        if not isinstance(cluster, int) or isinstance(cluster, bool) \
+                or not 0 <= cluster < (1 << params.cluster_bits):
+            raise TypeError(f"cluster must be an integer from 0 to "
+                            f"{(1 << params.cluster_bits) - 1} (cluster_bits = "
+                            f"{params.cluster_bits}), not {cluster!r}")
+        if bridge is None:
+            bridge = (params.cols - 1, params.rows - 1)
+        if not (isinstance(bridge, tuple) and len(bridge) == 2
+                and all(isinstance(v, int) for v in bridge)
+                and 0 <= bridge[0] < params.cols and 0 <= bridge[1] < params.rows):
+            raise TypeError(f"bridge must be the (x, y) of a tile of the {params.rows}x"
+                            f"{params.cols} grid, not {bridge!r}")
+        self.params = params
+        self.params_hash = params_hash(params)
+        self.cluster, self.bridge = cluster, bridge
         for name, value in (("jitter", jitter), ("stamps", stamps)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, not {value!r}")
-        self.params = params
-        self.params_hash = params_hash(params)
         self.jitter, self.stamps = jitter, stamps
         p = params.mu
-        super().__init__({
+        ports = {
             "cmd": In(stream.Signature(host_cmd_layout(p))),
             "reply": Out(stream.Signature(host_reply_layout(p))),
             "configured": Out(1),
             "done": Out(1),
             "error": Out(1),
             **({"jitter_seed": In(SEED_BITS), "jitter_rate": In(RATE_BITS)} if jitter else {}),
-        })
+        }
+        if params.cluster_bits:
+            ports.update({
+                "bridge_req_out": Out(stream.Signature(mu_request_layout(p))),
+                "bridge_req_in": In(stream.Signature(mu_request_layout(p))),
+                "bridge_rsp_out": Out(stream.Signature(msg_layout(p))),
+                "bridge_rsp_in": In(stream.Signature(msg_layout(p))),
+            })
+        super().__init__(ports)
 
     def elaborate(self, platform):
         fp = self.params
@@ -374,6 +413,9 @@ class Fabric(wiring.Component):
             t = tile_index(x, y, fp.cols)
             req_in, req_eject = noc.req.inject[t], noc.req.eject[t]
             rsp_in, rsp_eject = noc.rsp.inject[t], noc.rsp.eject[t]
+            if fp.cluster_bits:
+                req_in, req_eject, rsp_in, rsp_eject = self._cluster_ports(
+                    m, x, y, req_in, req_eject, rsp_in, rsp_eject)
             if (x, y) == (0, 0):
                 # The host shares this tile's ports: merge its requests, split the responses.
                 m.submodules.host_merge = merge = _Merge(req_flit)
@@ -399,7 +441,7 @@ class Fabric(wiring.Component):
                 error_bits.append(cu.error)
                 unit_cfg = cu.cfg
             else:
-                tile = MUTile(fp, x=x, y=y, stamps=self.stamps)
+                tile = MUTile(fp, x=x, y=y, cluster=self.cluster, stamps=self.stamps)
                 m.submodules[f"mu_{x}_{y}"] = tile
                 wiring.connect(m, req_eject, tile.req_in)
                 wiring.connect(m, tile.msg_out, rsp_in)
@@ -430,6 +472,120 @@ class Fabric(wiring.Component):
             host.all_done.eq(self.done),
             host.any_error.eq(self.error),
             host.misrouted.eq(misrouted),
+        ]
+        return m
+
+
+    def _cluster_ports(self, m, x, y, req_in, req_eject, rsp_in, rsp_eject):
+        """Wrap one tile's network ports for a cluster: stamp and redirect what the tile
+        injects, and at the bridge tile share the ports with the bridge. Returns the ports the
+        tile's unit (and host port) use instead."""
+        fp = self.params
+        p, cb = fp.mu, fp.coord_bits
+        own = self.cluster
+        bx, by = self.bridge
+        req_flit = flit_layout(cb, mu_request_layout(p))
+        msg_flit = flit_layout(cb, msg_layout(p))
+
+        def remote_req(payload):
+            return payload.ref.mu[2 * cb:] != own
+
+        def remote_msg(payload):
+            return (payload.kind == MsgKind.RESPONSE) & (payload.body.dst.cluster != own)
+
+        if (x, y) == self.bridge:
+            # Requests and responses from other clusters join this tile's injections; those
+            # ejected here for other clusters leave through the bridge.
+            for name, flit, inj in (("req", req_flit, req_in), ("rsp", msg_flit, rsp_in)):
+                merge = m.submodules[f"bridge_{name}_merge"] = _Merge(flit)
+                wiring.connect(m, merge.o, inj)
+                arrive = getattr(self, f"bridge_{name}_in")
+                pay = arrive.payload
+                m.d.comb += [
+                    merge.b.valid.eq(arrive.valid),
+                    arrive.ready.eq(merge.b.ready),
+                    merge.b.payload.payload.eq(pay),
+                ]
+                if name == "req":
+                    m.d.comb += [merge.b.payload.dst.x.eq(pay.ref.mu[:cb]),
+                                 merge.b.payload.dst.y.eq(pay.ref.mu[cb:2 * cb])]
+                    req_in = merge.a
+                else:
+                    m.d.comb += [merge.b.payload.dst.x.eq(pay.body.dst.x),
+                                 merge.b.payload.dst.y.eq(pay.body.dst.y)]
+                    rsp_in = merge.a
+            for name, flit, ej, remote in (("req", req_flit, req_eject, remote_req),
+                                           ("rsp", msg_flit, rsp_eject, remote_msg)):
+                fork = m.submodules[f"bridge_{name}_fork"] = _Fork(flit, remote)
+                wiring.connect(m, ej, fork.i)
+                leave = getattr(self, f"bridge_{name}_out")
+                m.d.comb += [
+                    leave.valid.eq(fork.b.valid),
+                    leave.payload.eq(fork.b.payload.payload),
+                    fork.b.ready.eq(leave.ready),
+                ]
+                if name == "req":
+                    req_eject = fork.a
+                else:
+                    rsp_eject = fork.a
+
+        # What the tile injects: requests get this cluster as their source, and go to the
+        # bridge tile when their MU is elsewhere; responses to another cluster go there too.
+        def stamp_fn(m, i, o):
+            m.d.comb += o.payload.src.cluster.eq(own)
+            with m.If(remote_req(i.payload)):
+                m.d.comb += [o.dst.x.eq(bx), o.dst.y.eq(by)]
+
+        def redirect_fn(m, i, o):
+            with m.If(remote_msg(i.payload)):
+                m.d.comb += [o.dst.x.eq(bx), o.dst.y.eq(by)]
+
+        stamp = m.submodules[f"stamp_{x}_{y}"] = _Rewrite(req_flit, stamp_fn)
+        wiring.connect(m, stamp.o, req_in)
+        redirect = m.submodules[f"redirect_{x}_{y}"] = _Rewrite(msg_flit, redirect_fn)
+        wiring.connect(m, redirect.o, rsp_in)
+        return stamp.i, req_eject, redirect.i, rsp_eject
+
+
+class _Rewrite(wiring.Component):
+    """A combinational pass-through; ``rewrite(m, i_payload, o_payload)`` overrides fields of
+    the output payload (later ``comb`` assignments win)."""
+
+    def __init__(self, shape, rewrite):
+        self.rewrite = rewrite
+        super().__init__({
+            "i": In(stream.Signature(shape)),
+            "o": Out(stream.Signature(shape)),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        m.d.comb += [self.o.valid.eq(self.i.valid), self.i.ready.eq(self.o.ready),
+                     self.o.payload.eq(self.i.payload)]
+        self.rewrite(m, self.i.payload, self.o.payload)
+        return m
+
+
+class _Fork(wiring.Component):
+    """Flits to ``b`` when ``predicate(flit.payload)`` holds, else to ``a``; combinational."""
+
+    def __init__(self, shape, predicate):
+        self.predicate = predicate
+        super().__init__({
+            "i": In(stream.Signature(shape)),
+            "a": Out(stream.Signature(shape)),
+            "b": Out(stream.Signature(shape)),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        to_b = self.predicate(self.i.payload.payload)
+        m.d.comb += [
+            self.a.payload.eq(self.i.payload),
+            self.b.payload.eq(self.i.payload),
+            self.a.valid.eq(self.i.valid & ~to_b),
+            self.b.valid.eq(self.i.valid & to_b),
+            self.i.ready.eq(Mux(to_b, self.b.ready, self.a.ready)),
         ]
         return m
 

@@ -9,8 +9,9 @@ here. An instruction is 64 bits (first field in the low bits)::
 Registers are 32-bit scalars ``r0`` .. ``r{regs-1}``; ``V`` is the CU's staging vector (one
 vector word, ``lanes`` 32-bit elements). Memory is reached through references held in
 registers: a reference is ``{mu, buf}`` packed as in :func:`~rdakit.hdl.packets.ref_layout`
-(``mu`` in the low bits), and an MU's ID is its tile's coordinates (``y << coord_bits | x``), so
-the CU routes a request from the reference alone.
+(``mu`` in the low bits), and an MU's ID is its tile's coordinates (``y << coord_bits | x``, with
+the cluster above them in a system of clusters), so the CU routes a request from the reference
+alone.
 """
 
 import dataclasses
@@ -65,6 +66,8 @@ class Op(enum.Enum, shape=6):
     SCFGI = 28
     SRUN = 29
     SELF = 30
+    FADD = 31
+    UNLOCK = 32
 
 
 class AluFn(enum.Enum, shape=4):
@@ -180,6 +183,13 @@ OP_INFO = {
     Op.SRUN: ("SRUN fn, rd", "run the configured stream with function fn (see D_MODE for rd)",
               "N*OUTER steps: 1 a cycle reading, 2 a cycle writing to an MU; + round trip"),
     Op.SELF: ("SELF rd", "rd = this CU's ID (y << coord_bits | x)", "1"),
+    Op.FADD: ("FADD rd, ra, rb, imm",
+              "atomically: rd = lane 0 of word rb of buffer ra, and that word += imm "
+              "(sign-extended to the word)", "1 + round trip"),
+    Op.UNLOCK: ("UNLOCK rd, ra, rb",
+                "release the ticket lock whose served ticket is word rb of buffer ra, holding "
+                "ticket rd (MU_ERROR, NOT_OWNER, if rd is not the one served)",
+                "1 + round trip"),
 }
 
 

@@ -220,6 +220,7 @@ class MemoryUnit(wiring.Component):
         gen = s1.ref.buf[sbits:]
         ref_ok = (s1.ref.mu == self.mu_id) & e.live & (e.gen == gen)
         is_append = op == MUOp.APPEND
+        is_rmw = (op == MUOp.FETCH_ADD) | (op == MUOp.UNLOCK)
         idx = Signal(p.index_bits + 1)
         m.d.comb += idx.eq(Mux(is_append, e.length, s1.index))
         new_len = Mux(idx + 1 > e.length, idx + 1, e.length)
@@ -304,6 +305,9 @@ class MemoryUnit(wiring.Component):
         with m.Elif(op == MUOp.READ):
             with m.If(s1.index >= e.length):
                 m.d.comb += status.eq(MUStatus.OUT_OF_RANGE)
+        with m.Elif(is_rmw):
+            with m.If((s1.index >= e.length) | ~mapped):
+                m.d.comb += status.eq(MUStatus.OUT_OF_RANGE)
         with m.Elif(op == MUOp.RETURN):
             with m.If(weight == 0):
                 m.d.comb += status.eq(MUStatus.BAD_REQUEST)
@@ -364,6 +368,7 @@ class MemoryUnit(wiring.Component):
         copy_dst = Signal(p.addr_bits)
         grow_order = Signal.like(new_order)
         init_i = Signal(range(p.max_buffers + 1))
+        rmw_addr = Signal(p.addr_bits)
 
         with m.If(s1_valid):
             m.d.sync += self.busy_cycles.eq(self.busy_cycles + 1)
@@ -428,6 +433,11 @@ class MemoryUnit(wiring.Component):
                     with m.Elif(ok & (op == MUOp.READ)):
                         m.d.comb += [sp_r.addr.eq(addr), sp_r.en.eq(1)]
                         respond(data=0, from_scratch=mapped)
+                    with m.Elif(ok & is_rmw):
+                        # Read-modify-write: read the word now, write it in RMW.
+                        m.d.comb += [sp_r.addr.eq(addr), sp_r.en.eq(1)]
+                        m.d.sync += rmw_addr.eq(addr)
+                        m.next = "RMW"
                     with m.Elif(ok & (op == MUOp.LEN)):
                         if fault == "len_no_response":
                             m.d.comb += s1_done.eq(1)
@@ -450,6 +460,27 @@ class MemoryUnit(wiring.Component):
                             with m.If((op == MUOp.WRITE) & (status == MUStatus.OUT_OF_RANGE)):
                                 m.d.comb += [e_next.length.eq(new_len), bt_w.addr.eq(slot),
                                              bt_w.data.eq(e_next), bt_w.en.eq(1)]
+
+            with m.State("RMW"):
+                # The old word is on the scratchpad read port: FETCH_ADD adds, UNLOCK bumps
+                # the serving ticket if the requester holds it.
+                old = sp_r.data
+                owner = old == s1.data
+                m.d.comb += sp_r.en.eq(0)     # hold the old word
+                with m.If((op == MUOp.UNLOCK) & ~owner):
+                    m.d.comb += resp_next.status.eq(MUStatus.NOT_OWNER)
+                with m.If(s2_free):
+                    m.next = "EXEC"
+                    with m.If(op == MUOp.FETCH_ADD):
+                        m.d.comb += [sp_w.addr.eq(rmw_addr), sp_w.data.eq(old + s1.data),
+                                     sp_w.en.eq(1)]
+                        respond(data=old)
+                    with m.Elif(owner):
+                        m.d.comb += [sp_w.addr.eq(rmw_addr), sp_w.data.eq(old + 1),
+                                     sp_w.en.eq(1)]
+                        respond(data=old)
+                    with m.Else():
+                        respond(data=0)
 
             with m.State("ALLOC"):
                 # The entry of the slot to take is on the read port now.

@@ -14,9 +14,9 @@ from .params import MUParams
 
 __all__ = [
     "MUOp", "MUStatus", "OP_DOC", "STATUS_DOC",
-    "MsgKind", "coord_layout", "ref_layout", "mu_request_layout", "mu_response_layout",
-    "msg_layout", "host_tag_bit", "HostCmd", "host_cmd_layout", "host_reply_layout",
-    "pack", "unpack",
+    "MsgKind", "coord_layout", "node_layout", "ref_layout", "mu_request_layout",
+    "mu_response_layout", "msg_layout", "host_tag_bit", "HostCmd", "host_cmd_layout",
+    "host_reply_layout", "pack", "unpack",
 ]
 
 
@@ -32,6 +32,8 @@ class MUOp(enum.Enum, shape=4):
     ADD_WEIGHT = 6
     INCREF = 7
     DECREF = 8
+    FETCH_ADD = 9
+    UNLOCK = 10
 
 
 class MUStatus(enum.Enum, shape=3):
@@ -43,6 +45,7 @@ class MUStatus(enum.Enum, shape=3):
     OUT_OF_RANGE = 3
     WEIGHT_OVERFLOW = 4
     BAD_REQUEST = 5
+    NOT_OWNER = 6
 
 
 #: What each operation does: its request fields and its response ``data``. The docs table in
@@ -60,17 +63,25 @@ OP_DOC = {
     MUOp.ADD_WEIGHT: ("ref, data = k", "data = the new total weight"),
     MUOp.INCREF: ("ref (COUNTER mode)", "data = the new count"),
     MUOp.DECREF: ("ref (COUNTER mode)", "data = the new count; 0 means the buffer was freed"),
+    MUOp.FETCH_ADD: ("ref, index, data = k (atomic; locks, barriers)",
+                     "data = the old word; the word becomes old + k (mod 2**data_bits)"),
+    MUOp.UNLOCK: ("ref, index, data = ticket (release a ticket lock)",
+                  "data = the old word; if it equals the ticket the word becomes ticket + 1, "
+                  "else NOT_OWNER (data = 0) and nothing changes"),
 }
 
 STATUS_DOC = {
     MUStatus.OK: "the operation was applied",
     MUStatus.OUT_OF_MEMORY: "no free block, region or buffer slot",
     MUStatus.BAD_REF: "wrong MU ID, a slot never allocated, or a stale generation (freed)",
-    MUStatus.OUT_OF_RANGE: "READ at or past the length, or an index past the largest buffer",
+    MUStatus.OUT_OF_RANGE: ("READ, FETCH_ADD or UNLOCK at or past the length (FETCH_ADD and "
+                            "UNLOCK also in a never-written block), or an index past the "
+                            "largest buffer"),
     MUStatus.WEIGHT_OVERFLOW: ("RETURN of more weight than outstanding, a total or count "
                                "past weight_bits, or a weight wider than weight_bits"),
     MUStatus.BAD_REQUEST: ("unknown opcode, an operation of the other reference-counting mode, "
                            "or a zero weight"),
+    MUStatus.NOT_OWNER: "UNLOCK with a ticket that is not the one being served",
 }
 
 
@@ -101,8 +112,20 @@ def coord_layout(coord_bits):
 
 
 @functools.cache
+def node_layout(p: MUParams):
+    """The address of a requester: ``{x, y}`` (:func:`coord_layout`) in a lone fabric, and
+    ``{x, y, cluster}`` when ``p.cluster_bits`` is not 0. The cluster lies above the
+    coordinates, so assigning a node to a flit's ``dst`` keeps ``{x, y}``."""
+    if p.cluster_bits == 0:
+        return coord_layout(p.coord_bits)
+    return data.StructLayout({"x": p.coord_bits, "y": p.coord_bits,
+                              "cluster": p.cluster_bits})
+
+
+@functools.cache
 def ref_layout(p: MUParams):
-    """A reference: ``{mu, buf}``; ``buf`` holds the slot in its low bits, the generation above."""
+    """A reference: ``{mu, buf}``; ``buf`` holds the slot in its low bits, the generation above.
+    In a system of clusters ``mu`` holds the cluster above the MU's coordinates."""
     return data.StructLayout({"mu": p.mu_id_bits, "buf": p.buf_id_bits})
 
 
@@ -111,7 +134,7 @@ def mu_request_layout(p: MUParams):
     """A request to a memory unit (one flit on the request network)."""
     return data.StructLayout({
         "op": MUOp,
-        "src": coord_layout(p.coord_bits),
+        "src": node_layout(p),
         "tag": p.tag_bits,
         "ref": ref_layout(p),
         "index": p.index_bits,
@@ -125,7 +148,7 @@ def mu_response_layout(p: MUParams):
     return data.StructLayout({
         "op": MUOp,
         "status": MUStatus,
-        "dst": coord_layout(p.coord_bits),
+        "dst": node_layout(p),
         "tag": p.tag_bits,
         "ref": ref_layout(p),
         "data": p.data_bits,

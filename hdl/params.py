@@ -99,6 +99,11 @@ class MUParams:
     reserve_words : int or None
         Initial reservation of a buffer in ``RESERVE`` mode; a power of two between 1 and
         ``max_buffer_words``. ``None`` means ``block_words``.
+    cluster_bits : int
+        Width of the cluster ID (0 to 8) in a requester's address (``src`` of a request,
+        ``dst`` of a response, :func:`~rdakit.hdl.packets.node_layout`). 0, the default, is a
+        single fabric and leaves every packet as it was; in a system of clusters
+        (``docs/clusters.md``) the MU ID also holds the cluster above the coordinates.
 
     Raises
     ------
@@ -122,6 +127,7 @@ class MUParams:
     alloc_mode: AllocMode = AllocMode.VIRTUAL
     refcount: RefcountMode = RefcountMode.WEIGHTED
     reserve_words: int | None = None
+    cluster_bits: int = 0
 
     def __post_init__(self):
         if isinstance(self.alloc_mode, str):
@@ -150,6 +156,7 @@ class MUParams:
         _check_int("data_bits", self.data_bits, minimum=8, maximum=1024)
         _check_int("tag_bits", self.tag_bits, minimum=0, maximum=32)
         _check_int("coord_bits", self.coord_bits, maximum=8)
+        _check_int("cluster_bits", self.cluster_bits, minimum=0, maximum=8)
         if self.block_words >= self.words:
             raise ValueError(f"block_words must be less than words ({self.words}), "
                              f"not {self.block_words!r}")
@@ -341,8 +348,9 @@ class FabricParams:
         Every CU's parameters.
     mu : MUParams
         Every MU's parameters. Its ``data_bits`` must be ``32 * cu.lanes``, its ``mu_id_bits``
-        ``2 * coord_bits`` (an MU's ID is its coordinates, ``y << coord_bits | x``), and its
-        ``coord_bits`` must hold ``rows - 1`` and ``cols - 1``.
+        ``2 * coord_bits + cluster_bits`` (an MU's ID is its cluster and coordinates,
+        ``cluster << 2 * coord_bits | y << coord_bits | x``; the cluster is 0 in a lone
+        fabric), and its ``coord_bits`` must hold ``rows - 1`` and ``cols - 1``.
     noc_depth : int
         Depth of each router input queue.
     noc_queues : str
@@ -378,8 +386,9 @@ class FabricParams:
         if max(self.rows, self.cols) > (1 << cb):
             raise ValueError(f"mu.coord_bits ({cb}) must hold rows ({self.rows}) and cols "
                              f"({self.cols})")
-        if self.mu.mu_id_bits != 2 * cb:
-            raise ValueError(f"mu.mu_id_bits must be 2 * coord_bits = {2 * cb}, "
+        want = 2 * cb + self.mu.cluster_bits
+        if self.mu.mu_id_bits != want:
+            raise ValueError(f"mu.mu_id_bits must be 2 * coord_bits + cluster_bits = {want}, "
                              f"not {self.mu.mu_id_bits!r}")
         if self.mu.data_bits != self.cu.data_bits:
             raise ValueError(f"mu.data_bits must be 32 * cu.lanes = {self.cu.data_bits}, "
@@ -428,11 +437,24 @@ class FabricParams:
         return [(x, y) for y in range(self.rows) for x in range(self.cols)
                 if kind is None or self.grid[y][x] == kind]
 
-    def mu_id(self, x, y):
-        """The MU ID of the tile at ``(x, y)``: its coordinates, ``y << coord_bits | x``."""
-        return (y << self.coord_bits) | x
+    @property
+    def cluster_bits(self):
+        return self.mu.cluster_bits
+
+    def mu_id(self, x, y, cluster=0):
+        """The MU ID of the tile at ``(x, y)`` of cluster ``cluster``:
+        ``cluster << 2 * coord_bits | y << coord_bits | x``."""
+        if not isinstance(cluster, int) or not 0 <= cluster < (1 << self.cluster_bits):
+            raise ValueError(f"cluster must be an integer from 0 to "
+                             f"{(1 << self.cluster_bits) - 1} (cluster_bits = "
+                             f"{self.cluster_bits}), not {cluster!r}")
+        return (cluster << (2 * self.coord_bits)) | (y << self.coord_bits) | x
 
     def mu_coords(self, mu_id):
-        """The ``(x, y)`` of the MU with ID ``mu_id``."""
+        """The ``(x, y)`` of the MU with ID ``mu_id`` inside its cluster."""
         mask = (1 << self.coord_bits) - 1
-        return mu_id & mask, mu_id >> self.coord_bits
+        return mu_id & mask, (mu_id >> self.coord_bits) & mask
+
+    def mu_cluster(self, mu_id):
+        """The cluster of the MU with ID ``mu_id`` (0 in a lone fabric)."""
+        return mu_id >> (2 * self.coord_bits)

@@ -22,6 +22,7 @@ PLUGINS = [
     "rdakit.sim.race_cli",
     "rdakit.sim.formal_cli",
     "rdakit.fabric_cli",
+    "rdakit.cluster_cli",
     "rdakit.compiler.cli",
     "rdakit.run_cli",
     "rdakit.boards.cli",

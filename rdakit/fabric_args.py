@@ -12,14 +12,16 @@ __all__ = ["add_fabric_arguments", "fabric_dict", "fabric_from_args", "fabric_pa
 def fabric_params(rows=2, cols=2, *, layout=None, lanes=4, prog_len=64, local_words=64,
                   outstanding=16, mu_words=1024, block_words=16, max_buffers=16,
                   weight_bits=8, alloc_mode="virtual", refcount="weighted", noc_depth=2,
-                  noc_queues="voq"):
+                  noc_queues="voq", cluster_bits=0):
     """A consistent :class:`FabricParams` from the few numbers people choose: the MU word is
-    ``32 * lanes`` bits, MU IDs are ``2 * coord_bits`` bits, coordinates hold the grid."""
+    ``32 * lanes`` bits, MU IDs are ``2 * coord_bits + cluster_bits`` bits, coordinates hold
+    the grid (``cluster_bits`` > 0 for a cluster of a system, ``docs/clusters.md``)."""
     coord_bits = max(1, ceil_log2(max(rows, cols)))
     mu = MUParams(words=mu_words, block_words=block_words, max_buffers=max_buffers,
                   buf_id_bits=max(ceil_log2(max_buffers) + 4, 8), weight_bits=weight_bits,
-                  data_bits=32 * lanes, mu_id_bits=2 * coord_bits, coord_bits=coord_bits,
-                  index_bits=16, alloc_mode=alloc_mode, refcount=refcount)
+                  data_bits=32 * lanes, mu_id_bits=2 * coord_bits + cluster_bits,
+                  coord_bits=coord_bits, index_bits=16, alloc_mode=alloc_mode, refcount=refcount,
+                  cluster_bits=cluster_bits)
     cu = CUParams(lanes=lanes, prog_len=prog_len, local_words=local_words,
                   outstanding=outstanding)
     return FabricParams(rows=rows, cols=cols, layout=layout, cu=cu, mu=mu,
@@ -47,7 +49,7 @@ def add_fabric_arguments(parser, *, default="2x2"):
     g.add_argument("--noc-depth", type=int, default=2)
 
 
-def fabric_dict(args):
+def fabric_dict(args, *, cluster_bits=0):
     """The keyword arguments of :func:`fabric_params` given by the parsed options (JSON-able,
     so they can cross into a cocotb process); a UserError if ``--fabric`` is malformed."""
     from rdakit.cli import UserError
@@ -60,14 +62,15 @@ def fabric_dict(args):
                 mu_words=args.mu_words, block_words=args.block_words,
                 max_buffers=args.max_buffers, weight_bits=args.weight_bits,
                 alloc_mode=args.alloc_mode, refcount=args.refcount, noc_depth=args.noc_depth,
-                noc_queues=args.noc_queues)
+                noc_queues=args.noc_queues, cluster_bits=cluster_bits)
 
 
-def fabric_from_args(args):
-    """The :class:`FabricParams` of the parsed options, or a UserError naming the problem."""
+def fabric_from_args(args, *, cluster_bits=0):
+    """The :class:`FabricParams` of the parsed options (with ``cluster_bits`` for a cluster of
+    a system), or a UserError naming the problem."""
     from rdakit.cli import UserError
 
     try:
-        return fabric_params(**fabric_dict(args))
+        return fabric_params(**fabric_dict(args, cluster_bits=cluster_bits))
     except (TypeError, ValueError) as e:
         raise UserError(str(e)) from None

@@ -192,58 +192,68 @@ class AmaranthTransport:
         await self.ctx.tick().repeat(n)
 
 
-async def cocotb_host(dut, params, *, period_ns=10):
+async def cocotb_host(dut, params, *, period_ns=10, clusters=None):
     """Start the clock of a fabric's Verilog under cocotb, reset it, and return a
-    :class:`HostDriver` on its host port."""
+    :class:`HostDriver` on its host port; for a :class:`~rdakit.hdl.system.System` of
+    ``clusters`` clusters, a list of one driver per cluster's host port (``cmd__k__*``)."""
     import cocotb
     from cocotb.clock import Clock
     from cocotb.triggers import RisingEdge
 
     cocotb.start_soon(Clock(dut.clk, period_ns, unit="ns").start())
-    dut.cmd__valid.value = 0
-    dut.reply__ready.value = 0
+    prefixes = ["cmd", "reply"] if clusters is None else \
+        [f"{port}__{k}" for k in range(clusters) for port in ("cmd", "reply")]
+    for prefix in prefixes:
+        getattr(dut, f"{prefix}__{'valid' if prefix.startswith('cmd') else 'ready'}").value = 0
     dut.rst.value = 1
     for _ in range(3):
         await RisingEdge(dut.clk)
     dut.rst.value = 0
     await RisingEdge(dut.clk)
-    return HostDriver(params, CocotbTransport(dut))
+    if clusters is None:
+        return HostDriver(params, CocotbTransport(dut))
+    return [HostDriver(params, CocotbTransport(dut, cmd=f"cmd__{k}", reply=f"reply__{k}"))
+            for k in range(clusters)]
 
 
 class CocotbTransport:
     """Host commands through the fabric's Verilog under cocotb (ports ``cmd__*``,
-    ``reply__*``); the clock must already run."""
+    ``reply__*``, or the ``cmd`` and ``reply`` prefixes given); the clock must already run."""
 
-    def __init__(self, dut):
+    def __init__(self, dut, *, cmd="cmd", reply="reply"):
         from cocotb.triggers import ReadOnly, RisingEdge
 
         self.dut = dut
         self._edge = RisingEdge(dut.clk)
         self._ro = ReadOnly()
+        self._cmd_valid = getattr(dut, f"{cmd}__valid")
+        self._cmd_ready = getattr(dut, f"{cmd}__ready")
+        self._cmd_payload = getattr(dut, f"{cmd}__payload")
+        self._reply_valid = getattr(dut, f"{reply}__valid")
+        self._reply_ready = getattr(dut, f"{reply}__ready")
+        self._reply_payload = getattr(dut, f"{reply}__payload")
 
     async def send(self, value):
-        dut = self.dut
-        dut.cmd__payload.value = value
-        dut.cmd__valid.value = 1
+        self._cmd_payload.value = value
+        self._cmd_valid.value = 1
         while True:
             await self._ro
-            taken = bool(dut.cmd__ready.value)
+            taken = bool(self._cmd_ready.value)
             await self._edge
             if taken:
                 break
-        dut.cmd__valid.value = 0
+        self._cmd_valid.value = 0
 
     async def recv(self):
-        dut = self.dut
-        dut.reply__ready.value = 1
+        self._reply_ready.value = 1
         while True:
             await self._ro
-            if dut.reply__valid.value:
-                value = dut.reply__payload.value.to_unsigned()
+            if self._reply_valid.value:
+                value = self._reply_payload.value.to_unsigned()
                 await self._edge
                 break
             await self._edge
-        dut.reply__ready.value = 0
+        self._reply_ready.value = 0
         return value
 
     async def tick(self, n=1):

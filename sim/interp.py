@@ -774,6 +774,12 @@ class Interpreter:
             self._request(cu, MUOp.INCREF, r[ra])
         elif op is Op.DECREF:
             self._request(cu, MUOp.DECREF, r[ra])
+        elif op is Op.FADD:
+            k = _signed(imm) & ((1 << 32 * self._lanes) - 1)
+            r[rd] = self._request(cu, MUOp.FETCH_ADD, r[ra], index=r[rb], data=k)["data"] \
+                & MASK32
+        elif op is Op.UNLOCK:
+            self._request(cu, MUOp.UNLOCK, r[ra], index=r[rb], data=r[rd])
         elif op is Op.SEND:
             if ins.aux >= len(cu.tokens):
                 raise _Halt(_BAD_INSTRUCTION)

@@ -24,6 +24,7 @@ from rdakit.hdl.params import AllocMode, MUParams, RefcountMode
 __all__ = [
     "MUModel", "ModelInvariantError",
     "alloc", "write", "append", "read", "length", "ret", "add_weight", "incref", "decref",
+    "fetch_add", "unlock",
 ]
 
 
@@ -37,6 +38,7 @@ _BAD_REF = MUStatus.BAD_REF
 _OUT_OF_RANGE = MUStatus.OUT_OF_RANGE
 _WEIGHT_OVERFLOW = MUStatus.WEIGHT_OVERFLOW
 _BAD_REQUEST = MUStatus.BAD_REQUEST
+_NOT_OWNER = MUStatus.NOT_OWNER
 
 # What the response's 4-bit ``op`` field unpacks to: a member for a valid encoding, else the int.
 _OP_ECHO = tuple(MUOp(v) if v in MUOp._value2member_map_ else v for v in range(16))
@@ -117,6 +119,8 @@ class MUModel:
         self._max_buffer_words = p.max_buffer_words
         self._field_widths = (p.coord_bits, p.tag_bits, p.mu_id_bits, p.buf_id_bits,
                               p.index_bits, p.data_bits)
+        self._cluster_bits = p.cluster_bits
+        self._data_mask = (1 << p.data_bits) - 1
 
         # Physical state, as the hardware holds it after reset.
         self._mem = [0] * p.words
@@ -145,6 +149,8 @@ class MUModel:
         handlers[MUOp.APPEND.value] = self._append
         handlers[MUOp.READ.value] = self._read
         handlers[MUOp.LEN.value] = self._len
+        handlers[MUOp.FETCH_ADD.value] = self._fetch_add
+        handlers[MUOp.UNLOCK.value] = self._unlock
         if weighted:
             handlers[MUOp.RETURN.value] = self._return
             handlers[MUOp.ADD_WEIGHT.value] = self._add_weight
@@ -199,11 +205,18 @@ class MUModel:
                 | (index >> ib) | (data >> db)):
             self._reject_fields(op, x, y, tag, mu, buf, index, data)
 
+        dst = {"x": x, "y": y}
+        if self._cluster_bits:
+            cluster = src.get("cluster", 0) if src else 0
+            if cluster >> self._cluster_bits:
+                raise ValueError(f"Field 'src.cluster' must fit in {self._cluster_bits} bits, "
+                                 f"not {cluster!r}")
+            dst["cluster"] = cluster
         status, rdata, new_ref = self._handlers[op](mu, buf, index, data)
         return {
             "op": _OP_ECHO[op],
             "status": status,
-            "dst": {"x": x, "y": y},
+            "dst": dst,
             "tag": tag,
             "ref": new_ref if new_ref is not None else {"mu": mu, "buf": buf},
             "data": rdata,
@@ -297,6 +310,40 @@ class MUModel:
         if index >= b.length:
             return _OUT_OF_RANGE, 0, None
         return _OK, self._load(b, index), None
+
+    def _rmw_address(self, mu, buf, index):
+        """(status, physical address) of the word a FETCH_ADD or UNLOCK changes."""
+        b = self._lookup(mu, buf)
+        if b is None:
+            return _BAD_REF, None
+        if index >= b.length:
+            return _OUT_OF_RANGE, None
+        if self._mode is AllocMode.VIRTUAL:
+            block = b.blocks.get(index >> self._offset_bits)
+            if block is None:
+                return _OUT_OF_RANGE, None       # a hole never written holds no word
+            return _OK, block << self._offset_bits | index & self._offset_mask
+        if self._mode is AllocMode.RESERVE:
+            return _OK, b.base + index
+        return _OK, index
+
+    def _fetch_add(self, mu, buf, index, data):
+        status, addr = self._rmw_address(mu, buf, index)
+        if status is not _OK:
+            return status, 0, None
+        old = self._mem[addr]
+        self._mem[addr] = (old + data) & self._data_mask
+        return _OK, old, None
+
+    def _unlock(self, mu, buf, index, data):
+        status, addr = self._rmw_address(mu, buf, index)
+        if status is not _OK:
+            return status, 0, None
+        old = self._mem[addr]
+        if old != data:
+            return _NOT_OWNER, 0, None
+        self._mem[addr] = (old + 1) & self._data_mask
+        return _OK, old, None
 
     def _len(self, mu, buf, index, data):
         b = self._lookup(mu, buf)
@@ -629,7 +676,9 @@ class MUModel:
 def _request(op, ref=None, index=0, data=0, src=None, tag=0):
     return {
         "op": op,
-        "src": {"x": 0, "y": 0} if src is None else {"x": src.get("x", 0), "y": src.get("y", 0)},
+        "src": {"x": 0, "y": 0} if src is None else {
+            "x": src.get("x", 0), "y": src.get("y", 0),
+            **({"cluster": src["cluster"]} if "cluster" in src else {})},
         "tag": tag,
         "ref": {"mu": 0, "buf": 0} if ref is None else {"mu": ref["mu"], "buf": ref["buf"]},
         "index": index,
@@ -680,3 +729,13 @@ def incref(ref, *, src=None, tag=0):
 def decref(ref, *, src=None, tag=0):
     """DECREF ``ref`` (counter mode)."""
     return _request(MUOp.DECREF, ref, 0, 0, src, tag)
+
+
+def fetch_add(ref, index, k, *, src=None, tag=0):
+    """FETCH_ADD ``k`` to word ``index`` of ``ref``."""
+    return _request(MUOp.FETCH_ADD, ref, index, k, src, tag)
+
+
+def unlock(ref, index, ticket, *, src=None, tag=0):
+    """UNLOCK the ticket lock whose serving word is ``index`` of ``ref``, holding ``ticket``."""
+    return _request(MUOp.UNLOCK, ref, index, ticket, src, tag)

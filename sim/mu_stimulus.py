@@ -32,7 +32,7 @@ _OP_OF = {op.value: op for op in MUOp}
 class _View:
     """What the stimulus knows of one reference it holds."""
 
-    __slots__ = ("buf", "length", "total", "outstanding", "full", "vblocks")
+    __slots__ = ("buf", "length", "total", "outstanding", "full", "vblocks", "seen")
 
     def __init__(self, buf, weight):
         self.buf = buf
@@ -41,6 +41,7 @@ class _View:
         self.outstanding = weight    # weight not yet returned; the count in COUNTER mode
         self.full = False            # an APPEND answered OUT_OF_RANGE
         self.vblocks = set()         # virtual blocks written (so mapped, in VIRTUAL mode)
+        self.seen = {}               # index -> the word last seen there (for UNLOCK tickets)
 
 
 class MUStimulus:
@@ -141,6 +142,15 @@ class MUStimulus:
         if view is None:
             return
         data = response["data"]
+        if status is MUStatus.OK and op in (MUOp.WRITE, MUOp.READ, MUOp.FETCH_ADD,
+                                            MUOp.UNLOCK):
+            mask = (1 << self.params.data_bits) - 1
+            view.seen[request["index"]] = {
+                MUOp.WRITE: request["data"], MUOp.READ: data,
+                MUOp.FETCH_ADD: (data + request["data"]) & mask,
+                MUOp.UNLOCK: (data + 1) & mask}[op]
+        elif status is MUStatus.OK and op is MUOp.APPEND:
+            view.seen[data] = request["data"]
         if status is MUStatus.BAD_REF:
             self._drop(view)
         elif status is MUStatus.OUT_OF_RANGE:
@@ -328,9 +338,24 @@ class MUStimulus:
             return self._write(view, 0.5 if self._hog else 0.1)
         if r < 0.58:
             return self._req(MUOp.APPEND, view.buf, data=self._word())
-        if r < 0.94:
+        if r < 0.90:
             return self._read(view)
+        if r < 0.94:
+            return self._rmw(view)
         return self._req(MUOp.LEN, view.buf)
+
+    def _rmw(self, view):
+        """A FETCH_ADD, or an UNLOCK with the word last seen there as its ticket (stale now
+        and then, so NOT_OWNER too)."""
+        rng = self._rng
+        if not view.length:
+            return self._req(MUOp.LEN, view.buf)
+        index = rng.randrange(view.length)
+        if rng.random() < 0.5:
+            k = rng.randint(1, 3) if rng.random() < 0.7 else self._word()
+            return self._req(MUOp.FETCH_ADD, view.buf, index, k)
+        ticket = view.seen.get(index, self._word())
+        return self._req(MUOp.UNLOCK, view.buf, index, ticket)
 
     def _error(self, views):
         """A request meant to fail (it may not, if the stimulus' view is behind)."""
@@ -339,7 +364,7 @@ class MUStimulus:
         view = rng.choice(views) if views else None
         kind = rng.randrange(12)
         if kind == 0:
-            op = rng.randint(9, 15)
+            op = rng.randint(len(MUOp), 15)
             buf = view.buf if view and rng.random() < 0.5 else rng.getrandbits(p.buf_id_bits)
             return self._req(op, buf, rng.getrandbits(p.index_bits), self._word())
         if kind == 1:
@@ -347,7 +372,8 @@ class MUStimulus:
                             else (MUOp.RETURN, MUOp.ADD_WEIGHT))
             return self._req(op, view.buf if view else 0, data=rng.randint(0, 3))
         if kind == 2 and self._stale:
-            op = rng.choice(_REF_OPS[:6] if self._weighted else _REF_OPS[:4] + _REF_OPS[6:])
+            op = rng.choice((_REF_OPS[:6] if self._weighted else _REF_OPS[:4] + _REF_OPS[6:])
+                            + (MUOp.FETCH_ADD, MUOp.UNLOCK))
             return self._req(op, rng.choice(self._stale), 0, 1)
         if kind == 3 and view:
             mu = (self.mu_id + rng.randrange(1, 1 << p.mu_id_bits)) % (1 << p.mu_id_bits)
@@ -358,7 +384,8 @@ class MUStimulus:
         if kind == 5 and view:
             index = self._beyond(view.length, p.index_bits)
             if index is not None:
-                return self._req(MUOp.READ, view.buf, index)
+                op = rng.choice((MUOp.READ, MUOp.READ, MUOp.FETCH_ADD, MUOp.UNLOCK))
+                return self._req(op, view.buf, index)
         if kind == 6 and view:
             index = self._beyond(p.max_buffer_words, p.index_bits)
             if index is not None:

@@ -284,12 +284,95 @@ def test_counter_mode_incref_decref():
     ("ALLOC r2, r1, 1\nRETI r2, 2\nHALT", 1),                    # more than outstanding
     ("ALLOC r2, r1, 1\nRETI r2, 1\nLEN r3, r2\nHALT", 2),        # stale after the free
     ("ALLOC r2, r1, 1\nINCREF r2\nHALT", 1),                     # counter op in weighted mode
+    ("ALLOC r2, r1, 1\nVAPPEND r3, r2\nLI r3, 0\nLI r5, 1\nUNLOCK r5, r2, r3\nHALT", 4),
+    # ^ UNLOCK with ticket 1 while ticket 0 is served: NOT_OWNER
+    ("ALLOC r2, r1, 1\nLI r3, 0\nFADD r5, r2, r3, 1\nHALT", 2),  # FADD past the length
 ])
 def test_mu_error_halts(text, pc):
     _, s = run_one(text, regs={1: MU_A_ID, 4: 77}, read_local=False, read_mus=False)
     assert (s.done, s.error, s.code_name, s.pc) == (True, True, "MU_ERROR", pc)
     assert s.status == 1 | 2 | CODE["MU_ERROR"] << 8 | pc << 16
     assert s.regs[4] == 77                     # the destination is not written
+
+
+def test_fetch_add_and_unlock():
+    res, s = run_one("""
+        ALLOC r2, r1, 1
+        VCLR
+        VAPPEND r3, r2      # word 0: next ticket
+        VAPPEND r3, r2      # word 1: ticket served
+        LI r0, 0
+        LI r6, 1
+        FADD r4, r2, r0, 1  # r4 = ticket 0
+        FADD r5, r2, r0, 1  # r5 = ticket 1
+        UNLOCK r4, r2, r6   # serve ticket 1
+        READ 0, r7, r2, r6
+        FADD r3, r2, r0, -1 # r3 = 2; word 0 = 1
+        FADD r0, r2, r6, -3 # r0 = 1; word 1 = -2 (borrowing into every lane)
+        HALT
+    """, regs={1: MU_A_ID}, read_local=False)
+    assert res.ok, res.errors
+    assert [s.regs[i] for i in (4, 5, 7, 3, 0)] == [0, 1, 1, 2, 1]
+    ref = s.regs[2]
+    np.testing.assert_array_equal(res.mus[MU_A][ref], [[1, 0, 0, 0], [-2, -1, -1, -1]])
+
+
+LOCKED_INCREMENT = """
+        LI r6, 0            # word 0: next ticket
+        LI r5, 1            # word 1: ticket served
+        LI r4, 2            # word 2: the shared counter
+        LI r7, {n}
+    loop:
+        FADD r2, r1, r6, 1  # take a ticket
+    spin:
+        READ 0, r3, r1, r5
+        ALU SEQ, r3, r3, r2
+        BZ r3, spin         # until it is served
+        READ 0, r3, r1, r4  # a plain read-modify-write of the counter, under the lock
+        ALUI ADD, r3, r3, 1
+        VCLR
+        VSET 0, r3
+        VWRITE r1, r4
+        SELF r3
+        VCLR
+        VSET 0, r3
+        VAPPEND r3, r0      # log who held the lock
+        UNLOCK r2, r1, r5
+        LOOP r7, loop
+        HALT
+"""
+
+
+@pytest.mark.parametrize("stall", [0.0, 0.3])
+def test_ticket_lock_mutual_exclusion_and_fairness(stall):
+    n = 6
+    tile = TileConfig(program=assemble(LOCKED_INCREMENT.format(n=n)))
+    res = run_program(P, {CU0: tile, CU1: tile},
+                      buffers={"lock": (MU_A, np.zeros((3, LANES), np.int32)),
+                               "log": (MU_B, np.zeros((0, LANES), np.int32))},
+                      regs={CU0: {1: "lock", 0: "log"}, CU1: {1: "lock", 0: "log"}},
+                      read_local=False, stall=stall, seed=5)
+    assert res.ok, res.errors
+    lock = next(iter(res.mus[MU_A].values()))
+    assert lock[2][0] == 2 * n                     # no increment lost
+    assert lock[0][0] == lock[1][0] == 2 * n       # every ticket taken was served
+    log = [row[0] for row in next(iter(res.mus[MU_B].values()))]
+    assert sorted(log) == sorted([P.mu_id(*CU0)] * n + [P.mu_id(*CU1)] * n)
+    # FIFO: while both wait, the lock alternates between them.
+    middle = log[1:-1]
+    assert all(a != b for a, b in zip(middle, middle[1:], strict=False)), log
+
+
+def test_without_the_lock_increments_are_lost():
+    # The same read-modify-write without the lock: both CUs read the same old value.
+    text = "LI r4, 2\nLI r7, 6\nloop: READ 0, r3, r1, r4\nALUI ADD, r3, r3, 1\nVCLR\n" \
+           "VSET 0, r3\nVWRITE r1, r4\nLOOP r7, loop\nHALT"
+    tile = TileConfig(program=assemble(text))
+    res = run_program(P, {CU0: tile, CU1: tile},
+                      buffers={"lock": (MU_A, np.zeros((3, LANES), np.int32))},
+                      regs={CU0: {1: "lock"}, CU1: {1: "lock"}}, read_local=False)
+    assert res.ok, res.errors
+    assert next(iter(res.mus[MU_A].values()))[2][0] < 12
 
 
 def test_stream_read_error_halts_in_order():
@@ -310,7 +393,7 @@ def test_stream_read_error_halts_in_order():
 def test_errors_of_the_sequencer():
     # Several programs run one after the other in one simulation (start reloads everything).
     cases = [
-        ([encode(Instr(Op.NOP)), 31, encode(Instr(Op.HALT))], "BAD_INSTRUCTION", 1),
+        ([encode(Instr(Op.NOP)), 63, encode(Instr(Op.HALT))], "BAD_INSTRUCTION", 1),
         (assemble("NOP\nSEND 4, r0, 1\nHALT"), "BAD_INSTRUCTION", 1),
         (assemble("WAIT 4, 1\nHALT"), "BAD_INSTRUCTION", 0),
         (assemble("SENDREF 2, r0, r1, r2\nHALT"), "BAD_INSTRUCTION", 0),

@@ -332,7 +332,7 @@ def test_mu_error_keeps_the_destination_register():
 
 
 def test_undefined_opcode():
-    tile = TileConfig(program=[encode(Instr(Op.NOP)), 31, encode(Instr(Op.HALT))])
+    tile = TileConfig(program=[encode(Instr(Op.NOP)), 63, encode(Instr(Op.HALT))])
     res = Interpreter(P, FabricConfig(P, {(0, 0): tile})).run()
     assert (res.cu(0, 0).code_name, res.cu(0, 0).pc) == ("BAD_INSTRUCTION", 1)
 

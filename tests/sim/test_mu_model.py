@@ -27,10 +27,12 @@ from rdakit.sim.mu_model import (
     alloc,
     append,
     decref,
+    fetch_add,
     incref,
     length,
     read,
     ret,
+    unlock,
     write,
 )
 from rdakit.sim.mu_stimulus import PROFILES, MUStimulus, random_requests
@@ -41,6 +43,7 @@ BAD_REF = MUStatus.BAD_REF
 OUT_OF_RANGE = MUStatus.OUT_OF_RANGE
 WEIGHT_OVERFLOW = MUStatus.WEIGHT_OVERFLOW
 BAD_REQUEST = MUStatus.BAD_REQUEST
+NOT_OWNER = MUStatus.NOT_OWNER
 
 SMALL = MUParams(words=256, block_words=16, max_buffers=4, max_buffer_words=128,
                  weight_bits=4, buf_id_bits=4)
@@ -170,6 +173,39 @@ def test_write_read_append_len(alloc_mode, refcount):
 
 
 @pytest.mark.parametrize("alloc_mode, refcount", MODES)
+def test_fetch_add_and_ticket_lock(alloc_mode, refcount):
+    mu = MU(small(alloc_mode, refcount))
+    ref = mu.new()
+    mu.ok(write(ref, 0, 0))                              # next ticket
+    mu.ok(write(ref, 1, 0))                              # ticket being served
+    assert [mu.ok(fetch_add(ref, 0, 1)) for _ in range(3)] == [0, 1, 2]   # tickets 0, 1, 2
+    assert mu.ok(read(ref, 0)) == 3
+    top = (1 << mu.params.data_bits) - 1
+    assert mu.ok(fetch_add(ref, 1, top)) == 0             # wraps modulo 2**data_bits
+    assert mu.ok(fetch_add(ref, 1, 1)) == top
+    assert mu.ok(read(ref, 1)) == 0
+    before = mu.model.snapshot()
+    assert mu(unlock(ref, 1, 1))["status"] is NOT_OWNER   # ticket 1 is not served yet
+    assert mu(unlock(ref, 1, 1))["data"] == 0
+    assert mu.model.snapshot() == before                  # a rejected release changes nothing
+    assert mu.ok(unlock(ref, 1, 0)) == 0                   # the owner releases: serve ticket 1
+    assert mu(unlock(ref, 1, 0))["status"] is NOT_OWNER    # a second release by 0 is rejected
+    assert mu.ok(unlock(ref, 1, 1)) == 1
+    assert mu.ok(read(ref, 1)) == 2
+    for op in (fetch_add(ref, 2, 1), unlock(ref, 2, 0)):  # past the length
+        assert mu(op)["status"] is OUT_OF_RANGE
+
+
+def test_fetch_add_in_a_hole_is_out_of_range():
+    mu = MU(small(AllocMode.VIRTUAL, RefcountMode.WEIGHTED))
+    ref = mu.new()
+    mu.ok(write(ref, 40, 7))                              # blocks 0 and 1 are holes
+    assert mu(fetch_add(ref, 3, 1))["status"] is OUT_OF_RANGE
+    assert mu(unlock(ref, 20, 0))["status"] is OUT_OF_RANGE
+    assert mu.ok(fetch_add(ref, 40, 1)) == 7
+
+
+@pytest.mark.parametrize("alloc_mode, refcount", MODES)
 def test_out_of_range(alloc_mode, refcount):
     mu = MU(small(alloc_mode, refcount))
     ref = mu.new()
@@ -207,7 +243,7 @@ def test_bad_request(alloc_mode, refcount):
     mu = MU(small(alloc_mode, refcount))
     ref = mu.new()
     before = mu.model.snapshot()
-    for op in range(9, 16):
+    for op in range(len(MUOp), 16):
         resp = mu({"op": op, "ref": ref, "data": 1})
         assert (resp["op"], resp["status"], resp["data"]) == (op, BAD_REQUEST, 0)
     other = [incref(ref), decref(ref)] if refcount is RefcountMode.WEIGHTED \
@@ -621,8 +657,10 @@ def expected_outcomes(params):
                           else {BAD_REQUEST}),
         MUOp.INCREF: {BAD_REQUEST} if weighted else {OK, BAD_REF, WEIGHT_OVERFLOW},
         MUOp.DECREF: {BAD_REQUEST} if weighted else {OK, BAD_REF},
+        MUOp.FETCH_ADD: {OK, BAD_REF, OUT_OF_RANGE},
+        MUOp.UNLOCK: {OK, BAD_REF, OUT_OF_RANGE, NOT_OWNER},
     }
-    outcomes.update({op: {BAD_REQUEST} for op in range(9, 16)})
+    outcomes.update({op: {BAD_REQUEST} for op in range(len(MUOp), 16)})
     return {(op, status) for op, statuses in outcomes.items() for status in statuses}
 
 

@@ -1,0 +1,85 @@
+"""``rdakit verilog system``: the Verilog of a system of clusters (``docs/clusters.md``).
+
+:func:`add_system_arguments` and :func:`system_from_args` describe a system on any command
+line (the fabric options of every cluster plus the cluster count and the link).
+"""
+
+import re
+
+from amaranth.utils import ceil_log2
+
+from rdakit.fabric_args import add_fabric_arguments, fabric_from_args
+
+__all__ = ["register", "add_system_arguments", "system_from_args"]
+
+
+def add_system_arguments(parser, *, default_fabric="2x2"):
+    """The options of :func:`system_from_args`: every cluster's fabric (``--fabric RxC`` or
+    ``--rows R --cols C``), ``--clusters``, ``--link-width``, ``--link-latency``,
+    ``--link-depth`` and ``--bridge X,Y``."""
+    add_fabric_arguments(parser, default=default_fabric)
+    g = parser.add_argument_group("system of clusters (docs/clusters.md)")
+    g.add_argument("--rows", type=int, help="rows of every cluster (instead of --fabric)")
+    g.add_argument("--cols", type=int, help="columns of every cluster (instead of --fabric)")
+    g.add_argument("--clusters", type=int, default=2, help="number of clusters (default: 2)")
+    g.add_argument("--link-width", type=int,
+                   help="wires of each inter-cluster link (default: a quarter of a request)")
+    g.add_argument("--link-latency", type=int, default=20,
+                   help="cycles of each link's wire delay (default: 20)")
+    g.add_argument("--link-depth", type=int,
+                   help="receive queue of each link, packets (default: enough for full rate)")
+    g.add_argument("--bridge", metavar="X,Y",
+                   help="the bridge tile of every cluster (default: the last tile)")
+
+
+def system_from_args(args):
+    """The :class:`~rdakit.hdl.system.SystemParams` of the parsed options, or a UserError
+    naming the problem."""
+    from rdakit.cli import UserError
+    from rdakit.hdl.system import SystemParams
+
+    if args.rows is not None or args.cols is not None:
+        m = re.fullmatch(r"(\d+)x(\d+)", args.fabric)
+        rows, cols = (int(m.group(1)), int(m.group(2))) if m else (2, 2)
+        args.fabric = f"{args.rows if args.rows is not None else rows}x" \
+                      f"{args.cols if args.cols is not None else cols}"
+    n = args.clusters
+    if not isinstance(n, int) or n < 1 or n > 256:
+        raise UserError(f"--clusters must be from 1 to 256, not {n!r}")
+    params = fabric_from_args(args, cluster_bits=max(1, ceil_log2(n)))
+    bridge = None
+    if args.bridge is not None:
+        m = re.fullmatch(r"\s*(\d+)\s*,\s*(\d+)\s*", args.bridge)
+        if not m:
+            raise UserError(f"--bridge must be X,Y like 1,0, not {args.bridge!r}")
+        bridge = (int(m.group(1)), int(m.group(2)))
+    try:
+        return SystemParams(params, clusters=n, link_width=args.link_width,
+                            link_latency=args.link_latency, link_depth=args.link_depth,
+                            bridge=bridge)
+    except (TypeError, ValueError) as e:
+        raise UserError(str(e)) from None
+
+
+def _verilog_system(args):
+    from rdakit.hdl.cli import write_verilog
+    from rdakit.hdl.system import System
+
+    sp = system_from_args(args)
+    fp = sp.fabric
+    return write_verilog(args, System(sp), f"{sp.clusters} clusters of {fp.rows}x{fp.cols}, "
+                                           f"links {sp.link_width} wires, "
+                                           f"{sp.link_latency} cycles")
+
+
+def register(commands, verilog, bench):
+    p = verilog.add_parser(
+        "system", help="a system of clusters joined by bridges",
+        description="Write the Verilog of N fabrics (clusters) sharing one MU address space "
+                    "through bridge tiles and inter-cluster links, with one host port per "
+                    "cluster (ports cmd__K__*, reply__K__*; docs/clusters.md).")
+    add_system_arguments(p)
+    p.add_argument("-o", "--output", required=True, metavar="FILE",
+                   help="Verilog file to write ('-' for standard output)")
+    p.add_argument("--name", default="top", help="top module name (default: %(default)s)")
+    p.set_defaults(func=_verilog_system)

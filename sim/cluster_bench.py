@@ -1,0 +1,93 @@
+"""Remote against local MU access on a system of clusters, measured on the RTL.
+
+:func:`measure_access` runs, in Amaranth's simulator, one CU of cluster 0 reading a buffer of
+an MU of its own cluster and then the same buffer placed in cluster 1: ``reads`` blocking
+``READ`` instructions one after the other (the round-trip latency of one access) and one stream
+of ``words`` vector words (``SRUN`` with ``outstanding`` reads in flight: the bandwidth). The
+figures are cycles between the host's START and the CU's done, from the fabric's own counter.
+"""
+
+import numpy as np
+
+from rdakit.compiler.bitstream import FabricConfig, TileConfig
+from rdakit.hdl.isa import assemble
+
+from .clusters import run_system
+
+__all__ = ["measure_access"]
+
+
+def _programs(reads, words):
+    latency = assemble(f"""
+        LI r4, 0
+        LI r7, {reads}
+    loop:
+        READ 0, r3, r1, r4
+        LOOP r7, loop
+        HALT
+    """)
+    stream = assemble(f"""
+        SCFG A_REF, r1
+        SCFGI A_STRIDE, 1
+        SCFGI N, {words}
+        SCFGI D_MODE, 0          # DISCARD
+        SRUN PASS, r0
+        HALT
+    """)
+    empty = assemble("HALT")
+    return latency, stream, empty
+
+
+def measure_access(system_params, *, reads=16, words=64, system=None):
+    """Cycles of local and remote accesses from the first CU of cluster 0.
+
+    Returns
+    -------
+    dict
+        ``{"local": {...}, "remote": {...}}`` with ``latency_cycles`` (per READ, loop
+        included), ``stream_cycles`` (for ``words`` words), ``words_per_cycle`` and, for the
+        remote run, ``link_packets`` (requests and responses that crossed the links).
+    """
+    from rdakit.hdl.system import System
+
+    from .amaranth_sim import simulate
+    from .host import AmaranthTransport, HostDriver
+
+    fp = system_params.fabric
+    system = System(system_params) if system is None else system
+    cu = fp.tiles("C")[0]
+    mu = min(fp.tiles("M"), key=lambda t: (abs(t[0] - cu[0]) + abs(t[1] - cu[1]), t[1], t[0]))
+    latency, stream, empty = _programs(reads, words)
+    data = np.arange(words * fp.cu.lanes, dtype=np.int32).reshape(words, fp.cu.lanes)
+    out = {}
+
+    async def bench(ctx):
+        hosts = [HostDriver(fp, AmaranthTransport(ctx, system.host_port(k)))
+                 for k in range(system_params.clusters)]
+        for where, cluster in (("local", 0), ("remote", 1)):
+            ref = await hosts[cluster].alloc((*mu, cluster))
+            await hosts[cluster].append_vectors(ref, data)
+            before = [int(ctx.get(system.req_packets[k])) + int(ctx.get(system.rsp_packets[k]))
+                      for k in range(system_params.clusters)]
+            figures = {}
+            for name, program in (("latency", latency), ("stream", stream)):
+                configs = [FabricConfig(fp, {cu: TileConfig(program=program, regs={1: ref})})]
+                configs += [None] * (system_params.clusters - 1)
+                cycles = (await run_system(hosts, configs))[0]
+                figures[f"{name}_cycles"] = cycles
+            after = [int(ctx.get(system.req_packets[k])) + int(ctx.get(system.rsp_packets[k]))
+                     for k in range(system_params.clusters)]
+            out[where] = {
+                "latency_cycles": round(figures["latency_cycles"] / reads, 2),
+                "stream_cycles": figures["stream_cycles"],
+                "words_per_cycle": round(words / figures["stream_cycles"], 3),
+                "link_packets": sum(after) - sum(before),
+            }
+            await hosts[cluster].release(ref)
+        # An empty program: the START-to-done overhead included in every figure above.
+        configs = [FabricConfig(fp, {cu: TileConfig(program=empty)})]
+        configs += [None] * (system_params.clusters - 1)
+        out["overhead_cycles"] = (await run_system(hosts, configs))[0]
+
+    simulate(system, bench)
+    return out
