@@ -129,6 +129,49 @@ def _run(args):
     return 0
 
 
+def _bench(args):
+    from rdakit.cli import UserError
+    from rdakit.report import Report
+    from rdakit.sim import e2e_bench
+
+    from .fabric_args import fabric_dict
+
+    fabric = fabric_dict(args)
+    names = args.partitioners.split(",") if args.partitioners else None
+    workloads = tuple(args.workloads.split(",")) if args.workloads else e2e_bench.WORKLOADS
+    for w in workloads:
+        if w not in e2e_bench.WORKLOADS:
+            raise UserError(f"--workloads takes a subset of {','.join(e2e_bench.WORKLOADS)}, "
+                            f"not {w!r}")
+    known = e2e_bench.partitioners()
+    for n in names or ():
+        if n not in known:
+            raise UserError(f"--partitioners takes a subset of {','.join(known)}, not {n!r}")
+    if args.sim != "amaranth":
+        from rdakit.sim.runner import require_simulator_or_raise
+
+        require_simulator_or_raise(args.sim)
+    report = Report("e2e")
+    report.console.print(f"{','.join(workloads)} on a {fabric['rows']}x{fabric['cols']} fabric "
+                         f"with {args.sim}")
+    with progress_bar(report.console.is_terminal) as progress:
+        part_rows, mem_rows = e2e_bench.run(fabric, sim=args.sim, workloads=workloads,
+                                            names=names, place_steps=args.place_steps,
+                                            progress=progress)
+    report.table("Partitioners: measured cycles on the RTL beside the cost model's lower "
+                 "bound (utilization = mean CU busy / cycles; vs_round_robin = cycles / the "
+                 "round-robin baseline's)", part_rows)
+    report.table("Memory schemes (multilevel partitioner): weighted reference counting with "
+                 "partial free and virtual buffers, counter-based reference counting, "
+                 "reserve-and-copy allocation", mem_rows)
+    report.figure("fabric", f"{fabric['rows']}x{fabric['cols']}")
+    report.figure("simulator", args.sim)
+    bad = [r for r in part_rows + mem_rows if r["check"] != "ok"]
+    report.figure("failed_runs", len(bad))
+    report.finish(args.json)
+    return 1 if bad else 0
+
+
 def add_run_arguments(p):
     """The workload and compilation options of ``rdakit run`` (also used by benches)."""
     from rdakit.compiler.partition import STRATEGIES
@@ -148,6 +191,8 @@ def add_run_arguments(p):
 
 def register(commands, verilog, bench):
     from rdakit.sim.e2e import BACKENDS
+
+    from .fabric_args import add_fabric_arguments
 
     p = commands.add_parser(
         "run", help="compile a workload, run it on a simulated fabric and check it",
@@ -173,3 +218,22 @@ def register(commands, verilog, bench):
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     add_run_arguments(p)
     p.set_defaults(func=_run)
+
+    b = bench.add_parser(
+        "e2e", help="workloads on the RTL fabric with every partitioner and memory scheme",
+        description="Compile MLP, decoder-with-KV-cache and MoE (their smallest sizes) with "
+                    "every partitioner and run them on one build of the fabric; then with "
+                    "counter-based reference counting and with reserve-and-copy allocation "
+                    "(one build each). Prints cycles, the cost model's lower bound, CU "
+                    "utilization, NoC flits, MU peak words, buffers allocated and freed, and "
+                    "the bit-exact check of every run (exit 1 if any failed).")
+    b.add_argument("--sim", choices=BACKENDS, default="verilator",
+                   help="simulator (default: %(default)s)")
+    b.add_argument("--workloads", metavar="LIST", help="subset of mlp,decoder,moe")
+    b.add_argument("--partitioners", metavar="LIST",
+                   help="comma-separated subset of the partitioners (default: all)")
+    b.add_argument("--place-steps", type=int, default=20000,
+                   help="annealing steps of the placement (default: %(default)s)")
+    b.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    add_fabric_arguments(b, default="4x4")
+    b.set_defaults(func=_bench, prog_len=RUN_PROG_LEN)

@@ -197,3 +197,31 @@ def test_every_workload_on_the_rtl(simulator, fabric):
     assert len(results) == len(specs)
     for spec, rows in zip(specs, results, strict=True):
         _check_rows(rows, spec)
+
+
+# --- rdakit bench e2e -------------------------------------------------------------------------
+
+def test_bench_e2e_json_has_the_figures_per_workload_and_configuration(tmp_path, capsys):
+    path = tmp_path / "e2e.json"
+    rc = main(["bench", "e2e", "--sim", "amaranth", "--fabric", "2x2", "--workloads", "mlp",
+               "--partitioners", "multilevel,round_robin", "--place-steps", "2000",
+               "--json", str(path)])
+    assert rc == 0
+    data = json.loads(path.read_text())
+    tables = list(data["tables"].values())
+    parts, memory = tables[0], tables[1]
+    assert [r["partitioner"] for r in parts] == ["multilevel", "round_robin"]
+    assert [r["scheme"] for r in memory] == ["weighted+virtual", "counter+virtual",
+                                             "weighted+reserve"]
+    for r in parts + memory:
+        assert r["check"] == "ok"
+        assert r["cycles"] >= r["lower_bound"] > 0
+        assert 0 < r["utilization"] <= 1
+    # Reserve-and-copy holds whole buffers: never less MU memory than virtualization.
+    assert memory[2]["mu_peak_words"] >= memory[0]["mu_peak_words"]
+    assert "Memory schemes" in capsys.readouterr().out
+
+
+def test_bench_e2e_rejects_unknown_names():
+    assert main(["bench", "e2e", "--workloads", "resnet"]) == 2
+    assert main(["bench", "e2e", "--partitioners", "magic"]) == 2
