@@ -126,15 +126,17 @@ class HostDriver:
         word = (await self._command({"kind": HostCmd.STATUS}))["word"]
         return {name: bool(word >> bit & 1) for name, bit in STATUS_BITS.items()}
 
-    async def wait_done(self, *, max_cycles=1_000_000, poll=64, on_poll=None):
-        """Poll until every CU has halted; return the status. Raises TimeoutError.
+    async def wait_done(self, *, max_cycles=1_000_000, poll=64, on_poll=None, stop_on_error=True):
+        """Poll until every CU has halted, or (``stop_on_error``) until one has halted on an
+        error, since the others may then wait forever for data it will never send; return the
+        status. Raises TimeoutError.
 
         ``on_poll(cycles)``, if given, is called after every poll with the cycles waited so far
         (progress bars)."""
         waited = 0
         while True:
             st = await self.status()
-            if st["done"]:
+            if st["done"] or (stop_on_error and st["error"]):
                 return st
             if waited > max_cycles:
                 raise TimeoutError(f"fabric not done after {max_cycles} cycles: {st}")

@@ -43,7 +43,7 @@ from cocotb.triggers import FallingEdge, Timer
 from rdakit.hdl.noc_harness import RATE_ONE, Pattern, TrafficHarness
 from rdakit.sim.cocotb_utils import tb_config
 from rdakit.sim.noc_model import PATTERNS, theoretical_limit, zero_load_latency
-from rdakit.sim.runner import BUILD_ROOT, generate_verilog, run_cocotb, simulator_info
+from rdakit.sim.runner import BUILD_ROOT, cached_verilog, run_cocotb, simulator_info
 
 __all__ = ["run_harness", "sweep", "is_saturated", "summarize", "router_area", "build_direct",
            "run_bench", "noc_sweep", "DEFAULT_FRACTIONS"]
@@ -380,23 +380,14 @@ int main(int argc, char** argv) {{
 """
 
 
-def _source_key(component):
-    """A digest of what the generated Verilog of a NoC component depends on: its parameters,
-    the source of the modules that build it, and the Amaranth version. Converting an 8x8
-    harness takes most of a minute; this lets a rerun skip it."""
-    import amaranth
-
-    from rdakit import hdl
-
+def _design_key(component):
+    """What the generated Verilog of a NoC component depends on besides the HDL sources (which
+    :func:`~rdakit.sim.runner.cached_verilog` hashes): its class and parameters. Converting an
+    8x8 harness takes most of a minute; the cache lets a rerun skip it."""
     params = {k: repr(getattr(component, k, None))
               for k in ("rows", "cols", "coord_bits", "counter_bits", "seq_bits", "ts_bits",
                         "source_depth", "_mesh_kw", "payload")}
-    parts = [type(component).__qualname__, json.dumps(params, sort_keys=True, default=repr),
-             amaranth.__version__]
-    root = pathlib.Path(hdl.__file__).parent
-    for name in ("flit.py", "packets.py", "router.py", "mesh.py", "noc_harness.py"):
-        parts.append((root / name).read_text())
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+    return f"{type(component).__qualname__} {json.dumps(params, sort_keys=True, default=repr)}"
 
 
 def build_direct(component, build_name):
@@ -407,15 +398,9 @@ def build_direct(component, build_name):
         raise RuntimeError(f"verilator unavailable: {info.problem}; install: {info.install}")
     build_dir = BUILD_ROOT / "bench" / build_name
     build_dir.mkdir(parents=True, exist_ok=True)
-    source_key = _source_key(component)
-    verilog_file, verilog_key = build_dir / "top.v", build_dir / "top.v.key"
-    if verilog_file.exists() and verilog_key.exists() \
-            and verilog_key.read_text() == source_key:
-        text = verilog_file.read_text()
-    else:
-        text = generate_verilog(component)
-        verilog_file.write_text(text)
-        verilog_key.write_text(source_key)
+    text = cached_verilog(_design_key(component), lambda: component)
+    component._MustUse__used = True     # converted on an earlier run: not an unused design
+    (build_dir / "top.v").write_text(text)
     ports = _top_ports(text)
     main = _direct_main(ports)
     key = hashlib.sha256("\0".join([text, main, *DIRECT_VERILATOR_ARGS, DIRECT_MAKEFLAGS,
