@@ -48,6 +48,7 @@ class MU_MAP:
 
     STATUS = 0x3001
     HELD_WORDS = 0x3010
+    #: Peak of HELD_WORDS since the last START (since reset before the first).
     PEAK_HELD_WORDS = 0x3011
     LIVE_BUFFERS = 0x3012
     ALLOCS = 0x3013

@@ -44,6 +44,8 @@ class MUTile(wiring.Component):
     as response-network flits of kind RESPONSE addressed to the request's ``src``. With
     ``stamps`` the tile also counts cycles since reset and records when it last answered a READ
     with OK and when a buffer was last freed (``MU_MAP.LAST_READ_CYCLE``, ``LAST_FREE_CYCLE``).
+    ``MU_MAP.PEAK_HELD_WORDS`` is the peak of words held since the last ``start`` (the host's
+    START), so that each run on one fabric reports its own peak.
     """
 
     def __init__(self, params: FabricParams, *, x, y, cluster=0, stamps=False):
@@ -56,6 +58,7 @@ class MUTile(wiring.Component):
             "req_in": In(stream.Signature(flit_layout(cb, mu_request_layout(p)))),
             "msg_out": Out(stream.Signature(flit_layout(cb, msg_layout(p)))),
             "cfg": In(config_bus_signature()),
+            "start": In(1),
         })
 
     def elaborate(self, platform):
@@ -81,10 +84,15 @@ class MUTile(wiring.Component):
             m.d.sync += flits_out.eq(flits_out + 1)
         with m.If(self.msg_out.valid & ~self.msg_out.ready):
             m.d.sync += stall.eq(stall + 1)
+        run_peak = Signal.like(mu.held_words)
+        with m.If(self.start):
+            m.d.sync += run_peak.eq(mu.held_words)
+        with m.Elif(mu.held_words > run_peak):
+            m.d.sync += run_peak.eq(mu.held_words)
         readable = {
             MU_MAP.STATUS: Const(0, 32),
             MU_MAP.HELD_WORDS: mu.held_words,
-            MU_MAP.PEAK_HELD_WORDS: mu.peak_held_words,
+            MU_MAP.PEAK_HELD_WORDS: run_peak,
             MU_MAP.LIVE_BUFFERS: mu.live_buffers,
             MU_MAP.ALLOCS: mu.allocs,
             MU_MAP.FREES: mu.frees,
@@ -444,6 +452,7 @@ class Fabric(wiring.Component):
                 tile = MUTile(fp, x=x, y=y, cluster=self.cluster, stamps=self.stamps)
                 m.submodules[f"mu_{x}_{y}"] = tile
                 wiring.connect(m, req_eject, tile.req_in)
+                m.d.comb += tile.start.eq(host.start)
                 wiring.connect(m, tile.msg_out, rsp_in)
                 # An MU takes no messages (its own requests' responses go to the host above).
                 m.d.comb += rsp_eject.ready.eq(1)

@@ -30,8 +30,8 @@ def run_on_fabric(params, body):
 @pytest.fixture(scope="module")
 def results():
     """One simulation running every job in turn (elaborating a fabric takes seconds)."""
-    jobs = {"add": vector_add(P, n=16), "moe": moe_fanout(P, n=8),
-            "matvec": matvec(P, m=16, k=32)}
+    jobs = {"matvec": matvec(P, m=16, k=32), "add": vector_add(P, n=16),
+            "moe": moe_fanout(P, n=8)}
 
     async def body(host):
         out = {}
@@ -74,6 +74,15 @@ def test_counters_count_work(results):
     assert all(b > 0 for b in busy)
     assert result.counters[(1, 1)]["flits_in"] > 0 and result.counters[(1, 1)]["flits_out"] > 0
     assert 0 < result.cycles < 20 * job.macs // P.cu.lanes
+
+
+def test_mu_peak_is_per_run(results):
+    """PEAK_HELD_WORDS restarts at START: the vector add after the larger matrix-vector
+    product reports its own peak, its three 16-word buffers (a, b and c filled)."""
+    _, big, _ = results["matvec"]
+    _, add, _ = results["add"]
+    assert big.counters[(1, 1)]["peak_held_words"] > 48
+    assert add.counters[(1, 1)]["peak_held_words"] == 3 * 16
 
 
 def test_malformed_bitstream_leaves_the_fabric_unconfigured():
