@@ -99,6 +99,15 @@ _WQ_DEPTH = 4
 _MAX_BMODE = max(m.value for m in BMode)
 _MAX_DMODE = max(m.value for m in DMode)
 
+#: Stream destination modes that send D_REF requests (the others stay in the CU).
+_D_REF_MODES = (DMode.WRITE.value, DMode.APPEND.value, DMode.PACK_SUM.value)
+
+
+def _tile_mask(params, kind):
+    """Bit ``y << coord_bits | x`` set for every tile of ``kind`` ("C" or "M") of the grid."""
+    return sum(1 << (y << params.coord_bits | x) for x, y in params.tiles(kind))
+
+
 _MU_OP = {
     Op.ALLOC: MUOp.ALLOC, Op.READ: MUOp.READ, Op.VREAD: MUOp.READ, Op.VWRITE: MUOp.WRITE,
     Op.VAPPEND: MUOp.APPEND, Op.LEN: MUOp.LEN, Op.RET: MUOp.RETURN, Op.RETI: MUOp.RETURN,
@@ -398,6 +407,18 @@ class ComputeUnit(wiring.Component):
             out_next.payload.body.ref.eq(Mux(op == Op.SEND, 0, ra_v[:refw])),
         ]
 
+        # Destinations, checked before anything is sent: a request's reference must name an MU
+        # tile of the grid and a message's ID a CU tile (a cluster's bits, above 2 * coord_bits,
+        # are the bridges' business). Otherwise the flit would be dropped as misrouted and the
+        # CU would wait forever for its answer.
+        mu_tiles = Const(_tile_mask(p, "M"), 1 << 2 * cb)
+        cu_tiles = Const(_tile_mask(p, "C"), 1 << 2 * cb)
+        ra_is_mu = mu_tiles.bit_select(ra_v[:2 * cb], 1)
+        to_is_cu = cu_tiles.bit_select(to[:2 * cb], 1)
+        stream_to_mu = (mu_tiles.bit_select(sf[S.A_REF][:2 * cb], 1)
+                        & (~sf[S.D_MODE].matches(*_D_REF_MODES)
+                           | mu_tiles.bit_select(sf[S.D_REF][:2 * cb], 1)))
+
         channel_ok = ir.aux < cp.channels
         slot_ok = ir.aux < cp.mailbox
         n_val, outer_val = sf[S.N], sf[S.OUTER]
@@ -432,7 +453,10 @@ class ComputeUnit(wiring.Component):
                         m.d.comb += npc.eq(imm)
                     m.d.comb += adv.eq(1)
                 with m.Case(*_MU_OP):
-                    m.d.comb += bq_go.eq(1)
+                    with m.If(~ra_is_mu):
+                        fail("BAD_DESTINATION")
+                    with m.Else():
+                        m.d.comb += bq_go.eq(1)
                 with m.Case(Op.VSET):
                     if L == 1:
                         m.d.sync += V.eq(ra_v)
@@ -445,11 +469,15 @@ class ComputeUnit(wiring.Component):
                 with m.Case(Op.SEND):
                     with m.If(~channel_ok):
                         fail("BAD_INSTRUCTION")
+                    with m.Elif(~to_is_cu):
+                        fail("BAD_DESTINATION")
                     with m.Elif(out_free):
                         m.d.comb += [out_load.eq(1), adv.eq(1)]
                 with m.Case(Op.SENDREF):
                     with m.If(~slot_ok):
                         fail("BAD_INSTRUCTION")
+                    with m.Elif(~to_is_cu):
+                        fail("BAD_DESTINATION")
                     with m.Elif(out_free):
                         m.d.comb += [out_load.eq(1), adv.eq(1)]
                 with m.Case(Op.WAIT):
@@ -477,6 +505,8 @@ class ComputeUnit(wiring.Component):
                 with m.Case(Op.SRUN):
                     with m.If(bad_stream):
                         fail("BAD_STREAM")
+                    with m.Elif(~stream_to_mu):
+                        fail("BAD_DESTINATION")
                     with m.Else():
                         m.d.comb += srun_go.eq(1)
                         m.d.sync += state.eq(_State.STREAM)

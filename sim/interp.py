@@ -844,6 +844,10 @@ class Interpreter:
             raise _Halt(_MU_ERROR)
         return resp
 
+    def _names_mu(self, ref):
+        """Whether ``ref``'s MU ID names an MU tile of the grid."""
+        return self.params.mu_coords(ref & self._mu_mask) in self._mus
+
     def _check_cu_id(self, dst_id):
         """Halt with BAD_DESTINATION unless ``dst_id`` names a CU tile of the grid."""
         x, y = self.params.mu_coords(dst_id & self._id_mask)
@@ -916,6 +920,10 @@ class Interpreter:
         b_val, b_stride, b_ostride = (f[_SF.B_VAL.value], f[_SF.B_STRIDE.value],
                                       f[_SF.B_OSTRIDE.value])
         d_ref, d_base, d_stride = f[_SF.D_REF.value], f[_SF.D_BASE.value], f[_SF.D_STRIDE.value]
+        # Like the RTL, both destinations are checked before the first request is sent.
+        if not self._names_mu(a_ref) or (dmode in (DMode.WRITE, DMode.APPEND, DMode.PACK_SUM)
+                                         and not self._names_mu(d_ref)):
+            raise _Halt(_BAD_DESTINATION)
         zero = [0] * lanes
         scalar = [b_val] * lanes
         total = 0                       # SUM

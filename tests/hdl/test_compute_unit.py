@@ -295,6 +295,42 @@ def test_mu_error_halts(text, pc):
     assert s.regs[4] == 77                     # the destination is not written
 
 
+_ONE_WORD = "ALLOC r2, r1, 1\nVCLR\nVAPPEND r3, r2\n"      # r2: a one-word buffer in MU A
+
+
+@pytest.mark.parametrize("text, pc, sent", [
+    (f"LI r4, {CU1_ID}\nLEN r5, r4\nHALT", 1, 0),                  # a CU is not an MU
+    ("ALLOC r2, r0, 1\nHALT", 0, 0),                                 # tile (0, 0) is a CU
+    (f"LI r4, {MU_A_ID}\nSEND 0, r4, 1\nHALT", 1, 0),               # a token to an MU
+    (f"LI r4, {MU_B_ID}\nLI r5, 1\nSENDREF 0, r4, r1, r5\nHALT", 2, 0),  # a reference to one
+    (f"SCFGI A_REF, {CU1_ID}\n{cfg(N=1, OUTER=1, D_MODE=DMode.LOCAL)}\nSRUN PASS, r0\nHALT",
+     4, 0),                                                           # a stream from a CU
+    (f"{_ONE_WORD}SCFG A_REF, r2\nSCFGI D_REF, {CU1_ID}\n"
+     f"{cfg(N=1, OUTER=1, D_MODE=DMode.APPEND)}\nSRUN PASS, r0\nHALT", 8, 2),  # ... to a CU
+])
+def test_a_wrong_destination_halts_before_sending(text, pc, sent):
+    """A request to a tile that is not an MU, or a message to one that is not a CU, halts the
+    CU with BAD_DESTINATION before anything is sent (else the fabric would drop the flit as
+    misrouted and the CU would wait forever), as the interpreter does."""
+    tiles = {CU0: TileConfig(program=assemble(text), regs={1: MU_A_ID})}
+    hw = run_program(P, tiles, cus=[CU0], read_local=False, read_mus=False, max_cycles=2000)
+    s = hw.cu(*CU0)
+    assert (s.done, s.error, s.code_name, s.pc) == (True, True, "BAD_DESTINATION", pc)
+    assert s.counters["flits_out"] == sent          # only the buffer's ALLOC and APPEND
+    res, _, _ = _interpret(tiles, {}, {})
+    m = res.cu(*CU0)
+    assert (m.code_name, m.pc, m.requests + m.tokens_sent + m.refs_sent) == (
+        "BAD_DESTINATION", pc, sent)
+
+
+def test_a_stream_to_local_ignores_d_ref():
+    """D_REF is only a destination in the WRITE, APPEND and PACK_SUM modes."""
+    text = (f"{_ONE_WORD}SCFG A_REF, r2\nSCFGI D_REF, {CU1_ID}\n"
+            f"{cfg(N=1, OUTER=1, D_MODE=DMode.LOCAL)}\nSRUN PASS, r0\nHALT")
+    _, s = run_one(text, regs={1: MU_A_ID}, read_mus=False)
+    assert (s.done, s.error) == (True, False)
+
+
 def test_fetch_add_and_unlock():
     res, s = run_one("""
         ALLOC r2, r1, 1
