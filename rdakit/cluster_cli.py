@@ -1,4 +1,5 @@
-"""``rdakit verilog system``: the Verilog of a system of clusters (``docs/clusters.md``).
+"""``rdakit verilog system`` (the Verilog of a system of clusters) and ``rdakit bench
+clusters`` (``docs/clusters.md``).
 
 :func:`add_system_arguments` and :func:`system_from_args` describe a system on any command
 line (the fabric options of every cluster plus the cluster count and the link).
@@ -72,7 +73,64 @@ def _verilog_system(args):
                                            f"{sp.link_latency} cycles")
 
 
+def _bench_clusters(args):
+    from rdakit.cli import UserError
+    from rdakit.compiler.clusters import LinkModel
+    from rdakit.compiler.workloads import WORKLOADS
+    from rdakit.hdl.system import System
+    from rdakit.report import Report
+    from rdakit.sim import cluster_bench
+
+    sp = system_from_args(args)
+    workloads = args.workloads.split(",")
+    for w in workloads:
+        if w not in WORKLOADS:
+            raise UserError(f"--workloads takes names of {', '.join(sorted(WORKLOADS))}, "
+                            f"not {w!r}")
+    fp = sp.fabric
+    report = Report("clusters")
+    link = f"{sp.link_width} wires, {sp.link_latency} cycles"
+    report.console.print(f"{sp.clusters} clusters of {fp.rows}x{fp.cols}, links of {link} "
+                         f"(Amaranth's simulator)")
+    system = System(sp)
+    access = cluster_bench.measure_access(sp, system=system)
+    report.table("Remote against local access on the RTL: one CU of cluster 0 reading an MU "
+                 "of its own cluster, then of cluster 1 (16 blocking READs; a 64-word stream)",
+                 [{"link": link, "access": where, **access[where]}
+                  for where in ("local", "remote")])
+    matvec = cluster_bench.measure_matvec(sp, system=system)
+    report.table("A matrix-vector product over every CU of every cluster on the RTL (x shared "
+                 "from cluster 0, read remotely and freed by its last holder)",
+                 [{"clusters": sp.clusters, **matvec}])
+    rows = cluster_bench.partition_rows(workloads, (2, 4), LinkModel.of_system(sp))
+    report.table("The workloads partitioned across clusters (cost-model estimates; clusters = "
+                 "each cluster's available CUs, +L an injected load of L cycles)", rows)
+    local, remote = access["local"], access["remote"]
+    report.figure("remote_latency_ratio",
+                  round(remote["latency_cycles"] / local["latency_cycles"], 3))
+    report.figure("remote_bandwidth_ratio",
+                  round(remote["words_per_cycle"] / local["words_per_cycle"], 3))
+    report.figure("matvec_exact", matvec["exact"])
+    report.finish(args.json)
+    return 0 if matvec["exact"] and matvec["x_freed"] else 1
+
+
 def register(commands, verilog, bench):
+    b = bench.add_parser(
+        "clusters", help="clusters: remote vs local access, cross-cluster partitioning",
+        description="On a system of clusters (Amaranth's simulator): the latency and bandwidth "
+                    "of remote against local MU access, and a matrix-vector product over "
+                    "every CU of every cluster checked against numpy; then the workloads "
+                    "partitioned across 2 and 4 clusters (also with one slower cluster) by "
+                    "the cross-cluster greedy beside round-robin and static, with the cost "
+                    "model's estimated cycles and the bytes that cross the links.")
+    add_system_arguments(b, default_fabric="1x2")
+    b.add_argument("--workloads", default="mlp,decoder,moe",
+                   help="comma-separated workloads of the partitioning table "
+                        "(default: %(default)s)")
+    b.add_argument("--json", metavar="FILE", help="write the figures to FILE")
+    b.set_defaults(func=_bench_clusters)
+
     p = verilog.add_parser(
         "system", help="a system of clusters joined by bridges",
         description="Write the Verilog of N fabrics (clusters) sharing one MU address space "

@@ -1,4 +1,6 @@
-"""Remote against local MU access on a system of clusters, measured on the RTL.
+"""``rdakit bench clusters``: remote against local MU access and a matrix-vector product
+across clusters, measured on the RTL; the workloads partitioned across 2 and 4 clusters, with
+the cost model's estimates.
 
 :func:`measure_access` runs, in Amaranth's simulator, one CU of cluster 0 reading a buffer of
 an MU of its own cluster and then the same buffer placed in cluster 1: ``reads`` blocking
@@ -14,7 +16,7 @@ from rdakit.hdl.isa import assemble
 
 from .clusters import run_system
 
-__all__ = ["measure_access"]
+__all__ = ["measure_access", "measure_matvec", "partition_rows", "SCENARIOS"]
 
 
 def _programs(reads, words):
@@ -91,3 +93,71 @@ def measure_access(system_params, *, reads=16, words=64, system=None):
 
     simulate(system, bench)
     return out
+
+
+def measure_matvec(system_params, *, m=16, k=32, system=None):
+    """:func:`~rdakit.sim.clusters.cluster_matvec` over every cluster of a system, in
+    Amaranth's simulator: y = W x with the rows of W split over every CU and x shared from
+    cluster 0. Returns per-cluster run cycles, the packets over the links, whether y equals
+    numpy's, and whether the shared x was freed (exactly once, by its last holder)."""
+    from rdakit.hdl.system import System
+
+    from .amaranth_sim import simulate
+    from .clusters import cluster_matvec, run_system_job
+    from .host import AmaranthTransport, HostDriver
+
+    fp = system_params.fabric
+    system = System(system_params) if system is None else system
+    job = cluster_matvec(fp, clusters=system_params.clusters, m=m, k=k)
+    out = {}
+
+    async def bench(ctx):
+        hosts = [HostDriver(fp, AmaranthTransport(ctx, system.host_port(k)))
+                 for k in range(system_params.clusters)]
+        x_mu = job.buffers[0].mu
+        outputs, cycles, _ = await run_system_job(hosts, job)
+        out["cycles"] = [cycles.get(c) for c in range(system_params.clusters)]
+        out["link_packets"] = sum(int(ctx.get(system.req_packets[c]))
+                                  + int(ctx.get(system.rsp_packets[c]))
+                                  for c in range(system_params.clusters))
+        out["exact"] = all(np.array_equal(outputs[n], job.expected[n]) for n in job.outputs)
+        counters = (await hosts[x_mu[2]].counters())[x_mu[:2]]
+        out["x_freed"] = counters["frees"] >= 1 and counters["live_buffers"] == 0
+
+    simulate(system, bench)
+    return out
+
+
+#: Cluster configurations of the partitioning table: ``(label, [(cus, load), ...])``; the
+#: label lists each cluster's available CUs (``+L``: an injected load of L cycles).
+SCENARIOS = {
+    2: [("4 4", [(4, 0), (4, 0)]), ("4 1", [(4, 0), (1, 0)]), ("4 4+2000", [(4, 0), (4, 2000)])],
+    4: [("4 4 4 4", [(4, 0)] * 4), ("4 4 4 1", [(4, 0)] * 3 + [(1, 0)])],
+}
+
+
+def partition_rows(workloads, cluster_counts, link, *, strategies=None):
+    """Rows of the cross-cluster partitioning table: per workload (default sizes), cluster
+    configuration of :data:`SCENARIOS` and strategy, the estimated makespan
+    (:func:`~rdakit.compiler.clusters.system_schedule`), the bytes that cross the links, the
+    work per cluster, and the makespan over round-robin's."""
+    from rdakit.compiler.clusters import CLUSTER_STRATEGIES, ClusterSpec, partition_system
+    from rdakit.compiler.workloads import build
+
+    strategies = tuple(strategies or CLUSTER_STRATEGIES)
+    rows = []
+    for name in workloads:
+        graph = build(name).graph
+        for n in cluster_counts:
+            for label, specs in SCENARIOS[n]:
+                clusters = [ClusterSpec(cus, load=load) for cus, load in specs]
+                res = {s: partition_system(graph, clusters, s, link=link)
+                       for s in dict.fromkeys(("round_robin", *strategies))}
+                for s in strategies:
+                    r = res[s]
+                    rows.append({"workload": name, "clusters": label, "partitioner": s,
+                                 "est_cycles": r.makespan, "crossing_bytes": r.crossing_bytes,
+                                 "work": [int(w) for w in r.work],
+                                 "vs_round_robin": round(r.makespan
+                                                         / res["round_robin"].makespan, 3)})
+    return rows

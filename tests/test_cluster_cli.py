@@ -1,4 +1,7 @@
-"""``rdakit verilog system``: a system's Verilog, its options, and clear errors."""
+"""``rdakit verilog system`` and ``rdakit bench clusters``: a system's Verilog, the bench's
+figures, their options, and clear errors."""
+
+import json
 
 import pytest
 
@@ -32,3 +35,34 @@ def test_verilog_system_rejects_bad_options(tmp_path, capsys, args, message):
     err = capsys.readouterr().err
     assert err.startswith("rdakit: error: ") and message in err, err
     assert not (tmp_path / "x.v").exists()
+
+
+def test_bench_clusters(tmp_path):
+    """On two 1x2 clusters: a remote access is slower than a local one and crosses the links;
+    the matrix-vector product over both clusters is exact and frees the shared x; across
+    clusters the greedy sends fewer bytes over the links than round-robin and gives a cluster
+    with fewer CUs less work."""
+    out = tmp_path / "clusters.json"
+    assert main(["bench", "clusters", "--workloads", "mlp", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    tables = list(report["tables"].values())
+    access, matvec, parts = tables[0], tables[1][0], tables[2]
+    local, remote = access
+    assert remote["latency_cycles"] > local["latency_cycles"]
+    assert remote["words_per_cycle"] < local["words_per_cycle"]
+    assert local["link_packets"] == 0 < remote["link_packets"]
+    assert matvec["exact"] is True and matvec["x_freed"] is True and matvec["link_packets"] > 0
+    assert report["figures"]["remote_latency_ratio"] > 1
+    by = {(r["clusters"], r["partitioner"]): r for r in parts}
+    assert {c for c, _ in by} == {"4 4", "4 1", "4 4+2000", "4 4 4 4", "4 4 4 1"}
+    for (c, s), r in by.items():
+        assert r["est_cycles"] > 0 and len(r["work"]) == len(c.split())
+        if s == "greedy":
+            assert r["crossing_bytes"] < by[(c, "round_robin")]["crossing_bytes"]
+    slow = by[("4 1", "greedy")]["work"]
+    assert slow[1] < slow[0]
+
+
+def test_bench_clusters_rejects_an_unknown_workload(capsys):
+    assert main(["bench", "clusters", "--workloads", "mlp,gpt5"]) == 2
+    assert "--workloads takes names of" in capsys.readouterr().err
