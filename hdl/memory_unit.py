@@ -17,7 +17,7 @@ from .params import AllocMode, MUParams, RefcountMode
 __all__ = ["MemoryUnit", "COUNTER_WIDTH", "buffer_entry_layout", "MU_FAULTS", "MU_STATES"]
 
 #: States of the memory unit's control FSM (``obs.state`` is the index in this tuple).
-MU_STATES = ("INIT", "EXEC", "ALLOC", "FREE_WALK", "FREE_END", "COPY", "COPY_END")
+MU_STATES = ("INIT", "EXEC", "RMW", "ALLOC", "FREE_WALK", "FREE_END", "COPY", "COPY_END")
 
 #: Deliberate bugs for the formal harnesses' self-test (``_fault=``), never for real designs:
 #:
@@ -35,8 +35,10 @@ MU_STATES = ("INIT", "EXEC", "ALLOC", "FREE_WALK", "FREE_END", "COPY", "COPY_END
 #:     ``LEN`` completes without a response.
 #: ``"append_no_tail"``
 #:     ``APPEND`` into a new block does not record it as the buffer's tail.
+#: ``"fetch_add_stale"``
+#:     ``FETCH_ADD`` answers the old word but writes it back unchanged.
 MU_FAULTS = ("walk_keeps_entry", "blocks_pop_keeps", "return_no_overflow", "return_frees_early",
-             "error_writes", "len_no_response", "append_no_tail")
+             "error_writes", "len_no_response", "append_no_tail", "fetch_add_stale")
 
 #: Width of the performance counters.
 COUNTER_WIDTH = 32
@@ -472,7 +474,8 @@ class MemoryUnit(wiring.Component):
                 with m.If(s2_free):
                     m.next = "EXEC"
                     with m.If(op == MUOp.FETCH_ADD):
-                        m.d.comb += [sp_w.addr.eq(rmw_addr), sp_w.data.eq(old + s1.data),
+                        added = old if fault == "fetch_add_stale" else old + s1.data
+                        m.d.comb += [sp_w.addr.eq(rmw_addr), sp_w.data.eq(added),
                                      sp_w.en.eq(1)]
                         respond(data=old)
                     with m.Elif(owner):
@@ -599,6 +602,9 @@ class MemoryUnit(wiring.Component):
                         respond(data=idx)
                         m.next = "EXEC"
 
+        unlisted = set(fsm.encoding) - set(MU_STATES)
+        if unlisted:      # obs.state and the formal harnesses name states by MU_STATES
+            raise AssertionError(f"MU_STATES lacks the FSM states {sorted(unlisted)}")
         if obs:
             for k, state in enumerate(MU_STATES):
                 if state in fsm.encoding:
@@ -618,7 +624,7 @@ class MemoryUnit(wiring.Component):
                 obs.init_i.eq(init_i), obs.live.eq(live), obs.status.eq(status),
                 obs.frees_now.eq(frees_now), obs.done.eq(s1_done),
                 obs.done_status.eq(resp_next.status), obs.idx.eq(idx), obs.addr.eq(addr),
-                obs.mapped.eq(mapped),
+                obs.mapped.eq(mapped), obs.rmw_addr.eq(rmw_addr), obs.rmw_old.eq(sp_r.data),
             ]
         return m
 
@@ -644,6 +650,7 @@ class MemoryUnit(wiring.Component):
             status=sig(MUStatus), frees_now=sig(),
             done=sig(), done_status=sig(MUStatus),   # a response is produced, its status
             idx=sig(p.index_bits + 1), addr=sig(p.addr_bits), mapped=sig(),
+            rmw_addr=sig(p.addr_bits), rmw_old=sig(p.data_bits),   # RMW: the word, its value
             slots=FreeList(p.max_buffers, _observe=True),
             blocks=(FreeList(p.n_blocks, _observe=True,
                              _fault="pop_keeps" if fault == "blocks_pop_keeps" else None)

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable
 
 from amaranth.asserts import AnyConst, AnySeq
-from amaranth.hdl import Assert, Assume, Cat, Const, Elaboratable, Module, Mux, Signal
+from amaranth.hdl import Array, Assert, Assume, Cat, Const, Elaboratable, Module, Mux, Signal
 from amaranth.utils import exact_log2
 
 from rdakit.hdl.flit import DIRECTIONS, Port
@@ -265,7 +265,7 @@ class _MUHarness(Elaboratable):
         with m.If(~init):
             for k, cond in enumerate(a):
                 m.d.comb += Assert(cond, f"inv_{k}")
-            with m.If(_state(obs, "EXEC") & obs.s1_valid):
+            with m.If((_state(obs, "EXEC") | _state(obs, "RMW")) & obs.s1_valid):
                 vb = obs.s1.index[ob:ob + exact_vbits(p)]
                 for s in range(p.max_buffers):
                     with m.If(s1_slot == s):
@@ -273,6 +273,13 @@ class _MUHarness(Elaboratable):
                         for v in range(p.max_vblocks):
                             with m.If(vb == v):
                                 m.d.comb += Assert(bt.entry == self._entry(s, v))
+            with m.If(_state(obs, "RMW")):
+                # A read-modify-write that passed its checks: the word it read is still the
+                # word at its address.
+                m.d.comb += [Assert(obs.s1_valid & ((obs.s1.op == MUOp.FETCH_ADD)
+                                                    | (obs.s1.op == MUOp.UNLOCK))),
+                             Assert((obs.status == MUStatus.OK) & (obs.rmw_addr == obs.addr)),
+                             Assert(obs.rmw_old == Array(obs.scratch)[obs.rmw_addr])]
             with m.If(_state(obs, "ALLOC")):
                 m.d.comb += Assert(obs.s1_valid & (obs.s1.op == MUOp.ALLOC))
                 for s in range(p.max_buffers):
@@ -432,6 +439,13 @@ class _MUHarness(Elaboratable):
         with m.If(ok_exec & here & ((s1.op == MUOp.WRITE) | (s1.op == MUOp.APPEND))
                   & (obs.idx == w_index)):
             m.d.sync += [written.eq(1), value.eq(s1.data)]
+        # FETCH_ADD adds to the word, UNLOCK by the ticket's holder bumps it, as they leave RMW.
+        rmw_done = _state(obs, "RMW") & (~obs.s2_valid | mu.resp.ready)
+        with m.If(rmw_done & here & (s1.index == w_index) & written):
+            with m.If(s1.op == MUOp.FETCH_ADD):
+                m.d.sync += value.eq(value + s1.data)
+            with m.Elif(value == s1.data):
+                m.d.sync += value.eq(value + 1)
         with m.If(_state(obs, "FREE_END") & obs.done & here):
             m.d.sync += written.eq(0)
         # A READ of the watched word: its response carries the value.
@@ -784,10 +798,11 @@ PROPERTIES = [
     Property(
         name="mu.read_write",
         statement="A READ of a (buffer, index) returns the last word written there by WRITE or "
-                  "APPEND (one word chosen by the solver, watched from its write to the free "
-                  "of its buffer).",
+                  "APPEND, as FETCH_ADD and UNLOCK (by the ticket's holder) then changed it "
+                  "(one word chosen by the solver, watched from its write to the free of its "
+                  "buffer).",
         harness=mu_read_write, params=MU_PARAMS_TEXT, depth=6,
-        faults=("append_no_tail",), fault_depth=12),
+        faults=("append_no_tail", "fetch_add_stale"), fault_depth=16),
     Property(
         name="router.links",
         statement="With receivers that stall at will and any traffic on all five inputs: a "

@@ -3,6 +3,8 @@
 equivalence with the golden model in every mode (the fast counterpart of tests/cosim)."""
 
 import dataclasses
+import gc
+import warnings
 
 import pytest
 
@@ -181,3 +183,20 @@ def test_params_are_one_definition():
     assert args.words == 2048
     for f in dataclasses.fields(MUParams):
         assert hasattr(args, f.name)
+
+
+def test_every_fsm_state_is_listed_for_the_observers(monkeypatch):
+    """obs.state and the formal harnesses name the FSM's states by MU_STATES; a state added to
+    the FSM but not to the list (as RMW once was) fails elaboration instead of silently
+    reading as INIT."""
+    from amaranth.back import rtlil
+
+    import rdakit.hdl.memory_unit as mu
+
+    monkeypatch.setattr(mu, "MU_STATES", tuple(s for s in mu.MU_STATES if s != "RMW"))
+    with pytest.raises(AssertionError, match=r"MU_STATES lacks the FSM states \['RMW'\]"):
+        rtlil.convert(MemoryUnit(MUParams(words=64, block_words=8, max_buffers=4,
+                                          max_buffer_words=32)))
+    with warnings.catch_warnings():     # the submodules the failed elaboration left unused
+        warnings.simplefilter("ignore")
+        gc.collect()
