@@ -405,6 +405,9 @@ class ComputeUnit(wiring.Component):
             out_next.payload.body.tag.eq(ir.aux),
             out_next.payload.body.data.eq(Mux(op == Op.SEND, imm, rb_v)),
             out_next.payload.body.ref.eq(Mux(op == Op.SEND, 0, ra_v[:refw])),
+            # The whole CU ID, cluster included: a message for another cluster's CU leaves
+            # through the bridges like a response (``docs/clusters.md``).
+            out_next.payload.body.dst.as_value().eq(to[:mp.mu_id_bits]),
         ]
 
         # Destinations, checked before anything is sent: a request's reference must name an MU

@@ -500,7 +500,8 @@ class Fabric(wiring.Component):
             return payload.ref.mu[2 * cb:] != own
 
         def remote_msg(payload):
-            return (payload.kind == MsgKind.RESPONSE) & (payload.body.dst.cluster != own)
+            # Responses, tokens and references alike: ``body.dst`` names the receiver.
+            return payload.body.dst.cluster != own
 
         if (x, y) == self.bridge:
             # Requests and responses from other clusters join this tile's injections; those

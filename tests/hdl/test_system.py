@@ -207,3 +207,54 @@ def test_four_clusters_every_pair():
     assert out == {(a, b): a * 10 + b for a in range(4) for b in range(4)}
     # Host a: ALLOC and APPEND in the 3 other clusters, LEN and READ of 3 buffers elsewhere.
     assert packets == [12] * 4
+
+
+def test_tokens_and_references_cross_clusters():
+    """The CU of cluster 0 hands a buffer of its cluster (with its weight) and three tokens to
+    the CU of cluster 1, which waits for them, copies the buffer into one of cluster 1 and
+    returns the weight: the copy is exact and the buffer freed by that remote return."""
+    import numpy as np
+
+    from rdakit.compiler.bitstream import FabricConfig, TileConfig
+    from rdakit.hdl.isa import assemble
+    from rdakit.sim.clusters import SystemJob, run_system_job
+    from rdakit.sim.kernels import HostBuffer, Ref
+
+    lanes = FP.cu.lanes
+    a = np.arange(4 * lanes, dtype=np.int32).reshape(4, lanes) * 7 - 9
+    to = FP.mu_id(0, 0, 1)
+    sender = assemble(f"""
+        LI r4, {to}
+        LI r3, 1
+        SENDREF 0, r4, r1, r3
+        SEND 1, r4, 3
+        HALT
+    """)
+    receiver = assemble("""
+        WAIT 1, 3
+        RECV 0, r2
+        SCFG A_REF, r2
+        SCFGI A_STRIDE, 1
+        SCFGI N, 4
+        SCFGI D_MODE, 2
+        SCFG D_REF, r5
+        SRUN PASS, r0
+        RET r2, r3
+        HALT
+    """)
+    job = SystemJob(
+        configs=[FabricConfig(FP, {(0, 0): TileConfig(program=sender, regs={1: Ref("a")})}),
+                 FabricConfig(FP, {(0, 0): TileConfig(program=receiver, regs={5: Ref("y")})})],
+        buffers=[HostBuffer("a", (1, 0, 0), a, weight=1, cu_returns=1),
+                 HostBuffer("y", (1, 0, 1))],
+        outputs=["y"], expected={"y": a})
+
+    async def body(ctx, system, hosts):
+        outputs, cycles, refs = await run_system_job(hosts, job, max_cycles=20_000)
+        frees = await hosts[0].cfg_read(1, 0, MU_MAP.FREES)
+        return outputs, cycles, frees, int(ctx.get(system.rsp_packets[0]))
+
+    outputs, cycles, frees, rsp0 = run_on_system(SP, body)
+    np.testing.assert_array_equal(outputs["y"], a)
+    assert frees == 1
+    assert rsp0 >= 2        # the reference and the tokens left cluster 0 over its link
