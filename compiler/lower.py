@@ -302,8 +302,8 @@ class _Planner:
         return tuple(cu)
 
     def nearest_mus(self, xy):
-        return sorted(self.mus, key=lambda m: (abs(m[0] - xy[0]) + abs(m[1] - xy[1]),
-                                               m[1], m[0]))
+        dist = self.placement.fabric.distance
+        return sorted(self.mus, key=lambda m: (dist(m, xy), m[1], m[0]))
 
     def layout(self, name):
         return self.tensors[name].layout

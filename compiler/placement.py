@@ -81,6 +81,8 @@ class Fabric:
     word_bytes: int = 4
     cu_program: int = 64
     cu_ops: frozenset | None = None
+    cluster_cols: int | None = None
+    cluster_hops: int = 16
 
     def __post_init__(self):
         for name in ("rows", "cols", "mu_words", "word_bytes", "cu_program"):
@@ -106,6 +108,15 @@ class Fabric:
     def kind(self, x, y):
         """``"C"`` or ``"M"``: the unit at tile ``(x, y)``."""
         return self.layout[y][x]
+
+    def distance(self, a, b):
+        """Hops between tiles ``a`` and ``b``; with ``cluster_cols`` (the clusters of a system
+        side by side, ``cluster_cols`` columns each) a pair in different clusters costs
+        ``cluster_hops`` more, for the link between them."""
+        d = abs(a[0] - b[0]) + abs(a[1] - b[1])
+        if self.cluster_cols and a[0] // self.cluster_cols != b[0] // self.cluster_cols:
+            d += self.cluster_hops
+        return d
 
     @property
     def cu_tiles(self):
@@ -263,15 +274,12 @@ def _check_fit(graph, part_of, fabric, buffers):
     return sorted(ops)
 
 
-def _dist(a, b):
-    return abs(a[0] - b[0]) + abs(a[1] - b[1])
-
-
 class _State:
     """Placement state with incremental costs (tile indices into the CU and MU lists)."""
 
-    def __init__(self, buffers, cus, mus, parts, mu_words):
+    def __init__(self, buffers, cus, mus, parts, mu_words, dist):
         self.buffers, self.cus, self.mus = buffers, cus, mus
+        self.dist = dist
         self.index = {p: i for i, p in enumerate(parts)}
         self.parts = parts
         self.mu_words = mu_words
@@ -283,15 +291,16 @@ class _State:
         self.pos = [None] * len(parts)   # CU tile index of each partition
         self.mu = [None] * len(buffers)  # MU tile index of each buffer
         self.free = [mu_words] * len(mus)
+        self.fixed = None                # CU tile index of each partition, when fixed
 
     def buffer_cost(self, j, m=None):
         b = self.buffers[j]
         tile = self.mus[self.mu[j] if m is None else m]
         hops = 0
         if b.producer is not None:
-            hops += _dist(self.cus[self.pos[self.index[b.producer]]], tile)
+            hops += self.dist(self.cus[self.pos[self.index[b.producer]]], tile)
         for c in b.consumers:
-            hops += _dist(tile, self.cus[self.pos[self.index[c]]])
+            hops += self.dist(tile, self.cus[self.pos[self.index[c]]])
         return b.nbytes * hops
 
     def total(self):
@@ -317,8 +326,13 @@ def _greedy(state, rng_order):
     used = set()
     placed = []
     for p in sorted(range(k), key=lambda i: (-volume[i], i)):
+        if state.fixed is not None:
+            state.pos[p] = state.fixed[p]
+            placed.append(p)
+            continue
+
         def score(t, p=p):
-            return sum(traffic[p, q] * _dist(cus[t], cus[state.pos[q]]) for q in placed)
+            return sum(traffic[p, q] * state.dist(cus[t], cus[state.pos[q]]) for q in placed)
         free = [t for t in central if t not in used]
         best = min(free, key=lambda t: (score(t), central.index(t)))
         state.pos[p] = best
@@ -364,7 +378,7 @@ def _anneal(state, steps, rng):
     def propose():
         # Returns (delta, apply) or None.
         r = rng.random()
-        if r < 0.4 and k:
+        if r < 0.4 and k and state.fixed is None:
             p = rng.randrange(k)
             t = rng.randrange(ncu)
             if t == state.pos[p]:
@@ -441,7 +455,23 @@ def _anneal(state, steps, rng):
         state.free[m] -= state.buffers[j].words
 
 
-def place(graph, parts, fabric=None, *, seed=0, steps=20000):
+def _fixed_positions(cu_of, parts_used, fabric):
+    """CU tile index of every partition in ``parts_used`` from ``cu_of``; raises
+    :class:`PlacementError` naming a partition without a CU tile, or two on one tile."""
+    tiles = list(fabric.cu_tiles)
+    out = []
+    for p in parts_used:
+        t = cu_of.get(p)
+        if t is None or tuple(t) not in tiles:
+            raise PlacementError(f"Partition {p} must be fixed to a CU tile of the {fabric}, "
+                                 f"not {t!r}")
+        out.append(tiles.index(tuple(t)))
+    if len(set(out)) != len(out):
+        raise PlacementError("Two partitions are fixed to one CU tile")
+    return out
+
+
+def place(graph, parts, fabric=None, *, seed=0, steps=20000, cu_of=None):
     """Place the partitions of ``graph`` on CUs and its buffers on MUs.
 
     Parameters
@@ -457,6 +487,9 @@ def place(graph, parts, fabric=None, *, seed=0, steps=20000):
         Seed of the annealing.
     steps : int
         Annealing steps (0: greedy placement only).
+    cu_of : dict, optional
+        Partition -> CU tile ``(x, y)`` for partitions whose CU is fixed (the two-level
+        partition of a system of clusters fixes them all); only the buffers move then.
 
     Returns
     -------
@@ -479,7 +512,10 @@ def place(graph, parts, fabric=None, *, seed=0, steps=20000):
         raise PlacementError(f"{len(parts_used)} partitions need a CU each but the {fabric} "
                              f"has {len(fabric.cu_tiles)} CUs")
     rng = random.Random(seed)
-    state = _State(buffers, fabric.cu_tiles, fabric.mu_tiles, parts_used, fabric.mu_words)
+    state = _State(buffers, fabric.cu_tiles, fabric.mu_tiles, parts_used, fabric.mu_words,
+                   fabric.distance)
+    if cu_of is not None:
+        state.fixed = _fixed_positions(cu_of, parts_used, fabric)
     tie = list(range(len(buffers)))
     if not _greedy(state, tie):
         _first_fit(state)

@@ -12,11 +12,13 @@ __all__ = ["add_fabric_arguments", "fabric_dict", "fabric_from_args", "fabric_pa
 def fabric_params(rows=2, cols=2, *, layout=None, lanes=4, prog_len=64, local_words=64,
                   outstanding=16, mu_words=1024, block_words=16, max_buffers=16,
                   weight_bits=8, alloc_mode="virtual", refcount="weighted", noc_depth=2,
-                  noc_queues="voq", cluster_bits=0):
+                  noc_queues="voq", cluster_bits=0, coord_bits=None):
     """A consistent :class:`FabricParams` from the few numbers people choose: the MU word is
     ``32 * lanes`` bits, MU IDs are ``2 * coord_bits + cluster_bits`` bits, coordinates hold
-    the grid (``cluster_bits`` > 0 for a cluster of a system, ``docs/clusters.md``)."""
-    coord_bits = max(1, ceil_log2(max(rows, cols)))
+    the grid (``cluster_bits`` > 0 for a cluster of a system, ``docs/clusters.md``);
+    ``coord_bits`` may ask for wider coordinates than the grid needs."""
+    if coord_bits is None:
+        coord_bits = max(1, ceil_log2(max(rows, cols)))
     mu = MUParams(words=mu_words, block_words=block_words, max_buffers=max_buffers,
                   buf_id_bits=max(ceil_log2(max_buffers) + 4, 8), weight_bits=weight_bits,
                   data_bits=32 * lanes, mu_id_bits=2 * coord_bits + cluster_bits,
