@@ -21,7 +21,8 @@ from rdakit.hdl.isa import assemble
 from .kernels import HostBuffer, Ref
 
 __all__ = ["LOCKED_INCREMENT", "BARRIER_ROUNDS", "locked_increment", "barrier_rounds",
-           "run_system", "SystemJob", "run_system_job", "cluster_matvec"]
+           "run_system", "SystemJob", "run_system_job", "setup_buffers", "release_buffers",
+           "cluster_matvec"]
 
 #: Every CU runs this ``{n}`` times: take a ticket of the lock in buffer r1 (words 0 and 1),
 #: wait to be served, increment word 2 of r1 with a plain READ and VWRITE (a race without the
@@ -141,21 +142,33 @@ class SystemJob:
         return out
 
 
-async def run_system_job(hosts, job, *, max_cycles=1_000_000):
-    """Allocate and fill the job's buffers (each through its own cluster's host port), run
-    every cluster, read the outputs back and return the host's remaining weight. Returns
-    ``(outputs, cycles, refs)``."""
+async def setup_buffers(hosts, job):
+    """Allocate and fill the job's buffers, each through its own cluster's host port; returns
+    their references by name."""
     refs = {}
     for b in job.buffers:
         host = hosts[b.mu[2]]
         refs[b.name] = await host.alloc(b.mu, b.weight)
         if b.data is not None:
             await host.append_vectors(refs[b.name], b.data)
-    cycles = await run_system(hosts, job.bind(refs), max_cycles=max_cycles)
-    outputs = {name: await hosts[0].read_vectors(refs[name]) for name in job.outputs}
+    return refs
+
+
+async def release_buffers(hosts, job, refs):
+    """Return the weight the host still holds of each of the job's buffers."""
     for b in job.buffers:
         if b.weight > b.cu_returns:
             await hosts[b.mu[2]].release(refs[b.name], b.weight - b.cu_returns)
+
+
+async def run_system_job(hosts, job, *, max_cycles=1_000_000):
+    """Allocate and fill the job's buffers (each through its own cluster's host port), run
+    every cluster, read the outputs back and return the host's remaining weight. Returns
+    ``(outputs, cycles, refs)``."""
+    refs = await setup_buffers(hosts, job)
+    cycles = await run_system(hosts, job.bind(refs), max_cycles=max_cycles)
+    outputs = {name: await hosts[0].read_vectors(refs[name]) for name in job.outputs}
+    await release_buffers(hosts, job, refs)
     return outputs, cycles, refs
 
 
