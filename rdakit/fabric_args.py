@@ -51,7 +51,7 @@ def add_fabric_arguments(parser, *, default="2x2"):
     g.add_argument("--noc-depth", type=int, default=2)
 
 
-def fabric_dict(args, *, cluster_bits=0):
+def fabric_dict(args, *, cluster_bits=0, coord_bits=None):
     """The keyword arguments of :func:`fabric_params` given by the parsed options (JSON-able,
     so they can cross into a cocotb process); a UserError if ``--fabric`` is malformed."""
     from rdakit.cli import UserError
@@ -64,15 +64,17 @@ def fabric_dict(args, *, cluster_bits=0):
                 mu_words=args.mu_words, block_words=args.block_words,
                 max_buffers=args.max_buffers, weight_bits=args.weight_bits,
                 alloc_mode=args.alloc_mode, refcount=args.refcount, noc_depth=args.noc_depth,
-                noc_queues=args.noc_queues, cluster_bits=cluster_bits)
+                noc_queues=args.noc_queues, cluster_bits=cluster_bits, coord_bits=coord_bits)
 
 
-def fabric_from_args(args, *, cluster_bits=0):
+def fabric_from_args(args, *, cluster_bits=0, coord_bits=None):
     """The :class:`FabricParams` of the parsed options (with ``cluster_bits`` for a cluster of
-    a system), or a UserError naming the problem."""
+    a system, and ``coord_bits`` wider than the grid needs if asked), or a UserError naming
+    the problem."""
     from rdakit.cli import UserError
 
     try:
-        return fabric_params(**fabric_dict(args, cluster_bits=cluster_bits))
+        return fabric_params(**fabric_dict(args, cluster_bits=cluster_bits,
+                                           coord_bits=coord_bits))
     except (TypeError, ValueError) as e:
         raise UserError(str(e)) from None

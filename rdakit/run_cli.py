@@ -75,6 +75,11 @@ def _run(args):
 
     if args.adapt is not None and args.adapt < 1:
         raise UserError(f"--adapt takes a number of iterations >= 1, not {args.adapt}")
+    if args.clusters is not None:
+        return _run_clusters(args)
+    for opt in ("slow_cluster", "inject_load", "cluster_cus"):
+        if getattr(args, opt) is not None:
+            raise UserError(f"--{opt.replace('_', '-')} needs --clusters N")
     spec = spec_from_args(args, iterations=args.adapt or 1)
     params = spec.params
     _, summary = compile_or_explain(spec)
@@ -126,6 +131,118 @@ def _run(args):
         return 1
     report.console.print("[bold green]PASS[/bold green]: outputs equal numpy's and the "
                          "interpreter's bit for bit; every buffer freed")
+    return 0
+
+
+def system_spec_from_args(args):
+    """The :class:`~rdakit.sim.system_run.SystemRunSpec` of ``rdakit run --clusters N``, or a
+    UserError naming the problem. The clusters' coordinates are wide enough for the grid of
+    all clusters side by side (the compiler's view of the system, docs/clusters.md)."""
+    import re
+
+    from amaranth.utils import ceil_log2
+
+    from rdakit.cli import UserError
+    from rdakit.compiler.cli import parse_sizes
+    from rdakit.hdl.system import SystemParams
+    from rdakit.sim.system_run import SystemRunSpec
+
+    from .fabric_args import fabric_from_args
+
+    n = args.clusters
+    if n < 2 or n > 16:
+        raise UserError(f"--clusters must be from 2 to 16, not {n}")
+    if args.sim != "amaranth":
+        raise UserError(f"--clusters runs in the built-in simulator only (--sim amaranth), not "
+                        f"{args.sim}; the cocotb tests run systems on Icarus and Verilator "
+                        f"(docs/clusters.md)")
+    if args.waves or args.plot:
+        raise UserError("--waves and --plot are for a single fabric, not with --clusters")
+    m = re.fullmatch(r"(\d+)x(\d+)", args.fabric)
+    if not m:
+        raise UserError(f"--fabric must be ROWSxCOLS like 2x2, not {args.fabric!r}")
+    rows, cols = int(m.group(1)), int(m.group(2))
+    params = fabric_from_args(args, cluster_bits=max(1, ceil_log2(n)),
+                              coord_bits=max(1, ceil_log2(max(rows, n * cols))))
+    delays = {}
+    if args.slow_cluster is not None or args.inject_load is not None:
+        if args.slow_cluster is None or args.inject_load is None:
+            raise UserError("--slow-cluster K and --inject-load CYCLES go together")
+        if not 0 <= args.slow_cluster < n:
+            raise UserError(f"--slow-cluster must name a cluster from 0 to {n - 1}, not "
+                            f"{args.slow_cluster}")
+        if args.inject_load < 0:
+            raise UserError(f"--inject-load must be cycles >= 0, not {args.inject_load}")
+        delays[args.slow_cluster] = args.inject_load
+    cus = None
+    if args.cluster_cus is not None:
+        try:
+            cus = [int(k) for k in args.cluster_cus.split(",")]
+        except ValueError:
+            raise UserError(f"--cluster-cus takes one number per cluster like 2,1, not "
+                            f"{args.cluster_cus!r}") from None
+        ncu = len(params.tiles("C"))
+        if len(cus) != n or any(not 0 <= k <= ncu for k in cus):
+            raise UserError(f"--cluster-cus takes {n} numbers from 0 to {ncu} (the CUs of a "
+                            f"cluster), not {args.cluster_cus!r}")
+    try:
+        system = SystemParams(params, clusters=n, link_width=args.link_width,
+                              link_latency=args.link_latency)
+        return SystemRunSpec(args.workload, system, sizes=parse_sizes(args.size), cus=cus,
+                             strategy=args.cluster_partitioner, inner=args.partitioner,
+                             iterations=args.adapt or 1, delays=delays, seed=args.seed,
+                             place_steps=args.place_steps)
+    except (TypeError, ValueError) as e:
+        raise UserError(str(e)) from None
+
+
+def _run_clusters(args):
+    from rdakit.cli import UserError
+    from rdakit.compiler.lower import LoweringError
+    from rdakit.compiler.partition import PartitionError
+    from rdakit.compiler.placement import PlacementError
+    from rdakit.report import Report
+    from rdakit.sim.system_run import run_system_session, system_failed
+
+    spec = system_spec_from_args(args)
+    sp = spec.system
+    fp = sp.fabric
+    report = Report("run")
+    slow = "".join(f"; cluster {k} spins {d} cycles before its programs (injected load, "
+                   f"unknown to the compiler)" for k, d in spec.delays.items())
+    report.console.print(
+        f"[bold]{spec.workload}[/bold] on {sp.clusters} clusters of {fp.rows}x{fp.cols} "
+        f"(link {sp.link_width} wires, {sp.link_latency} cycles) in Amaranth's simulator; "
+        f"partitioners {spec.strategy} across clusters, {spec.inner} within{slow}")
+    with progress_bar(not args.quiet and report.console.is_terminal) as progress:
+        try:
+            rows = run_system_session(spec, progress=progress)
+        except (LoweringError, PlacementError, PartitionError) as e:
+            raise UserError(f"{spec.workload} does not fit {sp.clusters} clusters of "
+                            f"{fp.rows}x{fp.cols}: {e}") from None
+    keys = ("iteration", "partitioner", "cycles", "finish", "busy", "work", "loads",
+            "cus_used", "estimated_cycles", "crossing_bytes", "cut_edges", "link_packets",
+            "numpy", "leaked_buffers")
+    report.table("Iterations" + (" (adaptation: each cluster's measured busy time fed back "
+                                 "as its load, re-partitioned and reloaded)"
+                                 if spec.iterations > 1 else ""),
+                 [{k: r.get(k) for k in keys} for r in rows])
+    last = rows[-1]
+    for key in ("cycles", "crossing_bytes", "link_packets", "numpy", "leaked_buffers",
+                "hw_error"):
+        report.figure(key, last.get(key))
+    report.figure("workload", spec.workload)
+    report.figure("system", f"{sp.clusters}x {fp.rows}x{fp.cols}")
+    report.tables["iterations_full"] = rows
+    report.finish(args.report)
+    if system_failed(rows):
+        r = next(r for r in rows if system_failed([r]))
+        why = r["hw_error"] or (r["numpy"] if r["numpy"] != "ok" else None) or (
+            f"{r['leaked_buffers']} buffers left allocated")
+        report.console.print(f"[bold red]FAILED[/bold red] in iteration {r['iteration']}: {why}")
+        return 1
+    report.console.print("[bold green]PASS[/bold green]: outputs equal numpy's bit for bit on "
+                         "every iteration; every buffer of every cluster freed")
     return 0
 
 
@@ -217,6 +334,27 @@ def register(commands, verilog, bench):
                         "the cost model, re-partition and reload")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     add_run_arguments(p)
+    from rdakit.compiler.clusters import CLUSTER_STRATEGIES
+
+    g = p.add_argument_group("a system of clusters (docs/clusters.md); --fabric is each "
+                             "cluster's")
+    g.add_argument("--clusters", type=int, metavar="N",
+                   help="partition across N clusters joined by links and run the system "
+                        "(built-in simulator only); with --adapt, feed each cluster's measured "
+                        "busy time back as its load")
+    g.add_argument("--cluster-partitioner", default="greedy", choices=CLUSTER_STRATEGIES,
+                   help="the partitioner across clusters (default: %(default)s)")
+    g.add_argument("--cluster-cus", metavar="LIST",
+                   help="CUs each cluster offers, e.g. 2,1 (default: all)")
+    g.add_argument("--link-width", type=int,
+                   help="wires of each inter-cluster link (default: a quarter of a request)")
+    g.add_argument("--link-latency", type=int, default=20,
+                   help="cycles of each link's wire delay (default: 20)")
+    g.add_argument("--slow-cluster", type=int, metavar="K",
+                   help="make cluster K slower by an injected load (with --inject-load)")
+    g.add_argument("--inject-load", type=int, metavar="CYCLES",
+                   help="cycles cluster K is busy with other work before it starts; the "
+                        "compiler is not told")
     p.set_defaults(func=_run)
 
     b = bench.add_parser(

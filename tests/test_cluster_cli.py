@@ -66,3 +66,58 @@ def test_bench_clusters(tmp_path):
 def test_bench_clusters_rejects_an_unknown_workload(capsys):
     assert main(["bench", "clusters", "--workloads", "mlp,gpt5"]) == 2
     assert "--workloads takes names of" in capsys.readouterr().err
+
+
+MLP = ["mlp", "--size", "batch=2", "--size", "sizes=8,8,4", "-q"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--clusters", "2", "--sim", "icarus"], "--clusters runs in the built-in simulator only"),
+    (["--clusters", "1"], "--clusters must be from 2 to 16, not 1"),
+    (["--clusters", "2", "--slow-cluster", "2", "--inject-load", "9"],
+     "--slow-cluster must name a cluster from 0 to 1, not 2"),
+    (["--clusters", "2", "--slow-cluster", "1"],
+     "--slow-cluster K and --inject-load CYCLES go together"),
+    (["--clusters", "2", "--slow-cluster", "1", "--inject-load", "-3"],
+     "--inject-load must be cycles >= 0, not -3"),
+    (["--slow-cluster", "1", "--inject-load", "9"], "--slow-cluster needs --clusters N"),
+    (["--clusters", "2", "--cluster-cus", "3,2"],
+     "--cluster-cus takes 2 numbers from 0 to 2 (the CUs of a cluster), not '3,2'"),
+    (["--clusters", "2", "--cluster-cus", "a"],
+     "--cluster-cus takes one number per cluster like 2,1, not 'a'"),
+    (["--clusters", "2", "--link-latency", "0"],
+     "link_latency must be an integer from 1 to 256, not 0"),
+    (["--clusters", "9", "--fabric", "2x2"],
+     "9 clusters of 2 columns need coordinates for 18 columns (at most 16"),
+])
+def test_run_clusters_rejects_bad_options(capsys, args, message):
+    assert main(["run", *MLP, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rdakit: error: ") and message in err, err
+
+
+def test_run_clusters_too_large_a_workload(capsys):
+    assert main(["run", "mlp", "-q", "--clusters", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "mlp does not fit 2 clusters of 2x2: " in err, err
+
+
+def test_run_clusters_adapts_away_from_a_loaded_cluster(tmp_path, capsys):
+    """Two 2x2 clusters, cluster 1 spinning 1500 cycles before its programs: the first
+    iteration (compiler unaware) gives it work and waits for it; the monitor sees its busy
+    time, and the second iteration moves work off it and is faster. Every iteration bit-exact
+    against numpy with every buffer freed."""
+    report = tmp_path / "r.json"
+    assert main(["run", *MLP, "--clusters", "2", "--adapt", "2", "--slow-cluster", "1",
+                 "--inject-load", "1500", "--place-steps", "2000",
+                 "--report", str(report)]) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "PASS" in out
+    rows = json.loads(report.read_text())["tables"]["iterations_full"]
+    first, second = rows
+    assert first["work"][1] > 0 and first["finish"][1] > 1500
+    assert first["busy"][1] >= 1500
+    assert second["loads"][1] > 0 and second["loads"][0] == 0
+    assert second["work"][1] < first["work"][1]
+    assert second["cycles"] < first["cycles"]
+    assert all(r["numpy"] == "ok" and r["leaked_buffers"] == 0 for r in rows)
