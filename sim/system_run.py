@@ -27,8 +27,8 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["SystemRunSpec", "run_system_session", "system_failed", "inject_load",
-           "busy_times", "calibrated"]
+__all__ = ["SystemRunSpec", "run_system_session", "run_compiled", "check_outputs",
+           "system_failed", "inject_load", "busy_times", "calibrated"]
 
 
 @dataclasses.dataclass
@@ -171,13 +171,16 @@ def calibrated(work, times, cus):
     return times / ratio
 
 
-async def _run_once(hosts, system_job, delays, max_cycles):
-    """Set up the buffers, run every cluster (``run_system``: a CU error raises RuntimeError),
-    read the outputs and counters, release the host's weight; returns ``(outputs, cycles,
+async def run_compiled(hosts, system_job, *, delays=None, max_cycles=2_000_000):
+    """Run a compiled :class:`~rdakit.sim.clusters.SystemJob` on any simulator (``hosts``:
+    one HostDriver per cluster): set up the buffers, run every cluster (``run_system``; a CU
+    error raises RuntimeError), read the outputs and counters, release the host's weight.
+    ``delays``: cluster -> injected load (:func:`inject_load`). Returns ``(outputs, cycles,
     counters, live buffers per cluster)``."""
     from rdakit.sim.clusters import release_buffers, run_system, setup_buffers
 
     refs = await setup_buffers(hosts, system_job)
+    delays = delays or {}
     configs = [inject_load(c, delays[k]) if c is not None and delays.get(k) else c
                for k, c in enumerate(system_job.bind(refs))]
     cycles = await run_system(hosts, configs, max_cycles=max_cycles)
@@ -221,8 +224,8 @@ def run_system_session(spec, *, progress=None):
                       for k in range(n)]
             progress(f"iteration {it + 1}: running")
             try:
-                outputs, cycles, counters, live = await _run_once(
-                    hosts, cs.system_job, spec.delays, spec.max_cycles)
+                outputs, cycles, counters, live = await run_compiled(
+                    hosts, cs.system_job, delays=spec.delays, max_cycles=spec.max_cycles)
             except RuntimeError as e:
                 row.update(cycles=None, numpy="not run", hw_error=str(e), leaked_buffers=0)
                 rows.append(row)
@@ -234,7 +237,8 @@ def run_system_session(spec, *, progress=None):
                 link_packets=sum(int(ctx.get(system.req_packets[k]))
                                  + int(ctx.get(system.rsp_packets[k])) - links0[k]
                                  for k in range(n)),
-                numpy=_check(cs.system_job, outputs), leaked_buffers=sum(live), hw_error=None)
+                numpy=check_outputs(cs.system_job, outputs), leaked_buffers=sum(live),
+                hw_error=None)
             rows.append(row)
             if it + 1 < spec.iterations:
                 work = list(cs.partition.work)
@@ -245,7 +249,8 @@ def run_system_session(spec, *, progress=None):
     return rows
 
 
-def _check(system_job, outputs):
+def check_outputs(system_job, outputs):
+    """``"ok"`` if every output equals numpy's bit for bit, else what differs."""
     for name, want in system_job.expected.items():
         got = outputs[name]
         if got.shape != want.shape:
