@@ -16,7 +16,8 @@ from rdakit.hdl.isa import assemble
 
 from .clusters import run_system
 
-__all__ = ["measure_access", "measure_matvec", "partition_rows", "SCENARIOS"]
+__all__ = ["measure_access", "measure_matvec", "partition_rows", "measured_rows", "SCENARIOS",
+           "rtl_system"]
 
 
 def _programs(reads, words):
@@ -161,3 +162,55 @@ def partition_rows(workloads, cluster_counts, link, *, strategies=None):
                                  "vs_round_robin": round(r.makespan
                                                          / res["round_robin"].makespan, 3)})
     return rows
+
+
+def rtl_system(clusters, rows=2, cols=2):
+    """The system the compiled workloads run on in :func:`measured_rows`: ``clusters``
+    fabrics of ``rows x cols`` with compiled programs' length (2048), coordinates wide enough
+    for the clusters side by side, links of the default width and 20 cycles."""
+    from amaranth.utils import ceil_log2
+
+    from rdakit.fabric_args import fabric_params
+    from rdakit.hdl.system import SystemParams
+
+    fp = fabric_params(rows, cols, prog_len=2048, cluster_bits=max(1, ceil_log2(clusters)),
+                       coord_bits=max(1, ceil_log2(max(rows, clusters * cols))))
+    return SystemParams(fp, clusters=clusters)
+
+
+def measured_rows(workloads, cluster_counts, *, strategies=None, rows=2, cols=2,
+                  place_steps=20000, progress=None):
+    """Rows of the measured table: each workload at its smallest size compiled across
+    ``n`` clusters of ``rows x cols`` (for each ``n`` of ``cluster_counts``) by each
+    cross-cluster strategy and run on the RTL system in Amaranth's simulator: cycles (the
+    last cluster's), the estimate, the bytes the partition sends over links, the packets that
+    crossed them, the work per cluster, cycles over round-robin's, and the numpy check."""
+    from rdakit.compiler.clusters import CLUSTER_STRATEGIES
+    from rdakit.sim.e2e import SMALLEST
+    from rdakit.sim.system_run import SystemRunSpec, run_system_session, system_failed
+
+    strategies = tuple(strategies or CLUSTER_STRATEGIES)
+    out = []
+    for n in cluster_counts:
+        sp = rtl_system(n, rows, cols)
+        for name in workloads:
+            runs = {}
+            for s in dict.fromkeys(("round_robin", *strategies)):
+                if progress:
+                    progress(f"{name} on {n} clusters, {s}")
+                spec = SystemRunSpec(name, sp, sizes=SMALLEST[name], strategy=s,
+                                     place_steps=place_steps)
+                runs[s] = run_system_session(spec)[0]
+            for s in strategies:
+                r = runs[s]
+                rr = runs["round_robin"]["cycles"]
+                out.append({"workload": name, "clusters": n, "partitioner": s,
+                            "cycles": r["cycles"], "est_cycles": r["estimated_cycles"],
+                            "crossing_bytes": r["crossing_bytes"],
+                            "link_packets": r.get("link_packets"), "work": r["work"],
+                            "vs_round_robin": (round(r["cycles"] / rr, 3)
+                                               if r["cycles"] and rr else None),
+                            "check": "ok" if not system_failed([r]) else (
+                                r["hw_error"] or r["numpy"]
+                                or f"{r['leaked_buffers']} buffers leaked")})
+    return out

@@ -121,3 +121,20 @@ def test_run_clusters_adapts_away_from_a_loaded_cluster(tmp_path, capsys):
     assert second["work"][1] < first["work"][1]
     assert second["cycles"] < first["cycles"]
     assert all(r["numpy"] == "ok" and r["leaked_buffers"] == 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_measured_workloads_across_clusters():
+    """The MLP compiled across two 2x2 clusters by greedy and round-robin and run on the RTL:
+    both exact and leak-free, greedy crossing fewer bytes and faster."""
+    from rdakit.sim.cluster_bench import measured_rows
+
+    rows = measured_rows(["mlp"], (2,), strategies=("greedy", "round_robin"),
+                         place_steps=2000)
+    by = {r["partitioner"]: r for r in rows}
+    assert set(by) == {"greedy", "round_robin"}
+    for r in rows:
+        assert r["check"] == "ok" and r["cycles"] > 0 and len(r["work"]) == 2
+    assert by["greedy"]["crossing_bytes"] < by["round_robin"]["crossing_bytes"]
+    assert by["round_robin"]["link_packets"] > 0 and by["round_robin"]["vs_round_robin"] == 1
+    assert by["greedy"]["cycles"] < by["round_robin"]["cycles"]
