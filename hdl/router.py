@@ -45,10 +45,15 @@ QUEUE_KINDS = ("voq", "fifo", "scan")
 #: Depth of the ejection buffer in front of each ``eject`` port.
 EJECT_DEPTH = 2
 
-#: Deliberate bugs for the formal harnesses' self-test (``_fault=``), never for real designs:
-#: ``"ignore_room"`` sends a flit on a link whether or not the receiver's queue has room
-#: (``voq`` queues).
-ROUTER_FAULTS = ("ignore_room",)
+#: Deliberate bugs for the formal harnesses' self-test (``_fault=``), never for real designs
+#: (``voq`` queues): ``"ignore_room"`` sends a flit on a link whether or not the receiver's queue
+#: has room; ``"grant_keeps"`` leaves a flit sent from the local input towards the east in its
+#: queue (it is sent again: a duplicate); ``"inject_ignores_room"`` accepts an injected flit
+#: whose queue is full (it is lost); ``"yx_local"`` routes injected flits in y first;
+#: ``"fixed_priority"`` grants each output to the first queue that can send instead of taking
+#: turns (a queue can wait for ever).
+ROUTER_FAULTS = ("ignore_room", "grant_keeps", "inject_ignores_room", "yx_local",
+                 "fixed_priority")
 
 _REACHABLE = {
     # Under XY routing a flit moves in x first, then in y, then leaves: it never turns back and
@@ -146,7 +151,19 @@ def xy_route(dst, x, y):
     return result
 
 
-def _round_robin(m, requests, name):
+def _yx_route(dst, x, y):
+    # The "yx_local" fault: y first, then x.
+    top = (1 << len(dst.x)) - 1
+    steps = [(dst.y > y, Port.SOUTH, y < top), (dst.y < y, Port.NORTH, y > 0),
+             (dst.x > x, Port.EAST, x < top), (dst.x < x, Port.WEST, x > 0)]
+    result = Port.LOCAL
+    for cond, port, useful in reversed(steps):
+        if useful:
+            result = Mux(cond, port, result)
+    return result
+
+
+def _round_robin(m, requests, name, *, fixed=False):
     """Grant one of ``requests`` this cycle: the first one after the last granted (wrapping
     around), so under persistent contention each requester is served once every
     ``len(requests)`` grants. Returns the list of grant signals (one-hot or all zero).
@@ -155,6 +172,11 @@ def _round_robin(m, requests, name):
     writes such a switch as an overlapping ``casez`` that Verilator lints."""
     n = len(requests)
     grants = [Signal(name=f"{name}_grant_{k}") for k in range(n)]
+    if fixed:   # the "fixed_priority" fault: the first request always wins
+        for k in range(n):
+            m.d.comb += grants[k].eq(requests[k] & ~Cat(*requests[:k]).any() if k
+                                     else requests[k])
+        return grants
     if n == 1:
         m.d.comb += grants[0].eq(requests[0])
         return grants
@@ -225,6 +247,44 @@ class ScanQueue(wiring.Component):
             with m.If(enq & (wpos == k)):
                 m.d.sync += slots[k].eq(self.w_data)
         m.d.sync += count.eq(count + enq - deq)
+        return m
+
+
+class _ObservedQueue(wiring.Component):
+    """A FIFO queue in registers, with the ports and the timing of
+    :class:`~amaranth.lib.fifo.SyncFIFO` (first word fall-through; ``r_rdy`` is
+    ``level != 0``, ``w_rdy`` is ``level != depth``, both registered; a word written in cycle
+    *t* can be read in *t + 1*), whose contents the formal harnesses can name: ``obs_slots[k]``
+    is the ``k``-th oldest entry, valid when ``k < obs_level``. Used instead of ``SyncFIFO``
+    only under the router's private ``_observe=True``: the entries of a memory are not visible to
+    k-induction's invariants.
+    """
+
+    def __init__(self, *, width, depth):
+        self.width, self.depth = width, depth
+        super().__init__({
+            "w_en": In(1), "w_data": In(width), "w_rdy": Out(1),
+            "r_en": In(1), "r_data": Out(width), "r_rdy": Out(1),
+        })
+        self.obs_slots = [Signal(width, name=f"slot_{k}") for k in range(depth)]
+        self.obs_level = Signal(range(depth + 1), name="level")
+
+    def elaborate(self, platform):
+        m = Module()
+        slots, level, d = self.obs_slots, self.obs_level, self.depth
+        m.d.comb += [self.w_rdy.eq(level != d), self.r_rdy.eq(level != 0),
+                     self.r_data.eq(slots[0])]
+        deq, enq = Signal(), Signal()
+        m.d.comb += [deq.eq(self.r_en & self.r_rdy), enq.eq(self.w_en & self.w_rdy)]
+        # The entries move down one slot when the oldest leaves; a new entry goes to the first
+        # free slot after that (a later assignment wins).
+        with m.If(deq):
+            for k in range(d - 1):
+                m.d.sync += slots[k].eq(slots[k + 1])
+        for k in range(d):
+            with m.If(enq & (level - deq == k)):
+                m.d.sync += slots[k].eq(self.w_data)
+        m.d.sync += level.eq(level + enq - deq)
         return m
 
 
@@ -299,11 +359,15 @@ class Router(wiring.Component):
     Notes
     -----
     The private, test-only argument ``_fault`` injects one of :data:`ROUTER_FAULTS` for the
-    formal harnesses (``rdakit.sim.formal_harness``).
+    formal harnesses (``rdakit.sim.formal_harness``). The private, test-only ``_observe=True``
+    (``voq`` queues only) builds every queue, and the ejection buffer, as an
+    :class:`_ObservedQueue` (registers, same ports and timing as the ``SyncFIFO`` otherwise used)
+    and lists them in ``obs_queues`` (``{(input, output): queue}``) and ``obs_eject``, so that
+    the harnesses' invariants can name what the queues hold; nothing changes without it.
     """
 
     def __init__(self, *, payload_shape, x=1, y=1, rows=3, cols=3, coord_bits=None, depth=2,
-                 queues="voq", counter_bits=32, _fault=None):
+                 queues="voq", counter_bits=32, _fault=None, _observe=False):
         coord_bits = check_mesh_params(rows=rows, cols=cols, coord_bits=coord_bits, depth=depth,
                                        queues=queues, counter_bits=counter_bits)
         _check_int("x", x, minimum=0, maximum=255)
@@ -315,6 +379,8 @@ class Router(wiring.Component):
         if _fault is not None and _fault not in ROUTER_FAULTS:
             raise TypeError(f"Fault must be one of {', '.join(map(repr, ROUTER_FAULTS))}, "
                             f"not {_fault!r}")
+        if _observe and queues != "voq":
+            raise ValueError(f"queues must be 'voq' with _observe, not {queues!r}")
         self._fault = _fault
         self.flit = flit_layout(coord_bits, payload_shape)
         self.payload_shape = payload_shape
@@ -334,6 +400,13 @@ class Router(wiring.Component):
             "rejected": Out(counter_bits),
             "reject": Out(1),
         })
+        self._observe = _observe
+        if _observe:
+            ports = [p for p in Port if self.has_port(p)]
+            width = self.entry_layout.size
+            self.obs_queues = {(i, o): _ObservedQueue(width=width, depth=depth)
+                               for i in ports for o in reachable_outputs(i) if o in ports}
+            self.obs_eject = _ObservedQueue(width=self.flit.size, depth=EJECT_DEPTH)
 
     def has_port(self, port):
         """Whether this router has a neighbour at ``port`` (``LOCAL`` always exists)."""
@@ -378,6 +451,8 @@ class Router(wiring.Component):
         m.d.comb += outside.eq(Cat(*limits).any() if limits else Const(0))
         local_port = Signal(Port)
         m.d.comb += local_port.eq(xy_route(dst, self.x, self.y))
+        if self._fault == "yx_local":
+            m.d.comb += local_port.eq(_yx_route(dst, self.x, self.y))
         arrivals = {Port.LOCAL: (self.inject.valid & ~outside, self.inject.payload, local_port)}
         for d in DIRECTIONS:
             if self.has_port(d):
@@ -385,7 +460,11 @@ class Router(wiring.Component):
                 arrivals[d] = (link.valid, link.payload, link.port)
 
         # The ejection buffer, and the room bits an output offers (per next-router port).
-        eject_q = m.submodules.eject_q = fifo.SyncFIFO(width=self.flit.size, depth=EJECT_DEPTH)
+        if self._observe:
+            eject_q = self.obs_eject
+        else:
+            eject_q = fifo.SyncFIFO(width=self.flit.size, depth=EJECT_DEPTH)
+        m.submodules.eject_q = eject_q
         m.d.comb += [self.eject.valid.eq(eject_q.r_rdy),
                      self.eject.payload.eq(eject_q.r_data),
                      eject_q.r_en.eq(self.eject.ready)]
@@ -399,6 +478,7 @@ class Router(wiring.Component):
         # eligible, head entry, queue): a flit waits; the head (or, in scan queues, the oldest
         # flit whose next queue has room) is eligible when its next queue has room.
         cands = {o: [] for o in ports}
+        local_east = None
         for i, (valid, flit, port) in arrivals.items():
             lname = i.name.lower()
             w = Signal(entry, name=f"{lname}_entry")
@@ -424,12 +504,17 @@ class Router(wiring.Component):
                         m.d.comb += q.room.eq(room_vector(o))
                         head, waiting, ok = q.r_data, q.any, q.r_rdy
                     else:
-                        q = fifo.SyncFIFO(width=entry.size, depth=self.depth)
+                        if self._observe:
+                            q = self.obs_queues[i, o]
+                        else:
+                            q = fifo.SyncFIFO(width=entry.size, depth=self.depth)
                         head, waiting = entry(q.r_data), q.r_rdy
                         ok = waiting & room_vector(o).bit_select(head.next.as_value(), 1)
                         if self._fault == "ignore_room" and o is not Port.LOCAL:
                             ok = waiting
                     m.submodules[f"q_{lname}_{o.name.lower()}"] = q
+                    if (i, o) == (Port.LOCAL, Port.EAST):
+                        local_east = q
                     m.d.comb += [q.w_data.eq(w), q.w_en.eq(valid & (port == o))]
                     room[o] = q.w_rdy
                     cands[o].append((i, waiting, ok, head, q))
@@ -437,6 +522,8 @@ class Router(wiring.Component):
                 ready = Const(0)
                 for o, r in room.items():
                     ready = Mux(port == o, r, ready)
+                if self._fault == "inject_ignores_room":
+                    ready = Const(1)
                 m.d.comb += self.inject.ready.eq(outside | ready)
             else:
                 m.d.comb += self.link_in[i.value].ready.eq(
@@ -456,7 +543,8 @@ class Router(wiring.Component):
                 e = Signal(name=f"{oname}_from_{i.name.lower()}")
                 m.d.comb += e.eq(ok)
                 eligible.append(e)
-            grants = _round_robin(m, eligible, f"arb_{oname}")
+            grants = _round_robin(m, eligible, f"arb_{oname}",
+                                  fixed=self._fault == "fixed_priority")
             sent = Signal(name=f"{oname}_sent")
             waiting = Signal(name=f"{oname}_waiting")
             m.d.comb += [sent.eq(Cat(*grants).any()),
@@ -478,5 +566,7 @@ class Router(wiring.Component):
             with m.Elif(waiting):
                 m.d.sync += self.blocked[o.value].eq(self.blocked[o.value] + 1)
         for q, grants in dequeue.values():
+            if self._fault == "grant_keeps" and q is local_east:
+                continue
             m.d.comb += q.r_en.eq(Cat(*grants).any())
         return m

@@ -57,8 +57,10 @@ def test_fault_hooks_validate():
         FreeList(4, _fault="x")
     with pytest.raises(TypeError, match=r"Fault must be one of 'walk_keeps_entry', .*not 'x'"):
         MemoryUnit(_fault="x")
-    with pytest.raises(TypeError, match=r"Fault must be one of 'ignore_room', not 'x'"):
+    with pytest.raises(TypeError, match=r"Fault must be one of 'ignore_room', .*not 'x'"):
         Router(payload_shape=2, _fault="x")
+    with pytest.raises(ValueError, match=r"queues must be 'voq' with _observe, not 'fifo'"):
+        Router(payload_shape=2, queues="fifo", _observe=True)
 
 
 def test_property_list_is_consistent():
