@@ -26,8 +26,9 @@ def test_two_clusters(simulator):
                        "m": 8, "k": 16})
 
 
-#: Two 2x2 clusters for compiled programs: coordinates for the 4 columns side by side.
-COMPILED = dict(rows=2, cols=2, prog_len=2048, cluster_bits=1, coord_bits=2)
+#: Two 2x2 clusters for compiled programs (one lane and 128 instructions keep the build
+#: small; the MLP needs 51): coordinates for the 4 columns side by side.
+COMPILED = dict(rows=2, cols=2, lanes=1, prog_len=128, cluster_bits=1, coord_bits=2)
 
 
 @pytest.mark.parametrize("simulator", SIMULATORS)
@@ -39,7 +40,7 @@ def test_compiled_workload_across_two_clusters(simulator):
     require_simulator(simulator)
     system = System(SystemParams(fabric_params(**COMPILED), clusters=2, link_latency=20))
     run_cocotb(system, simulator=simulator, test_module="system_compiled_tb", test_dir=HERE,
-               build_name="system-2x2x2",
+               build_name="system-2x2x2-l1",
                config={"fabric": COMPILED, "link_latency": 20, "workload": "mlp",
                        "sizes": SMALLEST["mlp"], "strategy": "round_robin"})
 
