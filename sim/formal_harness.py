@@ -15,14 +15,15 @@ from collections.abc import Callable
 
 from amaranth.asserts import AnyConst, AnySeq
 from amaranth.hdl import Array, Assert, Assume, Cat, Const, Elaboratable, Module, Mux, Signal
+from amaranth.lib.fifo import SyncFIFO
 from amaranth.utils import exact_log2
 
-from rdakit.hdl.flit import DIRECTIONS, Port
+from rdakit.hdl.flit import DIRECTIONS, PORT_DELTA, Port
 from rdakit.hdl.free_list import FreeList
 from rdakit.hdl.memory_unit import MU_STATES, MemoryUnit
 from rdakit.hdl.packets import MUOp, MUStatus
 from rdakit.hdl.params import MUParams
-from rdakit.hdl.router import Router, xy_route
+from rdakit.hdl.router import EJECT_DEPTH, Router, _ObservedQueue, xy_route
 
 __all__ = ["Property", "PROPERTIES", "get_property", "prove", "properties_table"]
 
@@ -721,6 +722,244 @@ def router_links(fault=None):
     return _RouterHarness(fault)
 
 
+#: The router whose delivery is proven: the middle router of a 3 × 3 mesh (all five ports,
+#: 17 queues), 2-bit coordinates, a 1-bit payload that marks the tracked flit.
+ROUTER_DELIVERY_FORMAL = dict(payload_shape=1, x=1, y=1, rows=3, cols=3, coord_bits=2, depth=2,
+                              queues="voq", counter_bits=1)
+
+#: The router whose bounded response is proven: a corner router of a 2 × 2 mesh (east, south
+#: and local ports), where each output is shared by at most two queues, or by three whose flits
+#: all wait for the same room (the ejection buffer); see docs/verification.md for a router where
+#: the wait has no bound.
+ROUTER_BOUNDED_FORMAL = dict(payload_shape=1, x=0, y=0, rows=2, cols=2, coord_bits=1, depth=2,
+                             queues="voq", counter_bits=1)
+
+#: The bounded-response environment: a receiver's ready bit is never low for more than
+#: ``ROUTER_STALL`` cycles in a row.
+ROUTER_STALL = 1
+
+#: Width of the words in the queue equivalence check (any width behaves alike).
+QUEUE_EQUIV_WIDTH = 3
+
+#: A tracked flit stays in one place (a queue slot, a slot of the ejection buffer) at most
+#: ``ROUTER_STAY`` cycles, so it leaves within ``ROUTER_STAY * (depth + EJECT_DEPTH)`` cycles of
+#: entering its queue. 6 is the least per-place bound that holds: with 5, a flit at the head of
+#: a queue for the ejection port waits while the two other queues for it go first, each after
+#: the ejection buffer drained (a counterexample).
+ROUTER_STAY = 6
+
+#: The bound on a tracked flit's cycles in the router that follows.
+ROUTER_BOUND = ROUTER_STAY * (ROUTER_BOUNDED_FORMAL["depth"] + EJECT_DEPTH)
+
+
+def _router_text(p):
+    return (f"router ({p['x']}, {p['y']}) of {p['rows']}x{p['cols']}, voq queues of depth "
+            f"{p['depth']} (registers, `_observe`), {p['coord_bits']}-bit coordinates, 1-bit "
+            f"payload (the tracked flit's mark)")
+
+
+class _RouterTrackHarness(Elaboratable):
+    """One router, with its queues observed, under the environment of :class:`_RouterHarness`
+    (any traffic on every input under the link rules; receivers that stall), tracking one flit:
+    the only flit whose payload bit is set, chosen by the environment (any flit on any input, at
+    any time). Since the router never looks at payloads, what holds for that flit holds for
+    every flit.
+
+    The invariants count its copies (every queue slot and ejection-buffer slot below the
+    queue's level whose flit is marked): copies + departed = arrived ≤ 1; every queued flit
+    sits in the queue of the output XY routing picks here and carries the port XY routing picks
+    in the next router; every flit in the ejection buffer is addressed to this tile.
+    ``check="bounded"`` adds receivers whose ready bits are never low for more than
+    :data:`ROUTER_STALL` cycles in a row and asserts that the flit stays at most
+    :data:`ROUTER_STAY` cycles in one place and leaves within :data:`ROUTER_BOUND` cycles.
+    """
+
+    def __init__(self, check, fault=None, params=ROUTER_DELIVERY_FORMAL):
+        self.check, self.fault, self.params = check, fault, params
+
+    def elaborate(self, platform):
+        m = Module()
+        m.submodules.router = r = Router(**self.params, _fault=self.fault, _observe=True)
+        x, y, flit = r.x, r.y, r.flit
+        dirs = [d for d in DIRECTIONS if r.has_port(d)]
+
+        def inside(dst):
+            return (dst.x < r.cols) & (dst.y < r.rows)
+
+        def marked(f):
+            return f.payload[0]
+
+        # Environment: as in _RouterHarness, on the ports that exist.
+        inj = r.inject
+        m.d.comb += [inj.valid.eq(AnySeq(1)), inj.payload.eq(AnySeq(flit.size))]
+        waiting, last = Signal(), Signal(flit.size)
+        m.d.sync += [waiting.eq(inj.valid & ~inj.ready), last.eq(inj.payload)]
+        with m.If(waiting):
+            m.d.comb += Assume(inj.valid & (inj.payload.as_value() == last))
+        with m.If(inj.valid & marked(inj.payload)):
+            m.d.comb += Assume(inside(inj.payload.dst))
+        ej_ready = AnySeq(1)
+        m.d.comb += r.eject.ready.eq(ej_ready)
+        out_ready = {d: AnySeq(len(Port)) for d in dirs}
+        for d in dirs:
+            m.d.comb += r.link_out[d.value].ready.eq(out_ready[d])
+        came_from = {Port.WEST: lambda t: t.x >= x, Port.EAST: lambda t: t.x <= x,
+                     Port.NORTH: lambda t: (t.x == x) & (t.y >= y),
+                     Port.SOUTH: lambda t: (t.x == x) & (t.y <= y)}
+        for d in dirs:
+            link = r.link_in[d.value]
+            m.d.comb += [link.valid.eq(AnySeq(1)), link.payload.eq(AnySeq(flit.size)),
+                         link.port.eq(xy_route(link.payload.dst, x, y))]
+            with m.If(link.valid):
+                m.d.comb += Assume(inside(link.payload.dst) & came_from[d](link.payload.dst)
+                                   & link.ready.bit_select(link.port.as_value(), 1))
+
+        # The tracked flit: arrives at most once, on any input.
+        arriving = [inj.valid & inj.ready & marked(inj.payload)]
+        arriving += [r.link_in[d.value].valid & marked(r.link_in[d.value].payload)
+                     for d in dirs]
+        arrived = Signal()
+        m.d.comb += Assume(_popcount([arrived, *arriving]) <= 1)
+        with m.If(Cat(*arriving).any()):
+            m.d.sync += arrived.eq(1)
+
+        def neighbour(d):
+            dx, dy = PORT_DELTA[d]
+            return x + dx, y + dy
+
+        # Departures, on the XY port, with the XY lookahead port of the next router.
+        leaving = []
+        for d in dirs:
+            out = r.link_out[d.value]
+            go = Signal(name=f"leaves_{d.name.lower()}")
+            m.d.comb += go.eq(out.valid & marked(out.payload))
+            leaving.append(go)
+            with m.If(go):
+                m.d.comb += [
+                    Assert(xy_route(out.payload.dst, x, y) == d,
+                           f"tracked flit left on {d.name}, not its XY port"),
+                    Assert(out.port.as_value() == xy_route(out.payload.dst, *neighbour(d)),
+                           f"tracked flit left on {d.name} with a wrong lookahead port")]
+        ejecting = Signal()
+        m.d.comb += ejecting.eq(r.eject.valid & r.eject.ready & marked(r.eject.payload))
+        leaving.append(ejecting)
+        with m.If(ejecting):
+            m.d.comb += Assert((r.eject.payload.dst.x == x) & (r.eject.payload.dst.y == y),
+                               "tracked flit ejected at the wrong tile")
+        departed = Signal(2)
+        m.d.sync += departed.eq(departed + _popcount(leaving))
+
+        # Where its copies can be: (signal: a copy is here, moves left until it departs).
+        places = []
+        for (i, o), q in r.obs_queues.items():
+            m.d.comb += Assert(q.obs_level <= q.depth, "queue level in range")
+            for k, slot in enumerate(q.obs_slots):
+                e = r.entry_layout(slot)
+                here = Signal(name=f"at_{i.name.lower()}_{o.name.lower()}_{k}")
+                m.d.comb += here.eq((q.obs_level > k) & marked(e.flit))
+                places.append((here, k + 1 + (EJECT_DEPTH if o is Port.LOCAL else 0)))
+                # Every queued flit (tracked or not) is on its XY route.
+                with m.If(q.obs_level > k):
+                    m.d.comb += Assert(xy_route(e.flit.dst, x, y) == o,
+                                       "flit queued off its XY route")
+                    nxt = xy_route(e.flit.dst, *neighbour(o)) if o is not Port.LOCAL \
+                        else Port.LOCAL
+                    m.d.comb += Assert(e.next.as_value() == nxt,
+                                       "flit queued with a wrong lookahead port")
+        ej = r.obs_eject
+        m.d.comb += Assert(ej.obs_level <= ej.depth, "ejection level in range")
+        for k, slot in enumerate(ej.obs_slots):
+            f = flit(slot)
+            here = Signal(name=f"at_eject_{k}")
+            m.d.comb += here.eq((ej.obs_level > k) & marked(f))
+            places.append((here, k + 1))
+            with m.If(ej.obs_level > k):
+                m.d.comb += Assert((f.dst.x == x) & (f.dst.y == y),
+                                   "flit in the ejection buffer of the wrong tile")
+        copies = _popcount([p for p, _ in places])
+        m.d.comb += [Assert(departed <= 1, "tracked flit left more than once"),
+                     Assert(copies + departed == arrived, "tracked flit lost or duplicated")]
+        self.m, self.places = m, places
+        self.ej_ready, self.out_ready = ej_ready, out_ready
+        if self.check == "bounded":
+            self._check_bounded()
+        return m
+
+    def _check_bounded(self):
+        m, places = self.m, self.places
+        stall, stay_max = ROUTER_STALL, ROUTER_STAY
+        # Receivers: no ready bit low for more than `stall` cycles in a row.
+        bits = [self.ej_ready] + [rdy[p] for rdy in self.out_ready.values()
+                                  for p in range(len(Port))]
+        for k, bit in enumerate(bits):
+            low = Signal(range(stall + 1), name=f"low_run_{k}")
+            m.d.sync += low.eq(Mux(bit, 0, low + 1))
+            m.d.comb += [Assume(bit | (low < stall)), Assert(low <= stall, "low run in range")]
+        # Where the flit is (one-hot over the places while present), how long it has stayed
+        # there and how long it has been in the router.
+        where = Cat(*(p for p, _ in places))
+        present = where.any()
+        prev = Signal(len(where))
+        m.d.sync += prev.eq(where)
+        dmax = max(dist for _, dist in places)
+        dist = Const(0, range(dmax + 1))
+        for p, dd in places:
+            dist = Mux(p, dd, dist)
+        total = stay_max * dmax   # ROUTER_BOUND
+        stay, stay_r = Signal(range(stay_max + 1)), Signal(range(stay_max + 1))
+        age, age_r = Signal(range(total + 1)), Signal(range(total + 1))
+        m.d.comb += [stay.eq(Mux(present & (where == prev), stay_r + 1, 0)),
+                     age.eq(Mux(present & prev.any(), age_r + 1, 0))]
+        m.d.sync += [stay_r.eq(stay), age_r.eq(age)]
+        with m.If(present):
+            m.d.comb += [
+                Assert(stay < stay_max, f"tracked flit stayed over {stay_max} cycles in one place"),
+                Assert(age <= stay + stay_max * (dmax - dist), "age within the bound so far"),
+                Assert(age < total, f"tracked flit still in the router after {total} cycles"),
+            ]
+
+
+class _QueueEquivHarness(Elaboratable):
+    """The router's :class:`~rdakit.hdl.router._ObservedQueue` beside the
+    :class:`~amaranth.lib.fifo.SyncFIFO` it stands for, fed the same writes and reads: their
+    ``w_rdy`` and ``r_rdy`` agree, and so does ``r_data`` while ``r_rdy``. The broken variant
+    ``deeper`` builds the register queue one entry deeper."""
+
+    def __init__(self, fault=None):
+        self.fault = fault
+
+    def elaborate(self, platform):
+        m = Module()
+        width, depth = QUEUE_EQUIV_WIDTH, ROUTER_DELIVERY_FORMAL["depth"]
+        assert depth == EJECT_DEPTH   # one check covers the queues and the ejection buffer
+        m.submodules.ref = ref = SyncFIFO(width=width, depth=depth)
+        m.submodules.obs = obs = _ObservedQueue(width=width,
+                                                depth=depth + (self.fault == "deeper"))
+        w_en, w_data, r_en = AnySeq(1), AnySeq(width), AnySeq(1)
+        for q in (ref, obs):
+            m.d.comb += [q.w_en.eq(w_en), q.w_data.eq(w_data), q.r_en.eq(r_en)]
+        m.d.comb += [Assert(ref.w_rdy == obs.w_rdy, "w_rdy differs"),
+                     Assert(ref.r_rdy == obs.r_rdy, "r_rdy differs")]
+        with m.If(ref.r_rdy):
+            m.d.comb += Assert(ref.r_data == obs.r_data, "r_data differs")
+        return m
+
+
+def router_observed_queue(fault=None):
+    """Router: the observed register queue behaves as the SyncFIFO of normal builds."""
+    return _QueueEquivHarness(fault)
+
+
+def router_delivery(fault=None):
+    """Router: one tracked flit is neither lost nor duplicated and leaves on its XY port."""
+    return _RouterTrackHarness("delivery", fault)
+
+
+def router_bounded(fault=None):
+    """Router: a tracked flit leaves within a bound, with receivers that stall boundedly."""
+    return _RouterTrackHarness("bounded", fault, ROUTER_BOUNDED_FORMAL)
+
+
 def exact_vbits(p):
     return exact_log2(p.max_vblocks)
 
@@ -811,6 +1050,34 @@ PROPERTIES = [
                   "until taken.",
         harness=router_links, params=ROUTER_PARAMS_TEXT, depth=4,
         faults=("ignore_room",), fault_depth=6),
+    Property(
+        name="router.delivery",
+        statement="One flit chosen by the environment (any flit, on any of the five inputs, at "
+                  "any time), tracked through the router's queues: it is neither lost nor "
+                  "duplicated (copies queued + departed = arrived, at most once); every queued "
+                  "flit waits for the output XY routing picks and carries the port XY routing "
+                  "picks in the next router; it leaves on that output with that lookahead port, "
+                  "or on the ejection port only at its destination.",
+        harness=router_delivery, params=_router_text(ROUTER_DELIVERY_FORMAL), depth=2,
+        faults=("grant_keeps", "inject_ignores_room", "yx_local"), fault_depth=4),
+    Property(
+        name="router.bounded",
+        statement=f"Bounded response: with receivers whose ready bits are never low for more "
+                  f"than {ROUTER_STALL} cycle in a row, the tracked flit stays at most "
+                  f"{ROUTER_STAY} cycles in one queue slot or ejection-buffer slot and leaves at "
+                  f"the latest in its {ROUTER_BOUND}th cycle in the router (and is neither lost, "
+                  f"duplicated nor misrouted, as in router.delivery).",
+        harness=router_bounded, params=_router_text(ROUTER_BOUNDED_FORMAL), depth=7,
+        faults=("fixed_priority",), fault_depth=10),
+    Property(
+        name="router.observed_queue",
+        statement="The register queue that router.delivery and router.bounded build under "
+                  "`_observe` behaves as the SyncFIFO of normal builds: under any writes and "
+                  "reads, the same w_rdy and r_rdy, and the same r_data while r_rdy. Bounded "
+                  "check of 8 cycles from reset; every state of the pair (levels, pointers, "
+                  "live entries) is reached within 3.",
+        harness=router_observed_queue, params="2 entries of 3 bits", mode="bmc", depth=8,
+        faults=("deeper",)),
     Property(
         name="refcount.counter_gated",
         statement="Counter-based reference counting with acknowledgement gating: holder A "

@@ -8,7 +8,7 @@ induction step unproven.
 import pytest
 
 from rdakit.sim.formal import sby_available
-from rdakit.sim.formal_harness import PROPERTIES, prove
+from rdakit.sim.formal_harness import PROPERTIES, ROUTER_STAY, prove
 
 pytestmark = [
     pytest.mark.formal,
@@ -31,6 +31,18 @@ def test_broken_variant_is_caught(prop, fault, tmp_path):
     assert result.status == "FAIL", f"{prop.name} with {fault}: {result.status}"
     assert result.failed, "a failing run names the assertions that failed"
     assert result.trace is not None and result.trace.exists()
-    if fault == "ungated":
-        # The paper's Figure 1(b): the INCREF overtaken by a DECREF frees the buffer early.
-        assert "buffer freed while a holder holds its reference" in result.failed
+    if fault in EXPECTED_FAILURE:
+        assert EXPECTED_FAILURE[fault] in result.failed, result.failed
+
+
+#: The assertion a broken variant must break, where it matters which one.
+EXPECTED_FAILURE = {
+    # The paper's Figure 1(b): the INCREF overtaken by a DECREF frees the buffer early.
+    "ungated": "buffer freed while a holder holds its reference",
+    # A flit sent twice, a flit accepted into a full queue: the count of the tracked flit.
+    "grant_keeps": "tracked flit lost or duplicated",
+    "inject_ignores_room": "tracked flit lost or duplicated",
+    "yx_local": "flit queued off its XY route",
+    # Fixed priority: the tracked flit waits behind another queue's stream.
+    "fixed_priority": f"tracked flit stayed over {ROUTER_STAY} cycles in one place",
+}
