@@ -205,10 +205,10 @@ def run_system_session(spec, *, progress=None):
     progress = progress or (lambda stage, done=None, total=None: None)
     sp = spec.system
     n = sp.clusters
-    system = System(sp)
     specs = spec.cluster_specs()
     progress("iteration 1: compiling")
     first = spec.compile(specs)     # before the build: a workload that does not fit fails fast
+    system = System(sp)
     rows = []
 
     async def tb(ctx):
