@@ -122,15 +122,21 @@ def _run(args):
         report.console.print(f"wrote {args.plot}")
     if args.waves:
         report.console.print(f"wrote {args.waves}")
-    if e2e.failed(rows):
-        r = next(r for r in rows if e2e.failed([r]))
-        why = r["hw_error"] or (r["numpy"] if r["numpy"] != "ok" else None) or (
-            r["interpreter"] if r["interpreter"] != "ok" else None) or (
-            f"{r['leaked_buffers']} buffers left allocated")
-        report.console.print(f"[bold red]FAILED[/bold red] in iteration {r['iteration']}: {why}")
-        return 1
-    report.console.print("[bold green]PASS[/bold green]: outputs equal numpy's and the "
-                         "interpreter's bit for bit; every buffer freed")
+    return _verdict(report, rows, "outputs equal numpy's and the interpreter's bit for bit; "
+                                  "every buffer freed")
+
+
+def _verdict(report, rows, passed):
+    """Print the first failing iteration and why (exit status 1), or ``passed`` (0)."""
+    from rdakit.sim.e2e import failure
+
+    for r in rows:
+        why = failure(r)
+        if why:
+            report.console.print(f"[bold red]FAILED[/bold red] in iteration {r['iteration']}: "
+                                 f"{why}")
+            return 1
+    report.console.print(f"[bold green]PASS[/bold green]: {passed}")
     return 0
 
 
@@ -202,7 +208,7 @@ def _run_clusters(args):
     from rdakit.compiler.partition import PartitionError
     from rdakit.compiler.placement import PlacementError
     from rdakit.report import Report
-    from rdakit.sim.system_run import run_system_session, system_failed
+    from rdakit.sim.system_run import run_system_session
 
     spec = system_spec_from_args(args)
     sp = spec.system
@@ -235,15 +241,8 @@ def _run_clusters(args):
     report.figure("system", f"{sp.clusters}x {fp.rows}x{fp.cols}")
     report.tables["iterations_full"] = rows
     report.finish(args.report)
-    if system_failed(rows):
-        r = next(r for r in rows if system_failed([r]))
-        why = r["hw_error"] or (r["numpy"] if r["numpy"] != "ok" else None) or (
-            f"{r['leaked_buffers']} buffers left allocated")
-        report.console.print(f"[bold red]FAILED[/bold red] in iteration {r['iteration']}: {why}")
-        return 1
-    report.console.print("[bold green]PASS[/bold green]: outputs equal numpy's bit for bit on "
-                         "every iteration; every buffer of every cluster freed")
-    return 0
+    return _verdict(report, rows, "outputs equal numpy's bit for bit on every iteration; "
+                                  "every buffer of every cluster freed")
 
 
 def _bench(args):

@@ -186,8 +186,8 @@ def measured_rows(workloads, cluster_counts, *, strategies=None, rows=2, cols=2,
     last cluster's), the estimate, the bytes the partition sends over links, the packets that
     crossed them, the work per cluster, cycles over round-robin's, and the numpy check."""
     from rdakit.compiler.clusters import CLUSTER_STRATEGIES
-    from rdakit.sim.e2e import SMALLEST
-    from rdakit.sim.system_run import SystemRunSpec, run_system_session, system_failed
+    from rdakit.sim.e2e import SMALLEST, failure
+    from rdakit.sim.system_run import SystemRunSpec, run_system_session
 
     strategies = tuple(strategies or CLUSTER_STRATEGIES)
     out = []
@@ -210,7 +210,5 @@ def measured_rows(workloads, cluster_counts, *, strategies=None, rows=2, cols=2,
                             "link_packets": r.get("link_packets"), "work": r["work"],
                             "vs_round_robin": (round(r["cycles"] / rr, 3)
                                                if r["cycles"] and rr else None),
-                            "check": "ok" if not system_failed([r]) else (
-                                r["hw_error"] or r["numpy"]
-                                or f"{r['leaked_buffers']} buffers leaked")})
+                            "check": failure(r) or "ok"})
     return out

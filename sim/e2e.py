@@ -31,7 +31,8 @@ import time
 
 import numpy as np
 
-__all__ = ["RunSpec", "run", "run_many", "run_session", "run_specs", "failed", "BACKENDS",
+__all__ = ["RunSpec", "run", "run_many", "run_session", "run_specs", "failed", "failure",
+           "BACKENDS",
            "compute_bound", "plot_utilization", "SMALLEST"]
 
 #: The simulators ``rdakit run`` can use.
@@ -261,10 +262,23 @@ _STAGES = {"interpret": "interpreter (golden model)", "fill": "filling inputs",
            "load": "loading the bitstream", "run": "running", "read": "reading outputs"}
 
 
+def failure(row):
+    """Why the run of ``row`` failed: its hardware error, the first output check (``numpy``,
+    then ``interpreter`` if the row has one) that is not ``"ok"``, or its leaked buffers;
+    ``None`` if it passed. Rows of single fabrics and of systems alike."""
+    if row.get("hw_error"):
+        return row["hw_error"]
+    for check in ("numpy", "interpreter"):
+        if row.get(check, "ok") != "ok":
+            return row[check]
+    if row.get("leaked_buffers"):
+        return f"{row['leaked_buffers']} buffers left allocated"
+    return None
+
+
 def failed(rows):
     """Whether any iteration had a hardware error, a mismatch or a leak."""
-    return any(r["hw_error"] or r["numpy"] != "ok" or r["interpreter"] != "ok"
-               or r["leaked_buffers"] for r in rows)
+    return any(failure(r) for r in rows)
 
 
 # --- backends ---------------------------------------------------------------------------------

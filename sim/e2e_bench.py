@@ -16,7 +16,7 @@ Every run is checked bit for bit against numpy and the interpreter; a failed run
 in the ``check`` column and makes the command exit 1.
 """
 
-from .e2e import SMALLEST, RunSpec, failed, run_many
+from .e2e import SMALLEST, RunSpec, failure, run_many
 
 __all__ = ["WORKLOADS", "MEMORY_SCHEMES", "specs", "run"]
 
@@ -58,9 +58,7 @@ def _row(spec, rows, scheme=None):
         out["scheme"] = scheme
     else:
         out["partitioner"] = spec.partitioner
-    check = "ok" if not failed(rows) else (r["hw_error"] or (
-        r["numpy"] if r["numpy"] != "ok" else r["interpreter"] if r["interpreter"] != "ok"
-        else f"{r['leaked_buffers']} leaked"))
+    check = next((why for why in map(failure, rows) if why), "ok")
     out.update({k: r.get(k) for k in ("cycles", "lower_bound", "estimated_cycles",
                                       "utilization", "noc_flits", "mu_peak_words", "allocs",
                                       "frees", "parts", "cut")})

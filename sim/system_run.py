@@ -28,7 +28,7 @@ import dataclasses
 import numpy as np
 
 __all__ = ["SystemRunSpec", "run_system_session", "run_compiled", "check_outputs",
-           "system_failed", "inject_load", "busy_times", "calibrated"]
+           "inject_load", "busy_times", "calibrated"]
 
 
 @dataclasses.dataclass
@@ -258,8 +258,3 @@ def check_outputs(system_job, outputs):
         if not np.array_equal(got, want):
             return f"{name}: {int(np.sum(got != want))} words differ from numpy"
     return "ok"
-
-
-def system_failed(rows):
-    """Whether any iteration had a hardware error, a mismatch or a leak."""
-    return any(r["hw_error"] or r["numpy"] != "ok" or r["leaked_buffers"] for r in rows)
