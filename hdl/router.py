@@ -136,26 +136,16 @@ def link_signature(flit_shape):
     })
 
 
-def xy_route(dst, x, y):
+def xy_route(dst, x, y, *, y_first=False):
     """Expression of the output port (a :class:`Port` value) that XY routing picks at the router
     ``(x, y)`` for the destination view ``dst``. Comparisons that are constant for these
     coordinates (``dst.x > x`` at the largest ``x`` the field holds, ``dst.x < 0``) are left out,
-    so simulators that warn about them stay quiet."""
+    so simulators that warn about them stay quiet. ``y_first`` routes Y before X (only the
+    ``yx_local`` fault uses it)."""
     top = (1 << len(dst.x)) - 1
-    steps = [(dst.x > x, Port.EAST, x < top), (dst.x < x, Port.WEST, x > 0),
-             (dst.y > y, Port.SOUTH, y < top), (dst.y < y, Port.NORTH, y > 0)]
-    result = Port.LOCAL
-    for cond, port, useful in reversed(steps):
-        if useful:
-            result = Mux(cond, port, result)
-    return result
-
-
-def _yx_route(dst, x, y):
-    # The "yx_local" fault: y first, then x.
-    top = (1 << len(dst.x)) - 1
-    steps = [(dst.y > y, Port.SOUTH, y < top), (dst.y < y, Port.NORTH, y > 0),
-             (dst.x > x, Port.EAST, x < top), (dst.x < x, Port.WEST, x > 0)]
+    x_steps = [(dst.x > x, Port.EAST, x < top), (dst.x < x, Port.WEST, x > 0)]
+    y_steps = [(dst.y > y, Port.SOUTH, y < top), (dst.y < y, Port.NORTH, y > 0)]
+    steps = y_steps + x_steps if y_first else x_steps + y_steps
     result = Port.LOCAL
     for cond, port, useful in reversed(steps):
         if useful:
@@ -452,7 +442,7 @@ class Router(wiring.Component):
         local_port = Signal(Port)
         m.d.comb += local_port.eq(xy_route(dst, self.x, self.y))
         if self._fault == "yx_local":
-            m.d.comb += local_port.eq(_yx_route(dst, self.x, self.y))
+            m.d.comb += local_port.eq(xy_route(dst, self.x, self.y, y_first=True))
         arrivals = {Port.LOCAL: (self.inject.valid & ~outside, self.inject.payload, local_port)}
         for d in DIRECTIONS:
             if self.has_port(d):
