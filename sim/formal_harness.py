@@ -659,6 +659,44 @@ ROUTER_FORMAL = dict(payload_shape=2, x=1, y=1, rows=3, cols=3, coord_bits=2, de
 ROUTER_PARAMS_TEXT = "router (1, 1) of 3x3, voq queues of depth 2, 2-bit coordinates and payload"
 
 
+def _router_environment(m, r):
+    """Drive every input of router ``r`` as its environment may: locally injected flits under
+    the stream rules, and on each link that exists what a neighbour following the protocol
+    sends (only into a queue with room, with the lookahead port XY routing gives, from a
+    direction XY routing allows, for a tile inside the mesh); every receiver (the ejection
+    port, the links' ready bits) stalls at will. Returns ``(inside, eject_ready, out_ready)``:
+    the mesh test on a destination and the free ready bits, for harnesses that constrain them.
+    """
+    x, y, flit = r.x, r.y, r.flit
+    dirs = [d for d in DIRECTIONS if r.has_port(d)]
+
+    def inside(dst):
+        return (dst.x < r.cols) & (dst.y < r.rows)
+
+    inj = r.inject
+    m.d.comb += [inj.valid.eq(AnySeq(1)), inj.payload.eq(AnySeq(flit.size))]
+    waiting, last = Signal(), Signal(flit.size)
+    m.d.sync += [waiting.eq(inj.valid & ~inj.ready), last.eq(inj.payload)]
+    with m.If(waiting):
+        m.d.comb += Assume(inj.valid & (inj.payload.as_value() == last))
+    eject_ready = AnySeq(1)
+    m.d.comb += r.eject.ready.eq(eject_ready)
+    out_ready = {d: AnySeq(len(Port)) for d in dirs}
+    for d in dirs:
+        m.d.comb += r.link_out[d.value].ready.eq(out_ready[d])
+    came_from = {Port.WEST: lambda t: t.x >= x, Port.EAST: lambda t: t.x <= x,
+                 Port.NORTH: lambda t: (t.x == x) & (t.y >= y),
+                 Port.SOUTH: lambda t: (t.x == x) & (t.y <= y)}
+    for d in dirs:
+        link = r.link_in[d.value]
+        m.d.comb += [link.valid.eq(AnySeq(1)), link.payload.eq(AnySeq(flit.size)),
+                     link.port.eq(xy_route(link.payload.dst, x, y))]
+        with m.If(link.valid):
+            m.d.comb += Assume(inside(link.payload.dst) & came_from[d](link.payload.dst)
+                               & link.ready.bit_select(link.port.as_value(), 1))
+    return inside, eject_ready, out_ready
+
+
 class _RouterHarness(Elaboratable):
     """One router with every input driven by the environment: locally injected flits under the
     stream rules, and flits on the four links as a neighbour would send them (only into a
@@ -672,34 +710,9 @@ class _RouterHarness(Elaboratable):
     def elaborate(self, platform):
         m = Module()
         m.submodules.router = r = Router(**ROUTER_FORMAL, _fault=self.fault)
-        x, y = r.x, r.y
         flit = r.flit
 
-        def inside(dst):
-            return (dst.x < r.cols) & (dst.y < r.rows)
-
-        # Local injection under the stream rules.
-        inj = r.inject
-        m.d.comb += [inj.valid.eq(AnySeq(1)), inj.payload.eq(AnySeq(flit.size))]
-        waiting, last = Signal(), Signal(flit.size)
-        m.d.sync += [waiting.eq(inj.valid & ~inj.ready), last.eq(inj.payload)]
-        with m.If(waiting):
-            m.d.comb += Assume(inj.valid & (inj.payload.as_value() == last))
-        # Receivers that stall at will.
-        m.d.comb += r.eject.ready.eq(AnySeq(1))
-        for d in DIRECTIONS:
-            m.d.comb += r.link_out[d.value].ready.eq(AnySeq(len(Port)))
-        # Links in: what a neighbour following the protocol sends.
-        came_from = {Port.WEST: lambda t: t.x >= x, Port.EAST: lambda t: t.x <= x,
-                     Port.NORTH: lambda t: (t.x == x) & (t.y >= y),
-                     Port.SOUTH: lambda t: (t.x == x) & (t.y <= y)}
-        for d in DIRECTIONS:
-            link = r.link_in[d.value]
-            m.d.comb += [link.valid.eq(AnySeq(1)), link.payload.eq(AnySeq(flit.size)),
-                         link.port.eq(xy_route(link.payload.dst, x, y))]
-            with m.If(link.valid):
-                m.d.comb += Assume(inside(link.payload.dst) & came_from[d](link.payload.dst)
-                                   & link.ready.bit_select(link.port.as_value(), 1))
+        _router_environment(m, r)
 
         # Link rules: a link is driven only towards a queue with room; the ejection port keeps
         # valid and payload until taken.
@@ -783,36 +796,13 @@ class _RouterTrackHarness(Elaboratable):
         x, y, flit = r.x, r.y, r.flit
         dirs = [d for d in DIRECTIONS if r.has_port(d)]
 
-        def inside(dst):
-            return (dst.x < r.cols) & (dst.y < r.rows)
-
         def marked(f):
             return f.payload[0]
 
-        # Environment: as in _RouterHarness, on the ports that exist.
         inj = r.inject
-        m.d.comb += [inj.valid.eq(AnySeq(1)), inj.payload.eq(AnySeq(flit.size))]
-        waiting, last = Signal(), Signal(flit.size)
-        m.d.sync += [waiting.eq(inj.valid & ~inj.ready), last.eq(inj.payload)]
-        with m.If(waiting):
-            m.d.comb += Assume(inj.valid & (inj.payload.as_value() == last))
+        inside, ej_ready, out_ready = _router_environment(m, r)
         with m.If(inj.valid & marked(inj.payload)):
             m.d.comb += Assume(inside(inj.payload.dst))
-        ej_ready = AnySeq(1)
-        m.d.comb += r.eject.ready.eq(ej_ready)
-        out_ready = {d: AnySeq(len(Port)) for d in dirs}
-        for d in dirs:
-            m.d.comb += r.link_out[d.value].ready.eq(out_ready[d])
-        came_from = {Port.WEST: lambda t: t.x >= x, Port.EAST: lambda t: t.x <= x,
-                     Port.NORTH: lambda t: (t.x == x) & (t.y >= y),
-                     Port.SOUTH: lambda t: (t.x == x) & (t.y <= y)}
-        for d in dirs:
-            link = r.link_in[d.value]
-            m.d.comb += [link.valid.eq(AnySeq(1)), link.payload.eq(AnySeq(flit.size)),
-                         link.port.eq(xy_route(link.payload.dst, x, y))]
-            with m.If(link.valid):
-                m.d.comb += Assume(inside(link.payload.dst) & came_from[d](link.payload.dst)
-                                   & link.ready.bit_select(link.port.as_value(), 1))
 
         # The tracked flit: arrives at most once, on any input.
         arriving = [inj.valid & inj.ready & marked(inj.payload)]
