@@ -51,9 +51,11 @@ EJECT_DEPTH = 2
 #: queue (it is sent again: a duplicate); ``"inject_ignores_room"`` accepts an injected flit
 #: whose queue is full (it is lost); ``"yx_local"`` routes injected flits in y first;
 #: ``"fixed_priority"`` grants each output to the first queue that can send instead of taking
-#: turns (a queue can wait for ever).
+#: turns (a queue can wait for ever); ``"pointer_follows"`` moves each arbiter's pointer to
+#: every queue it grants, past a waiting queue that could not send (the round-robin of earlier
+#: versions, under which a queue can also wait for ever).
 ROUTER_FAULTS = ("ignore_room", "grant_keeps", "inject_ignores_room", "yx_local",
-                 "fixed_priority")
+                 "fixed_priority", "pointer_follows")
 
 _REACHABLE = {
     # Under XY routing a flit moves in x first, then in y, then leaves: it never turns back and
@@ -153,35 +155,58 @@ def xy_route(dst, x, y, *, y_first=False):
     return result
 
 
-def _round_robin(m, requests, name, *, fixed=False):
-    """Grant one of ``requests`` this cycle: the first one after the last granted (wrapping
-    around), so under persistent contention each requester is served once every
-    ``len(requests)`` grants. Returns the list of grant signals (one-hot or all zero).
+def _first(m, bits, name):
+    """One-hot signals: ``bits[k]`` and no earlier bit set (a priority chain)."""
+    firsts = [Signal(name=f"{name}_{k}") for k in range(len(bits))]
+    for k, b in enumerate(bits):
+        m.d.comb += firsts[k].eq(b & ~Cat(*bits[:k]).any() if k else b)
+    return firsts
 
-    Built from a mask and two priority chains rather than a ``Switch`` on the pointer: Yosys
+
+def _round_robin(m, requests, name, *, waiting=None, fixed=False):
+    """Grant one of ``requests`` this cycle: the first one after the pointer (wrapping around).
+    Returns the list of grant signals (one-hot or all zero).
+
+    ``waiting`` (a superset of ``requests``: the requesters that have something to send,
+    whether or not they can send it this cycle) makes the turns fair under eligibility that
+    comes and goes. The pointer moves to the granted requester only when it is the first
+    *waiting* one after the pointer; when that one is waiting but cannot send, the grant goes
+    to the next that can and the pointer stays, so the blocked requester keeps the first turn
+    until it sends. A plain round-robin over ``requests`` would move the pointer past it, and
+    a requester whose eligibility falls in the cycles of its turn could wait for ever (the
+    starvation ``router.bounded`` found; see docs/verification.md). Without ``waiting`` the
+    pointer follows every grant, so under persistent contention each requester is served once
+    every ``len(requests)`` grants.
+
+    Built from masks and priority chains rather than a ``Switch`` on the pointer: Yosys
     writes such a switch as an overlapping ``casez`` that Verilator lints."""
     n = len(requests)
-    grants = [Signal(name=f"{name}_grant_{k}") for k in range(n)]
     if fixed:   # the "fixed_priority" fault: the first request always wins
-        for k in range(n):
-            m.d.comb += grants[k].eq(requests[k] & ~Cat(*requests[:k]).any() if k
-                                     else requests[k])
-        return grants
+        return _first(m, requests, f"{name}_grant")
     if n == 1:
-        m.d.comb += grants[0].eq(requests[0])
-        return grants
+        grant = Signal(name=f"{name}_grant_0")
+        m.d.comb += grant.eq(requests[0])
+        return [grant]
     last = Signal(range(n), init=n - 1, name=f"{name}_last")
-    upper = [Signal(name=f"{name}_upper_{k}") for k in range(n)]
+
+    def after_pointer(bits, tag):
+        # The first of `bits` after the pointer, else the first of them (wrapping around).
+        upper = [Signal(name=f"{name}_{tag}_upper_{k}") for k in range(n)]
+        for k in range(n):
+            # Index 0 is never after the pointer.
+            m.d.comb += upper[k].eq(bits[k] & (last < k) if k else 0)
+        first_upper = _first(m, upper, f"{name}_{tag}_first_upper")
+        first = _first(m, bits, f"{name}_{tag}_first")
+        chosen = [Signal(name=f"{name}_{tag}_{k}") for k in range(n)]
+        any_upper = Cat(*upper).any()
+        for k in range(n):
+            m.d.comb += chosen[k].eq(Mux(any_upper, first_upper[k], first[k]))
+        return chosen
+
+    grants = after_pointer(requests, "grant")
+    turn = after_pointer(waiting, "turn") if waiting is not None else grants
     for k in range(n):
-        # Requests after the pointer; index 0 is never after it.
-        m.d.comb += upper[k].eq(requests[k] & (last < k) if k else 0)
-    any_upper = Signal(name=f"{name}_any_upper")
-    m.d.comb += any_upper.eq(Cat(*upper).any())
-    for k in range(n):
-        first_upper = upper[k] & ~Cat(*upper[:k]).any() if k else upper[k]
-        first = requests[k] & ~Cat(*requests[:k]).any() if k else requests[k]
-        m.d.comb += grants[k].eq(Mux(any_upper, first_upper, first))
-        with m.If(grants[k]):
+        with m.If(grants[k] & turn[k]):
             m.d.sync += last.eq(k)
     return grants
 
@@ -528,12 +553,16 @@ class Router(wiring.Component):
         dequeue = {}
         for o in ports:
             oname = o.name.lower()
-            eligible = []
-            for i, _waiting, ok, _head, _q in cands[o]:
+            eligible, holding = [], []
+            for i, wait, ok, _head, _q in cands[o]:
                 e = Signal(name=f"{oname}_from_{i.name.lower()}")
-                m.d.comb += e.eq(ok)
+                h = Signal(name=f"{oname}_holds_{i.name.lower()}")
+                m.d.comb += [e.eq(ok), h.eq(wait)]
                 eligible.append(e)
-            grants = _round_robin(m, eligible, f"arb_{oname}",
+                holding.append(h)
+            if self._fault == "pointer_follows":
+                holding = None
+            grants = _round_robin(m, eligible, f"arb_{oname}", waiting=holding,
                                   fixed=self._fault == "fixed_priority")
             sent = Signal(name=f"{oname}_sent")
             waiting = Signal(name=f"{oname}_waiting")
