@@ -98,7 +98,7 @@ class Mesh(wiring.Component):
     """
 
     def __init__(self, *, rows, cols, payload_shape, coord_bits=None, depth=2, queues="voq",
-                 counter_bits=32, jitter=False, jitter_salt=0):
+                 counter_bits=32, jitter=False, jitter_salt=0, _fault=None, _observe=False):
         coord_bits = check_mesh_params(rows=rows, cols=cols, coord_bits=coord_bits, depth=depth,
                                        queues=queues, counter_bits=counter_bits)
         if not isinstance(jitter, bool):
@@ -110,6 +110,13 @@ class Mesh(wiring.Component):
         self.jitter, self.jitter_salt = jitter, jitter_salt
         super().__init__(mesh_signature(rows=rows, cols=cols, flit=self.flit,
                                         counter_bits=counter_bits, jitter=jitter))
+        # Test-only: every router built with the router's private `_fault`/`_observe`, and kept
+        # in `obs_routers` ({(x, y): router}) for the formal harnesses to name their queues.
+        self._fault, self._observe = _fault, _observe
+        self.obs_routers = None
+        if _fault is not None or _observe:
+            self.obs_routers = {(x, y): self.router(x, y)
+                                for y in range(rows) for x in range(cols)}
 
     def _stall(self, m, *key):
         """The stall signal of a new gate named ``key`` (``None`` without jitter)."""
@@ -137,14 +144,16 @@ class Mesh(wiring.Component):
         """A new router for position ``(x, y)`` with this mesh's parameters."""
         return Router(payload_shape=self.payload_shape, x=x, y=y, rows=self.rows,
                       cols=self.cols, coord_bits=self.coord_bits, depth=self.depth,
-                      queues=self.queues, counter_bits=self.counter_bits)
+                      queues=self.queues, counter_bits=self.counter_bits,
+                      _fault=self._fault, _observe=self._observe)
 
     def elaborate(self, platform):
         m = Module()
         routers = {}
         for y in range(self.rows):
             for x in range(self.cols):
-                r = routers[x, y] = self.router(x, y)
+                r = routers[x, y] = (self.obs_routers[x, y] if self.obs_routers
+                                     else self.router(x, y))
                 m.submodules[f"r_{x}_{y}"] = r
                 t = tile_index(x, y, self.cols)
                 self._gated(m, wiring.flipped(self.inject[t]), r.inject,

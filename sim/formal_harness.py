@@ -659,6 +659,17 @@ ROUTER_FORMAL = dict(payload_shape=2, x=1, y=1, rows=3, cols=3, coord_bits=2, de
 ROUTER_PARAMS_TEXT = "router (1, 1) of 3x3, voq queues of depth 2, 2-bit coordinates and payload"
 
 
+def _stream_source(m, port):
+    """Drive the stream ``port`` (valid, payload) with anything that follows the stream rules:
+    once valid, valid and payload hold until ready."""
+    size = len(port.payload.as_value())
+    m.d.comb += [port.valid.eq(AnySeq(1)), port.payload.eq(AnySeq(size))]
+    waiting, last = Signal(), Signal(size)
+    m.d.sync += [waiting.eq(port.valid & ~port.ready), last.eq(port.payload)]
+    with m.If(waiting):
+        m.d.comb += Assume(port.valid & (port.payload.as_value() == last))
+
+
 def _router_environment(m, r):
     """Drive every input of router ``r`` as its environment may: locally injected flits under
     the stream rules, and on each link that exists what a neighbour following the protocol
@@ -673,12 +684,7 @@ def _router_environment(m, r):
     def inside(dst):
         return (dst.x < r.cols) & (dst.y < r.rows)
 
-    inj = r.inject
-    m.d.comb += [inj.valid.eq(AnySeq(1)), inj.payload.eq(AnySeq(flit.size))]
-    waiting, last = Signal(), Signal(flit.size)
-    m.d.sync += [waiting.eq(inj.valid & ~inj.ready), last.eq(inj.payload)]
-    with m.If(waiting):
-        m.d.comb += Assume(inj.valid & (inj.payload.as_value() == last))
+    _stream_source(m, r.inject)
     eject_ready = AnySeq(1)
     m.d.comb += r.eject.ready.eq(eject_ready)
     out_ready = {d: AnySeq(len(Port)) for d in dirs}
@@ -740,13 +746,6 @@ def router_links(fault=None):
 ROUTER_DELIVERY_FORMAL = dict(payload_shape=1, x=1, y=1, rows=3, cols=3, coord_bits=2, depth=2,
                               queues="voq", counter_bits=1)
 
-#: The router whose bounded response is proven: a corner router of a 2 × 2 mesh (east, south
-#: and local ports), where each output is shared by at most two queues, or by three whose flits
-#: all wait for the same room (the ejection buffer); see docs/verification.md for a router where
-#: the wait has no bound.
-ROUTER_BOUNDED_FORMAL = dict(payload_shape=1, x=0, y=0, rows=2, cols=2, coord_bits=1, depth=2,
-                             queues="voq", counter_bits=1)
-
 #: The bounded-response environment: a receiver's ready bit is never low for more than
 #: ``ROUTER_STALL`` cycles in a row.
 ROUTER_STALL = 1
@@ -754,21 +753,112 @@ ROUTER_STALL = 1
 #: Width of the words in the queue equivalence check (any width behaves alike).
 QUEUE_EQUIV_WIDTH = 3
 
-#: A tracked flit stays in one place (a queue slot, a slot of the ejection buffer) at most
-#: ``ROUTER_STAY`` cycles, so it leaves within ``ROUTER_STAY * (depth + EJECT_DEPTH)`` cycles of
-#: entering its queue. 6 is the least per-place bound that holds: with 5, a flit at the head of
-#: a queue for the ejection port waits while the two other queues for it go first, each after
-#: the ejection buffer drained (a counterexample).
-ROUTER_STAY = 6
 
-#: The bound on a tracked flit's cycles in the router that follows.
-ROUTER_BOUND = ROUTER_STAY * (ROUTER_BOUNDED_FORMAL["depth"] + EJECT_DEPTH)
+@dataclasses.dataclass(frozen=True)
+class BoundedResponse:
+    """A router whose bounded response is proven, and its bound.
+
+    Members
+    -------
+    params : dict
+        The router's parameters.
+    stay : int
+        The tracked flit stays in one place (a queue slot, a slot of the ejection buffer) at
+        most ``stay`` cycles, so it leaves within :attr:`bound` cycles of entering its queue.
+        The least bound that holds (the next lower one has a counterexample).
+    """
+
+    params: dict
+    stay: int
+
+    @property
+    def bound(self):
+        return self.stay * (self.params["depth"] + EJECT_DEPTH)
+
+
+#: The corner router of a 2 × 2 mesh (east, south and local ports): each output is shared by at
+#: most two queues, or by three whose flits all wait for the same room (the ejection buffer).
+#: With a per-place bound of 5, a flit at the head of a queue for the ejection port waits while
+#: the two other queues for it go first, each after the ejection buffer drained.
+ROUTER_BOUNDED_CORNER = BoundedResponse(
+    dict(payload_shape=1, x=0, y=0, rows=2, cols=2, coord_bits=1, depth=2, queues="voq",
+         counter_bits=1), stay=6)
+
+#: The middle router of a 3 × 3 mesh (all five ports): each output to a neighbour is shared by up
+#: to four queues, the ejection port by five.
+ROUTER_BOUNDED_MIDDLE = BoundedResponse(
+    dict(payload_shape=1, x=1, y=1, rows=3, cols=3, coord_bits=2, depth=2, queues="voq",
+         counter_bits=1), stay=10)
+
+#: The router (1, 0) of a 3 × 3 mesh (west, east, south and local ports), where the plain
+#: round-robin over eligible queues let a queue wait for ever: its south output is shared by
+#: three queues whose flits wait for different queues of the next router.
+ROUTER_BOUNDED_SHARED = BoundedResponse(
+    dict(payload_shape=1, x=1, y=0, rows=3, cols=3, coord_bits=2, depth=2, queues="voq",
+         counter_bits=1), stay=8)
+
+
+def _bounded_statement(b):
+    return (f"Bounded response: with receivers whose ready bits are never low for more than "
+            f"{ROUTER_STALL} cycle in a row, the tracked flit stays at most {b.stay} cycles in "
+            f"one queue slot or ejection-buffer slot and leaves at the latest in its {b.bound}th "
+            f"cycle in the router (and is neither lost, duplicated nor misrouted, as in "
+            f"router.delivery).")
+
+
+def _mesh_text(p):
+    return (f"{p['rows']}x{p['cols']} mesh, voq queues of depth {p['depth']} (registers, "
+            f"`_observe`), {p['coord_bits']}-bit coordinates, 1-bit payload (the tracked flit's "
+            f"mark)")
 
 
 def _router_text(p):
     return (f"router ({p['x']}, {p['y']}) of {p['rows']}x{p['cols']}, voq queues of depth "
             f"{p['depth']} (registers, `_observe`), {p['coord_bits']}-bit coordinates, 1-bit "
             f"payload (the tracked flit's mark)")
+
+
+def _queue_places(m, r, marked):
+    """Assert the invariants of what router ``r`` (built with ``_observe``) holds: queue levels
+    in range; every queued flit waits in the queue of the output XY routing picks here and
+    carries the port XY routing picks in the next router; every flit in the ejection buffer is
+    addressed to this tile. Returns the places a flit can be in, as ``(here, distance)``:
+    ``here`` is high when a copy of the flit ``marked`` picks out is in that queue slot or
+    ejection-buffer slot, ``distance`` the number of places it still has to pass in this router
+    (itself included)."""
+    x, y = r.x, r.y
+
+    def neighbour(d):
+        dx, dy = PORT_DELTA[d]
+        return x + dx, y + dy
+
+    tag = f"r{x}{y}"
+    places = []
+    for (i, o), q in r.obs_queues.items():
+        m.d.comb += Assert(q.obs_level <= q.depth, "queue level in range")
+        for k, slot in enumerate(q.obs_slots):
+            e = r.entry_layout(slot)
+            here = Signal(name=f"at_{tag}_{i.name.lower()}_{o.name.lower()}_{k}")
+            m.d.comb += here.eq((q.obs_level > k) & marked(e.flit))
+            places.append((here, k + 1 + (EJECT_DEPTH if o is Port.LOCAL else 0)))
+            with m.If(q.obs_level > k):
+                m.d.comb += Assert(xy_route(e.flit.dst, x, y) == o,
+                                   "flit queued off its XY route")
+                nxt = xy_route(e.flit.dst, *neighbour(o)) if o is not Port.LOCAL \
+                    else Port.LOCAL
+                m.d.comb += Assert(e.next.as_value() == nxt,
+                                   "flit queued with a wrong lookahead port")
+    ej = r.obs_eject
+    m.d.comb += Assert(ej.obs_level <= ej.depth, "ejection level in range")
+    for k, slot in enumerate(ej.obs_slots):
+        f = r.flit(slot)
+        here = Signal(name=f"at_{tag}_eject_{k}")
+        m.d.comb += here.eq((ej.obs_level > k) & marked(f))
+        places.append((here, k + 1))
+        with m.If(ej.obs_level > k):
+            m.d.comb += Assert((f.dst.x == x) & (f.dst.y == y),
+                               "flit in the ejection buffer of the wrong tile")
+    return places
 
 
 class _RouterTrackHarness(Elaboratable):
@@ -782,18 +872,21 @@ class _RouterTrackHarness(Elaboratable):
     queue's level whose flit is marked): copies + departed = arrived ≤ 1; every queued flit
     sits in the queue of the output XY routing picks here and carries the port XY routing picks
     in the next router; every flit in the ejection buffer is addressed to this tile.
-    ``check="bounded"`` adds receivers whose ready bits are never low for more than
-    :data:`ROUTER_STALL` cycles in a row and asserts that the flit stays at most
-    :data:`ROUTER_STAY` cycles in one place and leaves within :data:`ROUTER_BOUND` cycles.
+    ``check="bounded"`` (with ``bounded``, a :class:`BoundedResponse`) adds receivers whose
+    ready bits are never low for more than :data:`ROUTER_STALL` cycles in a row and asserts
+    that the flit stays at most ``bounded.stay`` cycles in one place and leaves within
+    ``bounded.bound`` cycles.
     """
 
-    def __init__(self, check, fault=None, params=ROUTER_DELIVERY_FORMAL):
-        self.check, self.fault, self.params = check, fault, params
+    def __init__(self, check, fault=None, params=ROUTER_DELIVERY_FORMAL, bounded=None):
+        if bounded is not None:
+            params = bounded.params
+        self.check, self.fault, self.params, self.bounded = check, fault, params, bounded
 
     def elaborate(self, platform):
         m = Module()
         m.submodules.router = r = Router(**self.params, _fault=self.fault, _observe=True)
-        x, y, flit = r.x, r.y, r.flit
+        x, y = r.x, r.y
         dirs = [d for d in DIRECTIONS if r.has_port(d)]
 
         def marked(f):
@@ -839,33 +932,7 @@ class _RouterTrackHarness(Elaboratable):
         departed = Signal(2)
         m.d.sync += departed.eq(departed + _popcount(leaving))
 
-        # Where its copies can be: (signal: a copy is here, moves left until it departs).
-        places = []
-        for (i, o), q in r.obs_queues.items():
-            m.d.comb += Assert(q.obs_level <= q.depth, "queue level in range")
-            for k, slot in enumerate(q.obs_slots):
-                e = r.entry_layout(slot)
-                here = Signal(name=f"at_{i.name.lower()}_{o.name.lower()}_{k}")
-                m.d.comb += here.eq((q.obs_level > k) & marked(e.flit))
-                places.append((here, k + 1 + (EJECT_DEPTH if o is Port.LOCAL else 0)))
-                # Every queued flit (tracked or not) is on its XY route.
-                with m.If(q.obs_level > k):
-                    m.d.comb += Assert(xy_route(e.flit.dst, x, y) == o,
-                                       "flit queued off its XY route")
-                    nxt = xy_route(e.flit.dst, *neighbour(o)) if o is not Port.LOCAL \
-                        else Port.LOCAL
-                    m.d.comb += Assert(e.next.as_value() == nxt,
-                                       "flit queued with a wrong lookahead port")
-        ej = r.obs_eject
-        m.d.comb += Assert(ej.obs_level <= ej.depth, "ejection level in range")
-        for k, slot in enumerate(ej.obs_slots):
-            f = flit(slot)
-            here = Signal(name=f"at_eject_{k}")
-            m.d.comb += here.eq((ej.obs_level > k) & marked(f))
-            places.append((here, k + 1))
-            with m.If(ej.obs_level > k):
-                m.d.comb += Assert((f.dst.x == x) & (f.dst.y == y),
-                                   "flit in the ejection buffer of the wrong tile")
+        places = _queue_places(m, r, marked)
         copies = _popcount([p for p, _ in places])
         m.d.comb += [Assert(departed <= 1, "tracked flit left more than once"),
                      Assert(copies + departed == arrived, "tracked flit lost or duplicated")]
@@ -877,7 +944,7 @@ class _RouterTrackHarness(Elaboratable):
 
     def _check_bounded(self):
         m, places = self.m, self.places
-        stall, stay_max = ROUTER_STALL, ROUTER_STAY
+        stall, stay_max = ROUTER_STALL, self.bounded.stay
         # Receivers: no ready bit low for more than `stall` cycles in a row.
         bits = [self.ej_ready] + [rdy[p] for rdy in self.out_ready.values()
                                   for p in range(len(Port))]
@@ -895,7 +962,7 @@ class _RouterTrackHarness(Elaboratable):
         dist = Const(0, range(dmax + 1))
         for p, dd in places:
             dist = Mux(p, dd, dist)
-        total = stay_max * dmax   # ROUTER_BOUND
+        total = stay_max * dmax   # self.bounded.bound
         stay, stay_r = Signal(range(stay_max + 1)), Signal(range(stay_max + 1))
         age, age_r = Signal(range(total + 1)), Signal(range(total + 1))
         m.d.comb += [stay.eq(Mux(present & (where == prev), stay_r + 1, 0)),
@@ -946,8 +1013,94 @@ def router_delivery(fault=None):
 
 
 def router_bounded(fault=None):
-    """Router: a tracked flit leaves within a bound, with receivers that stall boundedly."""
-    return _RouterTrackHarness("bounded", fault, ROUTER_BOUNDED_FORMAL)
+    """Router: a tracked flit leaves within a bound, with receivers that stall boundedly
+    (the corner router of a 2 × 2 mesh)."""
+    return _RouterTrackHarness("bounded", fault, bounded=ROUTER_BOUNDED_CORNER)
+
+
+def router_bounded_middle(fault=None):
+    """Router: bounded response at the middle router of a 3 × 3 mesh (all five ports)."""
+    return _RouterTrackHarness("bounded", fault, bounded=ROUTER_BOUNDED_MIDDLE)
+
+
+def router_bounded_shared(fault=None):
+    """Router: bounded response where three queues with different next queues share an
+    output (the router (1, 0) of a 3 × 3 mesh)."""
+    return _RouterTrackHarness("bounded", fault, bounded=ROUTER_BOUNDED_SHARED)
+
+
+#: The mesh whose end-to-end delivery is proven: 3 × 3 routers (every kind: corner, edge,
+#: middle), queues of depth 2 (registers), 2-bit coordinates, a 1-bit payload that marks the
+#: tracked flit.
+MESH_DELIVERY_FORMAL = dict(rows=3, cols=3, payload_shape=1, coord_bits=2, depth=2,
+                            queues="voq", counter_bits=1)
+
+
+class _MeshTrackHarness(Elaboratable):
+    """A whole mesh (its routers' queues observed) with every tile injecting anything under the
+    stream rules and every ejection port stalling at will, tracking one flit: the only flit
+    whose payload bit is set, injected at any tile at any time (the mesh never looks at
+    payloads, so what holds for it holds for every flit). The invariants are those of
+    :func:`_queue_places` for every router and the count of the flit's copies over all of
+    them: copies + delivered = injected ≤ 1. Links carry a flit from one router's queue into the
+    next router's queue in one cycle, so a flit is always in exactly one queue slot or
+    ejection-buffer slot until its destination's ``eject`` port delivers it; every link is
+    driven only towards a queue with room."""
+
+    def __init__(self, fault=None, params=MESH_DELIVERY_FORMAL):
+        self.fault, self.params = fault, params
+
+    def elaborate(self, platform):
+        from rdakit.hdl.mesh import Mesh, tile_coords
+
+        m = Module()
+        m.submodules.mesh = mesh = Mesh(**self.params, _fault=self.fault, _observe=True)
+
+        def marked(f):
+            return f.payload[0]
+
+        injected, delivered = [], []
+        for t in range(mesh.n_tiles):
+            x, y = tile_coords(t, mesh.cols)
+            inj, ej = mesh.inject[t], mesh.eject[t]
+            _stream_source(m, inj)
+            m.d.comb += ej.ready.eq(AnySeq(1))
+            injected.append(inj.valid & inj.ready & marked(inj.payload))
+            with m.If(inj.valid & marked(inj.payload)):
+                # A flit for a tile outside the mesh is dropped at injection, by design.
+                m.d.comb += Assume((inj.payload.dst.x < mesh.cols)
+                                   & (inj.payload.dst.y < mesh.rows))
+            out = Signal(name=f"delivered_{x}{y}")
+            m.d.comb += out.eq(ej.valid & ej.ready & marked(ej.payload))
+            delivered.append(out)
+            with m.If(out):
+                m.d.comb += Assert((ej.payload.dst.x == x) & (ej.payload.dst.y == y),
+                                   "tracked flit delivered at the wrong tile")
+        arrived = Signal()
+        m.d.comb += Assume(_popcount([arrived, *injected]) <= 1)
+        with m.If(Cat(*injected).any()):
+            m.d.sync += arrived.eq(1)
+        departed = Signal(2)
+        m.d.sync += departed.eq(departed + _popcount(delivered))
+
+        places = []
+        for r in mesh.obs_routers.values():
+            places += _queue_places(m, r, marked)
+            for d in DIRECTIONS:
+                if r.has_port(d):
+                    out = r.link_out[d.value]
+                    with m.If(out.valid):
+                        m.d.comb += Assert(out.ready.bit_select(out.port.as_value(), 1),
+                                           "link driven without room")
+        copies = _popcount([p for p, _ in places])
+        m.d.comb += [Assert(departed <= 1, "tracked flit delivered more than once"),
+                     Assert(copies + departed == arrived, "tracked flit lost or duplicated")]
+        return m
+
+
+def mesh_delivery(fault=None):
+    """Mesh: one tracked flit is delivered exactly once, at its destination."""
+    return _MeshTrackHarness(fault)
 
 
 def exact_vbits(p):
@@ -1052,13 +1205,35 @@ PROPERTIES = [
         faults=("grant_keeps", "inject_ignores_room", "yx_local"), fault_depth=4),
     Property(
         name="router.bounded",
-        statement=f"Bounded response: with receivers whose ready bits are never low for more "
-                  f"than {ROUTER_STALL} cycle in a row, the tracked flit stays at most "
-                  f"{ROUTER_STAY} cycles in one queue slot or ejection-buffer slot and leaves at "
-                  f"the latest in its {ROUTER_BOUND}th cycle in the router (and is neither lost, "
-                  f"duplicated nor misrouted, as in router.delivery).",
-        harness=router_bounded, params=_router_text(ROUTER_BOUNDED_FORMAL), depth=7,
+        statement=_bounded_statement(ROUTER_BOUNDED_CORNER),
+        harness=router_bounded, params=_router_text(ROUTER_BOUNDED_CORNER.params), depth=7,
         faults=("fixed_priority",), fault_depth=10),
+    Property(
+        name="router.bounded_shared",
+        statement=_bounded_statement(ROUTER_BOUNDED_SHARED) + " Here three queues whose flits "
+                  "wait for different queues of the next router share the south output; the "
+                  "broken variant is the round-robin of earlier versions (the pointer follows "
+                  "every grant, past a queue that could not send), under which the flit can "
+                  "wait for ever.",
+        harness=router_bounded_shared, params=_router_text(ROUTER_BOUNDED_SHARED.params),
+        depth=9, faults=("pointer_follows",), fault_depth=12),
+    Property(
+        name="router.bounded_middle",
+        statement=_bounded_statement(ROUTER_BOUNDED_MIDDLE) + " The middle router: every "
+                  "port, up to four queues per output to a neighbour and five for the ejection "
+                  "port.",
+        harness=router_bounded_middle, params=_router_text(ROUTER_BOUNDED_MIDDLE.params),
+        depth=12, faults=("fixed_priority",), fault_depth=14, ci=False),
+    Property(
+        name="mesh.delivery",
+        statement="A whole mesh, every tile injecting anything under the stream rules and every "
+                  "ejection port stalling at will; one flit chosen by the environment (any "
+                  "tile, any time, for any tile of the mesh) is delivered exactly once, on the "
+                  "ejection port of its destination: copies in all routers' queues + delivered "
+                  "= injected ≤ 1, with router.delivery's invariants in every router and every "
+                  "link driven only towards a queue with room.",
+        harness=mesh_delivery, params=_mesh_text(MESH_DELIVERY_FORMAL), depth=2,
+        faults=("grant_keeps", "ignore_room", "yx_local"), fault_depth=4),
     Property(
         name="router.observed_queue",
         statement="The register queue that router.delivery and router.bounded build under "

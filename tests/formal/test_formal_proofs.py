@@ -1,14 +1,22 @@
 """Every formal property is proven, and every deliberately broken variant is caught.
 
-Run with ``pytest -m formal`` (deselected by default). A broken variant must fail with a real
-counterexample from the initial state (``FAIL`` from a bounded check), not merely leave the
-induction step unproven.
+Run with ``pytest -m formal`` (deselected by default). Properties outside the CI subset
+(``Property.ci``, the slow ones) run only with ``RDAKIT_FORMAL_ALL=1`` in the environment. A
+broken variant must fail with a real counterexample from the initial state (``FAIL`` from a
+bounded check), not merely leave the induction step unproven.
 """
+
+import os
 
 import pytest
 
 from rdakit.sim.formal import sby_available
-from rdakit.sim.formal_harness import PROPERTIES, ROUTER_STAY, prove
+from rdakit.sim.formal_harness import (
+    PROPERTIES,
+    ROUTER_BOUNDED_CORNER,
+    ROUTER_BOUNDED_SHARED,
+    prove,
+)
 
 pytestmark = [
     pytest.mark.formal,
@@ -16,8 +24,14 @@ pytestmark = [
 ]
 
 
+def _skip_unless_selected(prop):
+    if not prop.ci and os.environ.get("RDAKIT_FORMAL_ALL") != "1":
+        pytest.skip(f"{prop.name} is outside the CI subset; set RDAKIT_FORMAL_ALL=1")
+
+
 @pytest.mark.parametrize("prop", PROPERTIES, ids=lambda p: p.name)
 def test_property_holds(prop, tmp_path):
+    _skip_unless_selected(prop)
     result = prove(prop, workdir=tmp_path)
     assert result.status == prop.expect, (
         f"{prop.name}: {result.status} (expected {prop.expect}); failed: {result.failed}; "
@@ -27,6 +41,7 @@ def test_property_holds(prop, tmp_path):
 @pytest.mark.parametrize("prop,fault", [(p, f) for p in PROPERTIES for f in p.faults],
                          ids=lambda x: getattr(x, "name", x))
 def test_broken_variant_is_caught(prop, fault, tmp_path):
+    _skip_unless_selected(prop)
     result = prove(prop, fault=fault, workdir=tmp_path)
     assert result.status == "FAIL", f"{prop.name} with {fault}: {result.status}"
     assert result.failed, "a failing run names the assertions that failed"
@@ -44,5 +59,8 @@ EXPECTED_FAILURE = {
     "inject_ignores_room": "tracked flit lost or duplicated",
     "yx_local": "flit queued off its XY route",
     # Fixed priority: the tracked flit waits behind another queue's stream.
-    "fixed_priority": f"tracked flit stayed over {ROUTER_STAY} cycles in one place",
+    "fixed_priority": f"tracked flit stayed over {ROUTER_BOUNDED_CORNER.stay} cycles in one place",
+    # The round-robin whose pointer passes a blocked queue: the flit is passed over.
+    "pointer_follows": f"tracked flit stayed over {ROUTER_BOUNDED_SHARED.stay} cycles in one "
+                       f"place",
 }
