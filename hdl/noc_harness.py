@@ -27,7 +27,7 @@ Counters named "cleared" restart from 0 in a cycle with ``clear`` high.
 import functools
 import random
 
-from amaranth.hdl import Cat, Const, Module, Mux, Signal
+from amaranth.hdl import Cat, Module, Mux, Signal
 from amaranth.lib import data, enum, fifo, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
@@ -113,6 +113,13 @@ class TrafficHarness(wiring.Component):
         Stamp generated packets as measured, and count the measurement window.
     clear : In(1)
         Restart the cleared counters.
+    epoch : In(8)
+        The sinks' in-order check compares a packet's sequence number only with the last one
+        received from the same source in the same epoch (non-zero). The sweep starts a new epoch
+        for each traffic pattern (with the network empty): a sink that has heard nothing from a
+        source for more than ``2**(seq_bits - 1)`` of that source's packets (a pattern such as
+        ``bitcomp`` sends each source's packets to one tile only) would otherwise take its next
+        number, modulo ``2**seq_bits``, for an old one.
     generated, ejected : Out(counter_bits).array(n)
         Per tile, packets generated (and queued) and packets received, since reset.
     offered, overflow, meas_sent, meas_recv, window_ejected : Out(counter_bits).array(n)
@@ -149,6 +156,7 @@ class TrafficHarness(wiring.Component):
         super().__init__({
             "rate": In(17), "pattern": In(Pattern), "hotspot": In(coord_layout(self.coord_bits)),
             "hot_rate": In(17), "enable": In(1), "measure": In(1), "clear": In(1),
+            "epoch": In(8),
             **{name: Out(cb).array(n) for name in (
                 "generated", "ejected", "offered", "overflow", "meas_sent", "meas_recv",
                 "window_ejected", "errors")},
@@ -245,14 +253,16 @@ class TrafficHarness(wiring.Component):
                 m.d.comb += lat.eq(now - got.ts)
                 src_idx = Signal(range(rows * cols), name=f"src_idx_{t}")
                 m.d.comb += src_idx.eq(got.src.y * cols + got.src.x)
-                last = Memory(shape=self.seq_bits + 1, depth=rows * cols, init=[])
+                epoch_bits = len(self.epoch)
+                last = Memory(shape=self.seq_bits + epoch_bits, depth=rows * cols, init=[])
                 m.submodules[f"last_{t}"] = last
                 rd = last.read_port(domain="comb")
                 wr = last.write_port()
                 m.d.comb += [rd.addr.eq(src_idx), wr.addr.eq(src_idx),
-                             wr.data.eq(Cat(got.seq, Const(1, 1))),
+                             wr.data.eq(Cat(got.seq, self.epoch)),
                              wr.en.eq(ej.valid)]
-                seen = rd.data[self.seq_bits]
+                seen = Signal(name=f"seen_{t}")
+                m.d.comb += seen.eq((rd.data[self.seq_bits:] == self.epoch) & self.epoch.any())
                 step = Signal(self.seq_bits, name=f"step_{t}")
                 m.d.comb += step.eq(got.seq - rd.data[:self.seq_bits])
                 bad = Signal(name=f"bad_{t}")

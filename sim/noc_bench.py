@@ -147,14 +147,17 @@ def summarize(points, pattern):
 
 async def sweep(drv, cfg, log):
     """Reset the harness and sweep every configured pattern; returns the list of points."""
-    for name in ("enable", "measure", "clear", "rate", "hot_rate", "pattern", "hotspot"):
+    for name in ("enable", "measure", "clear", "rate", "hot_rate", "pattern", "hotspot",
+                 "epoch"):
         drv.set(name, 0)
     drv.set("rst", 1)
     await drv.run(3)
     drv.set("rst", 0)
     await drv.run(2)
     points = []
-    for pattern in cfg["order"]:
+    for k, pattern in enumerate(cfg["order"]):
+        # A new epoch of the sinks' in-order check per pattern (the network is empty here).
+        drv.set("epoch", k % 255 + 1)
         points.extend(await _sweep_pattern(drv, cfg, pattern, log))
     return points
 
