@@ -55,3 +55,17 @@ def test_check_is_live_within_an_epoch(epochs):
         assert errors > 0
     else:
         assert errors == 0
+
+
+def test_router_area_finds_yosys_without_an_activated_venv(monkeypatch):
+    """``bench noc``'s router area runs Yosys from beside this Python when ``PATH`` lacks it
+    (the venv not activated), and counts cells and flip-flops of a small router."""
+    from rdakit.hdl.router import Router
+    from rdakit.sim.noc_bench import router_area
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.delenv("RDAKIT_YOSYS", raising=False)
+    area = router_area(Router(payload_shape=4, x=0, y=0, rows=2, cols=2, counter_bits=4))
+    assert area["flip_flops"] > 0
+    assert area["cells"] > area["flip_flops"]
+    assert area["logic_cells"] == area["cells"] - area["flip_flops"]
