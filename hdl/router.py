@@ -231,12 +231,14 @@ class ScanQueue(wiring.Component):
             "r_rdy": Out(1), "r_data": Out(layout), "r_en": In(1),
             "any": Out(1),
         })
+        # The entries (oldest first, valid below the count), for the formal harnesses.
+        self.obs_slots = [Signal(layout, name=f"slot_{k}") for k in range(depth)]
+        self.obs_level = Signal(range(depth + 1), name="count")
 
     def elaborate(self, platform):
         m = Module()
         d = self.depth
-        slots = [Signal(self.layout, name=f"slot_{k}") for k in range(d)]
-        count = Signal(range(d + 1))
+        slots, count = self.obs_slots, self.obs_level
         m.d.comb += [self.w_rdy.eq(count != d), self.any.eq(count != 0)]
         ok = [Signal(name=f"ok_{k}") for k in range(d)]
         first = [Signal(name=f"first_{k}") for k in range(d)]
@@ -375,10 +377,13 @@ class Router(wiring.Component):
     -----
     The private, test-only argument ``_fault`` injects one of :data:`ROUTER_FAULTS` for the
     formal harnesses (``rdakit.sim.formal_harness``). The private, test-only ``_observe=True``
-    (``voq`` queues only) builds every queue, and the ejection buffer, as an
-    :class:`_ObservedQueue` (registers, same ports and timing as the ``SyncFIFO`` otherwise used)
-    and lists them in ``obs_queues`` (``{(input, output): queue}``) and ``obs_eject``, so that
-    the harnesses' invariants can name what the queues hold; nothing changes without it.
+    builds every ``SyncFIFO`` queue, and the ejection buffer, as an :class:`_ObservedQueue`
+    (registers, same ports and timing as the ``SyncFIFO`` otherwise used) and lists the queues
+    in ``obs_queues`` (``{(input, output): queue}``, output ``None`` for the one queue per
+    input of ``fifo`` mode; ``scan`` queues are :class:`ScanQueue` as always, which keep their
+    entries in registers) and the ejection buffer in ``obs_eject``, so that the harnesses'
+    invariants can name what the queues hold (``obs_slots``, ``obs_level``); nothing changes
+    without it.
     """
 
     def __init__(self, *, payload_shape, x=1, y=1, rows=3, cols=3, coord_bits=None, depth=2,
@@ -394,8 +399,6 @@ class Router(wiring.Component):
         if _fault is not None and _fault not in ROUTER_FAULTS:
             raise TypeError(f"Fault must be one of {', '.join(map(repr, ROUTER_FAULTS))}, "
                             f"not {_fault!r}")
-        if _observe and queues != "voq":
-            raise ValueError(f"queues must be 'voq' with _observe, not {queues!r}")
         self._fault = _fault
         self.flit = flit_layout(coord_bits, payload_shape)
         self.payload_shape = payload_shape
@@ -418,9 +421,16 @@ class Router(wiring.Component):
         self._observe = _observe
         if _observe:
             ports = [p for p in Port if self.has_port(p)]
-            width = self.entry_layout.size
-            self.obs_queues = {(i, o): _ObservedQueue(width=width, depth=depth)
-                               for i in ports for o in reachable_outputs(i) if o in ports}
+            entry, width = self.entry_layout, self.entry_layout.size
+            if queues == "fifo":
+                # One queue per input; its entries name their output (`port`).
+                self.obs_queues = {(i, None): _ObservedQueue(width=width, depth=depth)
+                                   for i in ports}
+            else:
+                self.obs_queues = {
+                    (i, o): (ScanQueue(entry, depth) if queues == "scan"
+                             else _ObservedQueue(width=width, depth=depth))
+                    for i in ports for o in reachable_outputs(i) if o in ports}
             self.obs_eject = _ObservedQueue(width=self.flit.size, depth=EJECT_DEPTH)
 
     def has_port(self, port):
@@ -503,7 +513,10 @@ class Router(wiring.Component):
             room = {}
             if self.queues == "fifo":
                 m.d.comb += w.port.eq(port)
-                q = fifo.SyncFIFO(width=entry.size, depth=self.depth)
+                if self._observe:
+                    q = self.obs_queues[i, None]
+                else:
+                    q = fifo.SyncFIFO(width=entry.size, depth=self.depth)
                 m.submodules[f"q_{lname}"] = q
                 m.d.comb += [q.w_data.eq(w), q.w_en.eq(valid)]
                 head = entry(q.r_data)
@@ -515,7 +528,8 @@ class Router(wiring.Component):
             else:
                 for o in outs:
                     if self.queues == "scan":
-                        q = ScanQueue(entry, self.depth)
+                        q = self.obs_queues[i, o] if self._observe else ScanQueue(entry,
+                                                                                  self.depth)
                         m.d.comb += q.room.eq(room_vector(o))
                         head, waiting, ok = q.r_data, q.any, q.r_rdy
                     else:

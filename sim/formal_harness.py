@@ -813,8 +813,8 @@ def _mesh_text(p):
 
 
 def _router_text(p):
-    return (f"router ({p['x']}, {p['y']}) of {p['rows']}x{p['cols']}, voq queues of depth "
-            f"{p['depth']} (registers, `_observe`), {p['coord_bits']}-bit coordinates, 1-bit "
+    return (f"router ({p['x']}, {p['y']}) of {p['rows']}x{p['cols']}, {p['queues']} queues of "
+            f"depth {p['depth']} (registers, `_observe`), {p['coord_bits']}-bit coordinates, 1-bit "
             f"payload (the tracked flit's mark)")
 
 
@@ -836,16 +836,25 @@ def _queue_places(m, r, marked):
     places = []
     for (i, o), q in r.obs_queues.items():
         m.d.comb += Assert(q.obs_level <= q.depth, "queue level in range")
+        oname = o.name.lower() if o is not None else "any"
         for k, slot in enumerate(q.obs_slots):
-            e = r.entry_layout(slot)
-            here = Signal(name=f"at_{tag}_{i.name.lower()}_{o.name.lower()}_{k}")
+            e = r.entry_layout(slot.as_value() if hasattr(slot, "as_value") else slot)
+            here = Signal(name=f"at_{tag}_{i.name.lower()}_{oname}_{k}")
             m.d.comb += here.eq((q.obs_level > k) & marked(e.flit))
             places.append((here, k + 1 + (EJECT_DEPTH if o is Port.LOCAL else 0)))
             with m.If(q.obs_level > k):
-                m.d.comb += Assert(xy_route(e.flit.dst, x, y) == o,
-                                   "flit queued off its XY route")
-                nxt = xy_route(e.flit.dst, *neighbour(o)) if o is not Port.LOCAL \
-                    else Port.LOCAL
+                if o is None:
+                    # `fifo` queues: the entry names its output here; the lookahead port is
+                    # XY routing's at the neighbour that output leads to.
+                    m.d.comb += Assert(xy_route(e.flit.dst, x, y) == e.port.as_value(),
+                                       "flit queued off its XY route")
+                    nxt = r._next_route(m, f"expect_{tag}_{i.name.lower()}_{k}", e.port,
+                                        e.flit.dst).as_value()
+                else:
+                    m.d.comb += Assert(xy_route(e.flit.dst, x, y) == o,
+                                       "flit queued off its XY route")
+                    nxt = xy_route(e.flit.dst, *neighbour(o)) if o is not Port.LOCAL \
+                        else Port.LOCAL
                 m.d.comb += Assert(e.next.as_value() == nxt,
                                    "flit queued with a wrong lookahead port")
     ej = r.obs_eject
@@ -1010,6 +1019,16 @@ def router_observed_queue(fault=None):
 def router_delivery(fault=None):
     """Router: one tracked flit is neither lost nor duplicated and leaves on its XY port."""
     return _RouterTrackHarness("delivery", fault)
+
+
+def router_delivery_fifo(fault=None):
+    """Router delivery with ``fifo`` queues (one per input)."""
+    return _RouterTrackHarness("delivery", fault, dict(ROUTER_DELIVERY_FORMAL, queues="fifo"))
+
+
+def router_delivery_scan(fault=None):
+    """Router delivery with ``scan`` queues (the oldest flit whose next queue has room)."""
+    return _RouterTrackHarness("delivery", fault, dict(ROUTER_DELIVERY_FORMAL, queues="scan"))
 
 
 def router_bounded(fault=None):
@@ -1202,6 +1221,22 @@ PROPERTIES = [
                   "picks in the next router; it leaves on that output with that lookahead port, "
                   "or on the ejection port only at its destination.",
         harness=router_delivery, params=_router_text(ROUTER_DELIVERY_FORMAL), depth=2,
+        faults=("grant_keeps", "inject_ignores_room", "yx_local"), fault_depth=4),
+    Property(
+        name="router.delivery_fifo",
+        statement="router.delivery for the `fifo` queue kind: one queue per input, whose "
+                  "entries name their output here (every queued flit's output is XY routing's "
+                  "and its lookahead port XY routing's at the neighbour that output leads to).",
+        harness=router_delivery_fifo,
+        params=_router_text(dict(ROUTER_DELIVERY_FORMAL, queues="fifo")), depth=2,
+        faults=("inject_ignores_room", "yx_local"), fault_depth=4),
+    Property(
+        name="router.delivery_scan",
+        statement="router.delivery for the `scan` queue kind: per-output queues from which the "
+                  "oldest flit whose next queue has room leaves, so flits leave out of arrival "
+                  "order; every entry of every queue is counted.",
+        harness=router_delivery_scan,
+        params=_router_text(dict(ROUTER_DELIVERY_FORMAL, queues="scan")), depth=2,
         faults=("grant_keeps", "inject_ignores_room", "yx_local"), fault_depth=4),
     Property(
         name="router.bounded",
