@@ -29,7 +29,7 @@ def _verify(args):
 
     if args.list:
         for prop in PROPERTIES:
-            print(f"{prop.name:16} {'ci ' if prop.ci else '   '}{prop.statement}")
+            print(f"{prop.name:23} {'ci ' if prop.ci else '   '}{prop.statement}")
         return 0
     try:
         props = [get_property(n) for n in args.property] if args.property else [
