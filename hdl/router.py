@@ -174,7 +174,7 @@ def _round_robin(m, requests, name, *, waiting=None, fixed=False):
     to the next that can and the pointer stays, so the blocked requester keeps the first turn
     until it sends. A plain round-robin over ``requests`` would move the pointer past it, and
     a requester whose eligibility falls in the cycles of its turn could wait for ever (the
-    starvation ``router.bounded`` found; see docs/verification.md). Without ``waiting`` the
+    starvation ``router.bounded_shared`` shows; see docs/verification.md). Without ``waiting`` the
     pointer follows every grant, so under persistent contention each requester is served once
     every ``len(requests)`` grants.
 

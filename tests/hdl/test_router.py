@@ -550,3 +550,46 @@ def test_init_wrong_counter_bits():
     with pytest.raises(TypeError, match=r"^counter_bits must be an integer between 1 and 64, "
                                         r"not True$"):
         make_router(counter_bits=True)
+
+
+@pytest.mark.parametrize("keep_turn", [True, False])
+def test_arbiter_keeps_the_turn_of_a_blocked_queue(keep_turn):
+    """The starvation pattern `router.bounded_shared` is about, on the arbiter alone: queue B
+    always holds a flit and can send only in the cycles when A can too (their flits wait for the
+    same next queue, whose room A's flit uses up); C can send in the other cycles. The arbiter
+    of earlier versions (the pointer follows every grant, `pointer_follows`) grants A, C, A, C,
+    ... for ever; with the waiting queues seen, B goes within two cycles of its room's return."""
+    from amaranth.hdl import Signal
+
+    from rdakit.hdl.router import _round_robin
+
+    m = Module()
+    m.domains.sync = ClockDomain()
+    phase = Signal()
+    m.d.sync += phase.eq(~phase)
+    eligible = [Signal(name=n) for n in "abc"]
+    m.d.comb += [eligible[0].eq(~phase), eligible[1].eq(~phase), eligible[2].eq(phase)]
+    waiting = [Signal(name=f"w{n}") for n in "abc"]
+    m.d.comb += [w.eq(1) for w in waiting]
+    grants = _round_robin(m, eligible, "arb", waiting=waiting if keep_turn else None)
+    granted = []
+
+    async def tb(ctx):
+        for _ in range(40):
+            await ctx.delay(1e-8)
+            g = [ctx.get(s) for s in grants]
+            assert sum(g) == 1, "one grant per cycle: a cycle with a sender is never wasted"
+            granted.append("abc"[g.index(1)])
+            await ctx.tick()
+
+    sim = Simulator(m)
+    sim.add_clock(1e-6)
+    sim.add_testbench(tb)
+    sim.run()
+    if keep_turn:
+        # B, A and C take turns: B waits at most one round of the three.
+        b_cycles = [k for k, x in enumerate(granted) if x == "b"]
+        assert b_cycles and b_cycles[0] <= 3, granted
+        assert all(j - i <= 4 for i, j in zip(b_cycles, b_cycles[1:], strict=False)), granted
+    else:
+        assert "b" not in granted, granted
