@@ -7,6 +7,7 @@ from amaranth.hdl import Assert, Module, Signal
 
 from rdakit.hdl.free_list import FreeList
 from rdakit.hdl.memory_unit import MemoryUnit
+from rdakit.hdl.mesh import Mesh
 from rdakit.hdl.router import Router
 from rdakit.sim import formal_harness
 from rdakit.sim.formal import run_sby, sby_available
@@ -59,8 +60,8 @@ def test_fault_hooks_validate():
         MemoryUnit(_fault="x")
     with pytest.raises(TypeError, match=r"Fault must be one of 'ignore_room', .*not 'x'"):
         Router(payload_shape=2, _fault="x")
-    with pytest.raises(ValueError, match=r"queues must be 'voq' with _observe, not 'fifo'"):
-        Router(payload_shape=2, queues="fifo", _observe=True)
+    with pytest.raises(TypeError, match=r"Fault must be one of .*'pointer_follows', not 'x'"):
+        Mesh(rows=2, cols=2, payload_shape=2, _fault="x")
 
 
 def test_property_list_is_consistent():
