@@ -12,7 +12,7 @@ from .flit import DIRECTIONS, PORT_DELTA, Port, flit_layout
 from .jitter import RATE_BITS, SEED_BITS, add_stall, jitter_salt
 from .packets import mu_request_layout, mu_response_layout
 from .params import MUParams
-from .router import Router, check_mesh_params
+from .router import Router, check_fault, check_mesh_params
 
 __all__ = ["Mesh", "DualMesh", "mesh_signature", "tile_index", "tile_coords"]
 
@@ -110,6 +110,9 @@ class Mesh(wiring.Component):
         self.jitter, self.jitter_salt = jitter, jitter_salt
         super().__init__(mesh_signature(rows=rows, cols=cols, flit=self.flit,
                                         counter_bits=counter_bits, jitter=jitter))
+        # Checked before any router is built: a router whose construction fails would be
+        # collected later with an "UnusedElaboratable" warning pointing here.
+        check_fault(_fault)
         # Test-only: every router built with the router's private `_fault`/`_observe`, and kept
         # in `obs_routers` ({(x, y): router}) for the formal harnesses to name their queues.
         self._fault, self._observe = _fault, _observe

@@ -68,6 +68,13 @@ _REACHABLE = {
 }
 
 
+def check_fault(fault):
+    """Raise ``TypeError`` unless ``fault`` is ``None`` or one of :data:`ROUTER_FAULTS`."""
+    if fault is not None and fault not in ROUTER_FAULTS:
+        raise TypeError(f"Fault must be one of {', '.join(map(repr, ROUTER_FAULTS))}, "
+                        f"not {fault!r}")
+
+
 def reachable_outputs(inp):
     """The outputs a flit arriving on input port ``inp`` can take under XY routing."""
     return _REACHABLE[Port(inp)]
@@ -396,9 +403,7 @@ class Router(wiring.Component):
             raise ValueError(f"x must be less than cols ({cols}), not {x!r}")
         if y >= rows:
             raise ValueError(f"y must be less than rows ({rows}), not {y!r}")
-        if _fault is not None and _fault not in ROUTER_FAULTS:
-            raise TypeError(f"Fault must be one of {', '.join(map(repr, ROUTER_FAULTS))}, "
-                            f"not {_fault!r}")
+        check_fault(_fault)
         self._fault = _fault
         self.flit = flit_layout(coord_bits, payload_shape)
         self.payload_shape = payload_shape
