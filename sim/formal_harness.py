@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable
 
 from amaranth.asserts import AnyConst, AnySeq
-from amaranth.hdl import Array, Assert, Assume, Cat, Const, Elaboratable, Module, Mux, Signal
+from amaranth.hdl import Array, Assert, Assume, Cat, Const, Elaboratable, Module, Mux, Signal, Value
 from amaranth.lib.fifo import SyncFIFO
 from amaranth.utils import exact_log2
 
@@ -703,6 +703,17 @@ def _router_environment(m, r):
     return inside, eject_ready, out_ready
 
 
+def _assert_links_into_room(m, r):
+    """Assert that router ``r`` drives each of its links only towards a queue with room (the
+    link's ready bit for the flit's lookahead port)."""
+    for d in DIRECTIONS:
+        if r.has_port(d):
+            out = r.link_out[d.value]
+            with m.If(out.valid):
+                m.d.comb += Assert(out.ready.bit_select(out.port.as_value(), 1),
+                                   f"{d.name} link driven without room")
+
+
 class _RouterHarness(Elaboratable):
     """One router with every input driven by the environment: locally injected flits under the
     stream rules, and flits on the four links as a neighbour would send them (only into a
@@ -722,11 +733,7 @@ class _RouterHarness(Elaboratable):
 
         # Link rules: a link is driven only towards a queue with room; the ejection port keeps
         # valid and payload until taken.
-        for d in DIRECTIONS:
-            out = r.link_out[d.value]
-            with m.If(out.valid):
-                m.d.comb += Assert(out.ready.bit_select(out.port.as_value(), 1),
-                                   f"{d.name} link driven without room")
+        _assert_links_into_room(m, r)
         ej_waiting, ej_last = Signal(), Signal(flit.size)
         m.d.sync += [ej_waiting.eq(r.eject.valid & ~r.eject.ready),
                      ej_last.eq(r.eject.payload)]
@@ -745,6 +752,10 @@ def router_links(fault=None):
 #: 17 queues), 2-bit coordinates, a 1-bit payload that marks the tracked flit.
 ROUTER_DELIVERY_FORMAL = dict(payload_shape=1, x=1, y=1, rows=3, cols=3, coord_bits=2, depth=2,
                               queues="voq", counter_bits=1)
+
+#: The same router with the other two queue kinds.
+ROUTER_DELIVERY_FIFO = dict(ROUTER_DELIVERY_FORMAL, queues="fifo")
+ROUTER_DELIVERY_SCAN = dict(ROUTER_DELIVERY_FORMAL, queues="scan")
 
 #: The bounded-response environment: a receiver's ready bit is never low for more than
 #: ``ROUTER_STALL`` cycles in a row.
@@ -838,7 +849,7 @@ def _queue_places(m, r, marked):
         m.d.comb += Assert(q.obs_level <= q.depth, "queue level in range")
         oname = o.name.lower() if o is not None else "any"
         for k, slot in enumerate(q.obs_slots):
-            e = r.entry_layout(slot.as_value() if hasattr(slot, "as_value") else slot)
+            e = r.entry_layout(Value.cast(slot))   # a raw word or a ScanQueue view
             here = Signal(name=f"at_{tag}_{i.name.lower()}_{oname}_{k}")
             m.d.comb += here.eq((q.obs_level > k) & marked(e.flit))
             places.append((here, k + 1 + (EJECT_DEPTH if o is Port.LOCAL else 0)))
@@ -1023,12 +1034,12 @@ def router_delivery(fault=None):
 
 def router_delivery_fifo(fault=None):
     """Router delivery with ``fifo`` queues (one per input)."""
-    return _RouterTrackHarness("delivery", fault, dict(ROUTER_DELIVERY_FORMAL, queues="fifo"))
+    return _RouterTrackHarness("delivery", fault, ROUTER_DELIVERY_FIFO)
 
 
 def router_delivery_scan(fault=None):
     """Router delivery with ``scan`` queues (the oldest flit whose next queue has room)."""
-    return _RouterTrackHarness("delivery", fault, dict(ROUTER_DELIVERY_FORMAL, queues="scan"))
+    return _RouterTrackHarness("delivery", fault, ROUTER_DELIVERY_SCAN)
 
 
 def router_bounded(fault=None):
@@ -1105,12 +1116,7 @@ class _MeshTrackHarness(Elaboratable):
         places = []
         for r in mesh.obs_routers.values():
             places += _queue_places(m, r, marked)
-            for d in DIRECTIONS:
-                if r.has_port(d):
-                    out = r.link_out[d.value]
-                    with m.If(out.valid):
-                        m.d.comb += Assert(out.ready.bit_select(out.port.as_value(), 1),
-                                           "link driven without room")
+            _assert_links_into_room(m, r)
         copies = _popcount([p for p, _ in places])
         m.d.comb += [Assert(departed <= 1, "tracked flit delivered more than once"),
                      Assert(copies + departed == arrived, "tracked flit lost or duplicated")]
@@ -1228,7 +1234,7 @@ PROPERTIES = [
                   "entries name their output here (every queued flit's output is XY routing's "
                   "and its lookahead port XY routing's at the neighbour that output leads to).",
         harness=router_delivery_fifo,
-        params=_router_text(dict(ROUTER_DELIVERY_FORMAL, queues="fifo")), depth=2,
+        params=_router_text(ROUTER_DELIVERY_FIFO), depth=2,
         faults=("inject_ignores_room", "yx_local"), fault_depth=4),
     Property(
         name="router.delivery_scan",
@@ -1236,7 +1242,7 @@ PROPERTIES = [
                   "oldest flit whose next queue has room leaves, so flits leave out of arrival "
                   "order; every entry of every queue is counted.",
         harness=router_delivery_scan,
-        params=_router_text(dict(ROUTER_DELIVERY_FORMAL, queues="scan")), depth=2,
+        params=_router_text(ROUTER_DELIVERY_SCAN), depth=2,
         faults=("grant_keeps", "inject_ignores_room", "yx_local"), fault_depth=4),
     Property(
         name="router.bounded",

