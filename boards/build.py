@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import time
 
-from rdakit.sim.runner import find_tool
+from rdakit.sim.verify.runner import find_tool
 
 __all__ = ["BOARDS", "BoardSpec", "BuildResult", "board_spec", "board_preset", "build",
            "parse_utilization", "parse_fmax", "tool_env", "RESOURCE_NAMES"]
@@ -67,7 +67,7 @@ def board_spec(name):
 
 
 def board_preset(board):
-    """Fabric options sized for a board (``rdakit.fabric_args.fabric_params`` keywords):
+    """Fabric options sized for a board (``rdakit.cli.options.fabric_params`` keywords):
     one lane, short programs, small local and MU memories, FIFO router queues of depth 2 (the
     ECP5 board gets longer programs and four times the MU: it has the room)."""
     preset = dict(lanes=1, prog_len=32, local_words=16, mu_words=256, block_words=16,
@@ -156,9 +156,8 @@ def build(board, params, *, build_dir, clock_hz=None, baud=None, seed=1, log=Non
     ``log`` (a callable) receives progress lines. The build folder keeps every product:
     ``top.rpt`` (Yosys), ``top.tim`` (nextpnr's log), ``report.json``, the bitstream.
     """
-    from rdakit.hdl.uart import baud_divisor
-
-    from .top import BoardTop
+    from rdakit.boards.top import BoardTop
+    from rdakit.hdl.host.uart import baud_divisor
 
     spec = board_spec(board)
     clock_hz = clock_hz or spec.default_clock_hz

@@ -1,14 +1,14 @@
-"""A real serial port as a byte port of :class:`~rdakit.sim.host_link.FramedTransport`.
+"""A real serial port as a byte port of :class:`~rdakit.sim.runtime.host_link.FramedTransport`.
 
 ``board_host(params, port, baud)`` opens the port with pyserial and returns a
-:class:`~rdakit.sim.host.HostDriver` on it: the same driver, kernels and checks as on the
+:class:`~rdakit.sim.runtime.host.HostDriver` on it: the same driver, kernels and checks as on the
 simulators, over the board's UART.
 """
 
 import serial
 
-from rdakit.sim.host import HostDriver
-from rdakit.sim.host_link import FramedTransport
+from rdakit.sim.runtime.host import HostDriver
+from rdakit.sim.runtime.host_link import FramedTransport
 
 __all__ = ["SerialPort", "board_host"]
 

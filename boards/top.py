@@ -2,7 +2,7 @@
 
 :class:`BoardTop` asks the platform for the UART and the LEDs, makes the ``sync`` clock domain
 (the board's oscillator, or an ECP5 PLL when the fabric clock differs from it) and puts a
-:class:`~rdakit.hdl.host_bridge.BridgedFabric` in it.
+:class:`~rdakit.hdl.host.bridge.BridgedFabric` in it.
 """
 
 from amaranth.build import ResourceError
@@ -10,8 +10,8 @@ from amaranth.hdl import ClockDomain, ClockSignal, Elaboratable, Instance, Modul
 from amaranth.lib import io
 from amaranth.lib.cdc import ResetSynchronizer
 
-from rdakit.hdl.host_bridge import BridgedFabric
-from rdakit.hdl.uart import baud_divisor
+from rdakit.hdl.host.bridge import BridgedFabric
+from rdakit.hdl.host.uart import baud_divisor
 
 __all__ = ["BoardTop", "ecp5_pll"]
 

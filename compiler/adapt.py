@@ -18,7 +18,7 @@ instead of from the one it waits for. Within a CU the ratio is spread evenly ove
 import dataclasses
 import math
 
-from .cost import CostModel
+from rdakit.compiler.cost import CostModel
 
 __all__ = ["MeasuredCostModel", "measured_cost"]
 
@@ -77,7 +77,7 @@ def measured_cost(cost, job, counters):
         The job that ran (its ``lowered`` list maps graph nodes to CUs).
     counters : dict
         ``{(x, y): {"busy_cycles": ..., "wait_cycles": ..., ...}}`` as read by
-        :meth:`~rdakit.sim.host.HostDriver.counters`.
+        :meth:`~rdakit.sim.runtime.host.HostDriver.counters`.
 
     Returns
     -------

@@ -15,14 +15,13 @@ on a freshly reset fabric (:func:`~rdakit.compiler.lower.replay_refs`).
 import dataclasses
 import pathlib
 
-from rdakit.compiler.bitstream import write_bitstream
-
-from .cost import CostModel
-from .graph import DataflowGraph
-from .lower import lower, replay_refs, sample_inputs
-from .partition import Targets, measure, partition
-from .placement import Fabric, place
-from .workloads import WORKLOADS, Workload, build, load_graph
+from rdakit.compiler.cost import CostModel
+from rdakit.compiler.graph import DataflowGraph
+from rdakit.compiler.lower import lower, replay_refs, sample_inputs
+from rdakit.compiler.partition import Targets, measure, partition
+from rdakit.compiler.placement import Fabric, place
+from rdakit.compiler.workloads import WORKLOADS, Workload, build, load_graph
+from rdakit.hdl.spec.bitstream import write_bitstream
 
 __all__ = ["CompileSummary", "compile_workload", "placement_fabric", "bitstream_for",
            "load_workload"]

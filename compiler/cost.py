@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from .graph import OP_KINDS
+from rdakit.compiler.graph import OP_KINDS
 
 __all__ = [
     "CostModel", "Schedule", "list_schedule", "upward_rank", "priority_order", "lower_bound",

@@ -2,8 +2,8 @@
 
 :func:`lower` turns a validated :class:`~rdakit.compiler.graph.DataflowGraph`, the partition of
 its nodes and their :class:`~rdakit.compiler.placement.Placement` into a
-:class:`CompiledJob` (a :class:`rdakit.sim.kernels.Job`, so that
-:func:`~rdakit.sim.kernels.run_job` and :func:`~rdakit.sim.kernels.run_job_interp` run it
+:class:`CompiledJob` (a :class:`rdakit.compiler.job.Job`, so that
+:func:`~rdakit.sim.runtime.job.run_job` and :func:`~rdakit.sim.runtime.job.run_job_interp` run it
 unchanged). The design is in ``docs/compiler.md`` ("Lowering"); in short:
 
 * **Layout.** A tensor of shape ``(R, C)`` (or ``(C,)``, one row) is ``R`` rows of
@@ -35,12 +35,11 @@ import dataclasses
 
 import numpy as np
 
-from rdakit.compiler.bitstream import FabricConfig, TileConfig
-from rdakit.hdl.isa import AluFn, BMode, DMode, Instr, Op, StreamField, alu
-from rdakit.hdl.params import AllocMode, RefcountMode
-from rdakit.sim.kernels import HostBuffer, Job, Ref
-
-from .graph import GraphError
+from rdakit.compiler.graph import GraphError
+from rdakit.compiler.job import HostBuffer, Job, Ref
+from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
+from rdakit.hdl.spec.isa import AluFn, BMode, DMode, Instr, Op, StreamField, alu
+from rdakit.hdl.spec.params import AllocMode, RefcountMode
 
 __all__ = [
     "LoweringError", "TensorLayout", "CompiledJob", "ProgramInfo", "lower", "LOWERABLE_KINDS",
@@ -2091,7 +2090,7 @@ class ProgramInfo:
 
 @dataclasses.dataclass
 class CompiledJob(Job):
-    """A :class:`~rdakit.sim.kernels.Job` made by :func:`lower`, with what is needed to feed it
+    """A :class:`~rdakit.compiler.job.Job` made by :func:`lower`, with what is needed to feed it
     other inputs and to read its outputs as tensors.
 
     Members
@@ -2222,9 +2221,9 @@ def replay_refs(job):
     """The references the host gets for ``job``'s buffers on a freshly reset fabric: its
     allocations (and appends) replayed on golden MU models. Raises :class:`LoweringError` if
     an MU refuses one."""
-    from rdakit.hdl.packets import MUOp, MUStatus
-    from rdakit.sim.mu_model import MUModel
-    from rdakit.sim.vector import pack_vector
+    from rdakit.hdl.spec.packets import MUOp, MUStatus
+    from rdakit.hdl.spec.vector import pack_vector
+    from rdakit.sim.models.mu import MUModel
 
     p = job.params
     models, refs = {}, {}

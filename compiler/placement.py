@@ -31,7 +31,7 @@ import random
 
 import numpy as np
 
-from .graph import MEMORY_KINDS, OP_KINDS
+from rdakit.compiler.graph import MEMORY_KINDS, OP_KINDS
 
 __all__ = ["PlacementError", "Fabric", "Buffer", "Placement", "buffers_of", "place",
            "check_placement"]

@@ -1,10 +1,10 @@
 """Compile a workload for a system of clusters: two-level partition, placement, lowering.
 
-A :class:`~rdakit.hdl.system.System` is N fabrics (clusters) with one MU address space in which
+A :class:`~rdakit.hdl.cluster.system.System` is N fabrics (clusters) with one MU address space in which
 CUs message each other across clusters too (``docs/clusters.md``). The compiler:
 
 1. partitions the graph across clusters and then onto each cluster's available CUs
-   (:func:`~rdakit.compiler.clusters.partition_system`: link crossings against balance, each
+   (:func:`~rdakit.compiler.partition.clusters.partition_system`: link crossings against balance, each
    cluster's available CUs and known load as input);
 2. lays the clusters side by side as one wide fabric (:class:`SystemView`, cluster ``c``'s tile
    ``(x, y)`` at ``(c * cols + x, y)``), fixes every partition to its cluster's CU and places
@@ -17,20 +17,19 @@ CUs message each other across clusters too (``docs/clusters.md``). The compiler:
    between clusters becomes the same references and tokens (``SENDREF``, ``SEND``) as an edge
    inside one, crossing the bridges;
 4. splits the result into one bitstream configuration per cluster and host buffers named by
-   ``(x, y, cluster)`` (:class:`~rdakit.sim.clusters.SystemJob`).
+   ``(x, y, cluster)`` (:class:`~rdakit.sim.runtime.clusters.SystemJob`).
 """
 
 import dataclasses
 
 import numpy as np
 
-from rdakit.hdl.params import FabricParams
-
-from .clusters import ClusterSpec, LinkModel, partition_system
-from .compile import load_workload, placement_fabric
-from .cost import CostModel
-from .lower import lower
-from .placement import place
+from rdakit.compiler.compile import load_workload, placement_fabric
+from rdakit.compiler.cost import CostModel
+from rdakit.compiler.lower import lower
+from rdakit.compiler.partition.clusters import ClusterSpec, LinkModel, partition_system
+from rdakit.compiler.placement import place
+from rdakit.hdl.spec.params import FabricParams
 
 __all__ = ["SystemView", "system_view", "compile_system", "CompiledSystem"]
 
@@ -53,7 +52,7 @@ class SystemView(FabricParams):
 
 
 def system_view(system_params):
-    """The :class:`SystemView` of a :class:`~rdakit.hdl.system.SystemParams`.
+    """The :class:`SystemView` of a :class:`~rdakit.hdl.cluster.system.SystemParams`.
 
     Raises
     ------
@@ -120,7 +119,7 @@ def compile_system(workload, system_params, *, sizes=None, clusters=None, strate
         What each cluster offers (default: every CU of every cluster, no load); a cluster's
         ``cus`` is at most its fabric's CUs (the first ``cus`` CU tiles are used).
     strategy, inner : str
-        The cross-cluster strategy (:data:`~rdakit.compiler.clusters.CLUSTER_STRATEGIES`) and
+        The cross-cluster strategy (:data:`~rdakit.compiler.partition.clusters.CLUSTER_STRATEGIES`) and
         the strategy within each cluster (:mod:`~rdakit.compiler.partition`).
     seed, place_steps :
         The buffer placement's annealing.
@@ -180,11 +179,11 @@ def compile_system(workload, system_params, *, sizes=None, clusters=None, strate
 
 
 def split_job(job, system_params):
-    """The :class:`~rdakit.sim.clusters.SystemJob` of a job lowered on the
+    """The :class:`~rdakit.sim.runtime.clusters.SystemJob` of a job lowered on the
     :class:`SystemView` of ``system_params``: each cluster's tiles in a configuration of its
     own, host buffers at ``(x, y, cluster)``."""
-    from rdakit.compiler.bitstream import FabricConfig
-    from rdakit.sim.clusters import SystemJob
+    from rdakit.hdl.spec.bitstream import FabricConfig
+    from rdakit.sim.runtime.clusters import SystemJob
 
     view = job.params
     fp = system_params.fabric

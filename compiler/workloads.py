@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .graph import DataflowGraph, GraphError
+from rdakit.compiler.graph import DataflowGraph, GraphError
 
 __all__ = [
     "Workload", "WORKLOADS", "build", "mlp", "decoder_step", "run_decoder", "moe", "switch",

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from rdakit.cli import main
-from rdakit.docgen import update
+from rdakit.cli.docs import update
 
 
 def rdakit(*args):

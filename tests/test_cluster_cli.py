@@ -127,7 +127,7 @@ def test_run_clusters_adapts_away_from_a_loaded_cluster(tmp_path, capsys):
 def test_measured_workloads_across_clusters():
     """The MLP compiled across two 2x2 clusters by greedy and round-robin and run on the RTL:
     both exact and leak-free, greedy crossing fewer bytes and faster."""
-    from rdakit.sim.cluster_bench import measured_rows
+    from rdakit.sim.bench.clusters import measured_rows
 
     rows = measured_rows(["mlp"], (2,), strategies=("greedy", "round_robin"),
                          place_steps=2000)

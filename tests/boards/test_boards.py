@@ -15,7 +15,7 @@ from rdakit.boards.build import (
 from rdakit.boards.serial_link import SerialPort
 from rdakit.boards.top import BoardTop, ecp5_pll
 from rdakit.cli import main
-from rdakit.fabric_args import fabric_params
+from rdakit.hdl.spec.params import fabric_params
 
 
 def test_ecp5_pll_matches_ecppll():
@@ -140,8 +140,8 @@ def test_bench_search_stops_at_the_first_misfit_and_grows_the_mu(monkeypatch, tm
     stay under a budget."""
     import json
 
-    from rdakit.boards import bench
     from rdakit.boards.build import BuildResult
+    from rdakit.sim.bench import boards as bench
 
     built = []
 

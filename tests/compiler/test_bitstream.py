@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from rdakit.compiler.bitstream import (
+from rdakit.hdl.spec.bitstream import (
     HEADER,
     BitstreamError,
     FabricConfig,
@@ -17,8 +17,8 @@ from rdakit.compiler.bitstream import (
     read_bitstream,
     write_bitstream,
 )
-from rdakit.fabric_args import fabric_params
-from rdakit.hdl.isa import assemble, encode
+from rdakit.hdl.spec.isa import assemble, encode
+from rdakit.hdl.spec.params import fabric_params
 
 P = fabric_params(2, 3, prog_len=8, lanes=2)
 

@@ -6,7 +6,9 @@ import itertools
 import numpy as np
 import pytest
 
-from rdakit.compiler.clusters import (
+from rdakit.compiler.cost import CostModel
+from rdakit.compiler.partition import PartitionError, as_weighted
+from rdakit.compiler.partition.clusters import (
     CLUSTER_STRATEGIES,
     ClusterSpec,
     LinkModel,
@@ -17,9 +19,7 @@ from rdakit.compiler.clusters import (
     place_buffers,
     system_schedule,
 )
-from rdakit.compiler.cost import CostModel
-from rdakit.compiler.partition import PartitionError, as_weighted
-from rdakit.compiler.wgraph import WeightedGraph
+from rdakit.compiler.partition.wgraph import WeightedGraph
 from rdakit.compiler.workloads import build
 
 LINK = LinkModel(bytes_per_cycle=4, latency=20)
@@ -142,8 +142,8 @@ def test_deterministic(graphs):
 
 
 def test_link_model_of_a_system():
-    from rdakit.fabric_args import fabric_params
-    from rdakit.hdl.system import SystemParams
+    from rdakit.hdl.cluster.system import SystemParams
+    from rdakit.hdl.spec.params import fabric_params
 
     sp = SystemParams(fabric_params(1, 2, cluster_bits=1), link_width=16, link_latency=7)
     link = LinkModel.of_system(sp)

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 
 from rdakit.cli import main
-from rdakit.compiler.bitstream import read_bitstream
-from rdakit.compiler.calibrate import CalibratedCostModel, fit
-from rdakit.compiler.cli import parse_sizes
+from rdakit.cli.compile import parse_sizes
 from rdakit.compiler.compile import bitstream_for, compile_workload
 from rdakit.compiler.cost import CostModel
 from rdakit.compiler.partition import partition
 from rdakit.compiler.workloads import mlp
-from rdakit.fabric_args import fabric_params
-from rdakit.sim.interp import Interpreter
+from rdakit.hdl.spec.bitstream import read_bitstream
+from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.bench.calibrate import CalibratedCostModel, fit
+from rdakit.sim.models.interp import Interpreter
 
 MLP = ["--size", "batch=2", "--size", "sizes=8,16,8"]
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from rdakit.compiler import workloads
 from rdakit.compiler.cost import CostModel, hop_matrix, list_schedule, lower_bound, upward_rank
-from rdakit.compiler.wgraph import WeightedGraph
+from rdakit.compiler.partition.wgraph import WeightedGraph
 
 EXAMPLES = 10 if os.environ.get("CI") else 40
 

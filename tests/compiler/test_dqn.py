@@ -5,11 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from rdakit.compiler import dqn, workloads
+from rdakit.compiler import workloads
 from rdakit.compiler.cost import CostModel, lower_bound
-from rdakit.compiler.greedy import SubgraphScheduler, decompose
-from rdakit.compiler.partition import PartitionError, Targets, partition
-from rdakit.compiler.wgraph import WeightedGraph
+from rdakit.compiler.partition import PartitionError, Targets, dqn, partition
+from rdakit.compiler.partition.greedy import SubgraphScheduler, decompose
+from rdakit.compiler.partition.wgraph import WeightedGraph
 
 
 def tiny_training(seed=0):

@@ -14,9 +14,7 @@ from hypothesis import strategies as st
 
 from rdakit.compiler import graph as graph_module
 from rdakit.compiler import workloads
-from rdakit.compiler.bitstream import read_bitstream
 from rdakit.compiler.compile import bitstream_for, compile_workload, placement_fabric
-from rdakit.compiler.external import mtkahypar_available
 from rdakit.compiler.graph import DataflowGraph, OpSpec
 from rdakit.compiler.lower import (
     LoweringError,
@@ -28,12 +26,14 @@ from rdakit.compiler.lower import (
     replay_refs,
 )
 from rdakit.compiler.partition import STRATEGIES
+from rdakit.compiler.partition.external import mtkahypar_available
 from rdakit.compiler.placement import place
-from rdakit.fabric_args import fabric_params
-from rdakit.hdl.isa import AluFn, alu
-from rdakit.hdl.packets import MUOp
-from rdakit.sim.interp import Interpreter
-from rdakit.sim.kernels import prepare_interp, run_job_interp
+from rdakit.hdl.spec.bitstream import read_bitstream
+from rdakit.hdl.spec.isa import AluFn, alu
+from rdakit.hdl.spec.packets import MUOp
+from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.models.interp import Interpreter
+from rdakit.sim.runtime.job import prepare_interp, run_job_interp
 
 EXAMPLES = 10 if os.environ.get("CI") else 40
 
@@ -224,7 +224,7 @@ def test_same_bytes_under_two_hash_seeds(tmp_path, name, partitioner):
 def test_compiled_job_on_the_rtl_matches_the_interpreter(name, sizes, prog_len):
     """The RTL fabric in Amaranth's simulator runs the compiled job (reference passing,
     run-time allocation and partial-free included) bit-exactly (about 10-20 s each)."""
-    from rdakit.compiler.calibrate import rtl_cycles
+    from rdakit.sim.bench.calibrate import rtl_cycles
 
     params = fabric_params(2, 2, layout="CC/CM", mu_words=1024, prog_len=prog_len)
     job = compile_(name, params, sizes=sizes)

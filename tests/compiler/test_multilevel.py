@@ -5,9 +5,9 @@ import time
 import numpy as np
 import pytest
 
-from rdakit.compiler.multilevel import MultilevelKL, coarsen, refine_kway
 from rdakit.compiler.partition import Targets
-from rdakit.compiler.wgraph import WeightedGraph
+from rdakit.compiler.partition.multilevel import MultilevelKL, coarsen, refine_kway
+from rdakit.compiler.partition.wgraph import WeightedGraph
 
 
 def test_coarsening_keeps_work_and_edges():

@@ -13,10 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rdakit.compiler import workloads
-from rdakit.compiler.external import Metis, metis_part_graph, mtkahypar_available
-from rdakit.compiler.heft import HEFT
-from rdakit.compiler.multilevel import MultilevelKL
-from rdakit.compiler.partition import (
+from rdakit.compiler.partition.base import (
     STRATEGIES,
     PartitionError,
     Targets,
@@ -25,7 +22,10 @@ from rdakit.compiler.partition import (
     get_strategy,
     partition,
 )
-from rdakit.compiler.wgraph import WeightedGraph
+from rdakit.compiler.partition.external import Metis, metis_part_graph, mtkahypar_available
+from rdakit.compiler.partition.heft import HEFT
+from rdakit.compiler.partition.multilevel import MultilevelKL
+from rdakit.compiler.partition.wgraph import WeightedGraph
 
 EXAMPLES = 8 if os.environ.get("CI") else 25
 NO_KAHYPAR = mtkahypar_available()
@@ -244,7 +244,7 @@ def test_mtkahypar():
 
 
 def test_mtkahypar_unavailable(monkeypatch):
-    from rdakit.compiler import external
+    from rdakit.compiler.partition import external
     monkeypatch.setattr(external, "mtkahypar_available", lambda: "no module named 'mtkahypar'")
     with pytest.raises(PartitionError, match="^The Mt-KaHyPar partitioner is unavailable: no "
                                              "module named 'mtkahypar'"):

@@ -6,13 +6,13 @@ import re
 
 import pytest
 
-from rdakit.compiler.clusters import ClusterSpec
+from rdakit.compiler.partition.clusters import ClusterSpec
 from rdakit.compiler.placement import Fabric, PlacementError, place
 from rdakit.compiler.system_compile import compile_system, system_view
 from rdakit.compiler.workloads import build
-from rdakit.fabric_args import fabric_params
-from rdakit.hdl.system import SystemParams
-from rdakit.sim.e2e import SMALLEST
+from rdakit.hdl.cluster.system import SystemParams
+from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.flows.e2e import SMALLEST
 
 
 def system(coord_bits=2, clusters=2):

@@ -5,14 +5,15 @@ import numpy as np
 from cocotb.clock import Clock
 from cocotb.triggers import RisingEdge
 
-from rdakit.fabric_args import fabric_params
-from rdakit.hdl.frames import FrameError, FrameKind, cmd_bytes, encode_frame, int_payload
-from rdakit.hdl.packets import HostCmd, MUOp, host_cmd_layout, pack
-from rdakit.sim import kernels
-from rdakit.sim.cocotb_utils import tb_config
-from rdakit.sim.host import HostDriver
-from rdakit.sim.host_link import CocotbUARTPort, FramedTransport
-from rdakit.sim.vector import pack_vector
+from rdakit.hdl.spec.frames import FrameError, FrameKind, cmd_bytes, encode_frame, int_payload
+from rdakit.hdl.spec.packets import HostCmd, MUOp, host_cmd_layout, pack
+from rdakit.hdl.spec.params import fabric_params
+from rdakit.hdl.spec.vector import pack_vector
+from rdakit.sim.runtime.host import HostDriver
+from rdakit.sim.runtime.host_link import CocotbUARTPort, FramedTransport
+from rdakit.sim.runtime.job import run_job
+from rdakit.sim.verify import kernels
+from rdakit.sim.verify.cocotb_utils import tb_config
 
 
 async def setup(dut):
@@ -34,7 +35,7 @@ async def setup(dut):
 async def kernel_through_the_uart(dut):
     params, _, link, host = await setup(dut)
     job = kernels.vector_add(params, n=8)
-    result = await kernels.run_job(host, job, counters=False)
+    result = await run_job(host, job, counters=False)
     result.check(job)
     assert (link.errors, link.resends) == ([], 0)
 

@@ -4,10 +4,11 @@ bit-exactly against numpy and against the functional interpreter."""
 import cocotb
 import numpy as np
 
-from rdakit.fabric_args import fabric_params
-from rdakit.sim import kernels
-from rdakit.sim.cocotb_utils import tb_config
-from rdakit.sim.host import cocotb_host
+from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.runtime.host import cocotb_host
+from rdakit.sim.runtime.job import run_job, run_job_interp
+from rdakit.sim.verify import kernels
+from rdakit.sim.verify.cocotb_utils import tb_config
 
 
 async def setup(dut):
@@ -28,9 +29,9 @@ async def jobs_bit_exact(dut):
     cfg, params, host = await setup(dut)
     for spec in cfg["jobs"]:
         job = build(params, spec)
-        result = await kernels.run_job(host, job)
+        result = await run_job(host, job)
         result.check(job)
-        golden, golden_result, _ = kernels.run_job_interp(job)
+        golden, golden_result, _ = run_job_interp(job)
         assert golden_result.ok
         for out in job.outputs:
             np.testing.assert_array_equal(result.outputs[out], golden[out])
@@ -45,9 +46,9 @@ async def jobs_bit_exact(dut):
 @cocotb.test()
 async def corrupted_bitstream_is_refused(dut):
     """A payload CRC error: the loader reports it and START is refused."""
-    from rdakit.compiler.bitstream import write_bitstream
-    from rdakit.hdl.config_loader import LoadStatus
-    from rdakit.sim.host import HostError
+    from rdakit.hdl.fabric.config_loader import LoadStatus
+    from rdakit.hdl.spec.bitstream import write_bitstream
+    from rdakit.sim.runtime.host import HostError
 
     cfg, params, host = await setup(dut)
     job = kernels.vector_add(params, n=4)

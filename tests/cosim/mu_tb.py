@@ -1,18 +1,25 @@
 """cocotb tests of the memory unit's generated Verilog, checked against the golden model.
 
 Run through ``tests/cosim/test_mu_cosim.py`` (pytest), which builds the design for Icarus or
-Verilator with :func:`rdakit.sim.runner.run_cocotb`. The configuration arrives in
+Verilator with :func:`rdakit.sim.verify.runner.run_cocotb`. The configuration arrives in
 ``RDAKIT_TB_CONFIG``: the MU parameters, the MU ID, the number of random operations, the
 back-pressure pattern and the seed.
 """
 
 import cocotb
 
-from rdakit.hdl.packets import MUOp, MUStatus, mu_request_layout, mu_response_layout, pack, unpack
-from rdakit.hdl.params import MUParams
-from rdakit.sim.cocotb_utils import ClockedBench, StreamSink, StreamSource, tb_config
-from rdakit.sim.mu_model import MUModel
-from rdakit.sim.mu_stimulus import MUStimulus
+from rdakit.hdl.spec.packets import (
+    MUOp,
+    MUStatus,
+    mu_request_layout,
+    mu_response_layout,
+    pack,
+    unpack,
+)
+from rdakit.hdl.spec.params import MUParams
+from rdakit.sim.models.mu import MUModel
+from rdakit.sim.verify.cocotb_utils import ClockedBench, StreamSink, StreamSource, tb_config
+from rdakit.sim.verify.mu_stimulus import MUStimulus
 
 COUNTERS = ("held_words", "peak_held_words", "live_buffers", "free_blocks", "free_slots",
             "allocs", "frees", "copy_cycles", "busy_cycles")

@@ -1,10 +1,10 @@
-"""cocotb tests of a :class:`rdakit.hdl.mesh.Mesh` (generated Verilog), run by
+"""cocotb tests of a :class:`rdakit.hdl.noc.mesh.Mesh` (generated Verilog), run by
 ``test_noc_cosim.py`` on Icarus and Verilator.
 
 Drivers, monitor, model and checker are separate: every tile's ``inject`` port has a
-:class:`StreamSource` fed by a traffic generator (:class:`rdakit.sim.noc_model.Destinations`),
+:class:`StreamSource` fed by a traffic generator (:class:`rdakit.sim.models.noc.Destinations`),
 every ``eject`` port a :class:`StreamSink` with random back-pressure whose items go to the
-scoreboard (:class:`rdakit.sim.noc_model.NocScoreboard`: exactly once, right tile, unchanged, in
+scoreboard (:class:`rdakit.sim.models.noc.NocScoreboard`: exactly once, right tile, unchanged, in
 order per source/destination pair). After the traffic the network must drain completely, and
 the routers' counters must match the routes of the delivered packets.
 
@@ -19,9 +19,9 @@ import random
 import cocotb
 import numpy as np
 
-from rdakit.hdl.flit import Port
-from rdakit.sim.cocotb_utils import ClockedBench, StreamSink, StreamSource, tb_config
-from rdakit.sim.noc_model import PATTERNS, Destinations, NocScoreboard, hops
+from rdakit.hdl.spec.flit import Port
+from rdakit.sim.models.noc import PATTERNS, Destinations, NocScoreboard, hops
+from rdakit.sim.verify.cocotb_utils import ClockedBench, StreamSink, StreamSource, tb_config
 
 CFG = tb_config()
 ROWS = CFG.get("rows", 3)

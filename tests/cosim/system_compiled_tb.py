@@ -5,11 +5,11 @@ buffer of both clusters freed."""
 import cocotb
 
 from rdakit.compiler.system_compile import compile_system
-from rdakit.fabric_args import fabric_params
-from rdakit.hdl.system import SystemParams
-from rdakit.sim.cocotb_utils import tb_config
-from rdakit.sim.host import cocotb_host
-from rdakit.sim.system_run import check_outputs, run_compiled
+from rdakit.hdl.cluster.system import SystemParams
+from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.flows.system import check_outputs, run_compiled
+from rdakit.sim.runtime.host import cocotb_host
+from rdakit.sim.verify.cocotb_utils import tb_config
 
 
 @cocotb.test()

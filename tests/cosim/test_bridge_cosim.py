@@ -4,9 +4,9 @@ import pathlib
 
 import pytest
 
-from rdakit.fabric_args import fabric_params
-from rdakit.hdl.host_bridge import BridgedFabric
-from rdakit.sim.runner import SIMULATORS, require_simulator, run_cocotb
+from rdakit.hdl.host.bridge import BridgedFabric
+from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.verify.runner import SIMULATORS, require_simulator, run_cocotb
 
 pytestmark = pytest.mark.cosim
 

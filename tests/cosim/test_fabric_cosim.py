@@ -4,9 +4,9 @@ import pathlib
 
 import pytest
 
-from rdakit.fabric_args import fabric_params
-from rdakit.hdl.fabric import Fabric
-from rdakit.sim.runner import SIMULATORS, require_simulator, run_cocotb
+from rdakit.hdl.fabric.top import Fabric
+from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.verify.runner import SIMULATORS, require_simulator, run_cocotb
 
 pytestmark = pytest.mark.cosim
 

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from rdakit.cli import main
-from rdakit.sim.runner import VERILATOR_WAIVERS, require_simulator
+from rdakit.sim.verify.runner import VERILATOR_WAIVERS, require_simulator
 
 pytestmark = pytest.mark.cosim
 

@@ -10,9 +10,9 @@ import pathlib
 
 import pytest
 
-from rdakit.hdl.memory_unit import MemoryUnit
-from rdakit.hdl.params import MUParams
-from rdakit.sim.runner import SIMULATORS, require_simulator, run_cocotb
+from rdakit.hdl.memory.unit import MemoryUnit
+from rdakit.hdl.spec.params import MUParams
+from rdakit.sim.verify.runner import SIMULATORS, require_simulator, run_cocotb
 
 pytestmark = pytest.mark.cosim
 

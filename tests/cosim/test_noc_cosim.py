@@ -12,10 +12,10 @@ import pathlib
 import pytest
 
 from rdakit.cli import main
-from rdakit.hdl.mesh import Mesh
-from rdakit.sim.noc_bench import run_harness
-from rdakit.sim.noc_model import PATTERNS, tb_payload_layout
-from rdakit.sim.runner import require_simulator, run_cocotb
+from rdakit.hdl.noc.mesh import Mesh
+from rdakit.sim.bench.noc import run_harness
+from rdakit.sim.models.noc import PATTERNS, tb_payload_layout
+from rdakit.sim.verify.runner import require_simulator, run_cocotb
 
 HERE = pathlib.Path(__file__).resolve().parent
 SIMULATORS = ["icarus", "verilator"]

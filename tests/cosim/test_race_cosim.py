@@ -5,8 +5,8 @@ once with no leak, and the message counts measured in hardware equal the program
 
 import pytest
 
-from rdakit.sim.race import SCHEMES, run_race, summarize
-from rdakit.sim.runner import require_simulator
+from rdakit.sim.bench.race import SCHEMES, run_race, summarize
+from rdakit.sim.verify.runner import require_simulator
 
 pytestmark = pytest.mark.cosim
 

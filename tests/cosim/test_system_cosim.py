@@ -4,9 +4,9 @@ import pathlib
 
 import pytest
 
-from rdakit.fabric_args import fabric_params
-from rdakit.hdl.system import System, SystemParams
-from rdakit.sim.runner import SIMULATORS, require_simulator, run_cocotb
+from rdakit.hdl.cluster.system import System, SystemParams
+from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.verify.runner import SIMULATORS, require_simulator, run_cocotb
 
 pytestmark = pytest.mark.cosim
 
@@ -35,7 +35,7 @@ COMPILED = dict(rows=2, cols=2, lanes=1, prog_len=128, cluster_bits=1, coord_bit
 def test_compiled_workload_across_two_clusters(simulator):
     """The smallest MLP compiled across two 2x2 clusters (round-robin across clusters, so
     tokens and references cross the links) runs bit-exact against numpy."""
-    from rdakit.sim.e2e import SMALLEST
+    from rdakit.sim.flows.e2e import SMALLEST
 
     require_simulator(simulator)
     system = System(SystemParams(fabric_params(**COMPILED), clusters=2, link_latency=20))

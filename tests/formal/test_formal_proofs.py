@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from rdakit.sim.formal import sby_available
-from rdakit.sim.formal_harness import (
+from rdakit.sim.verify.formal import sby_available
+from rdakit.sim.verify.formal_harness import (
     PROPERTIES,
     ROUTER_BOUNDED_CORNER,
     ROUTER_BOUNDED_SHARED,

@@ -5,12 +5,12 @@ runner's verdicts on a tiny counter (formal)."""
 import pytest
 from amaranth.hdl import Assert, Module, Signal
 
-from rdakit.hdl.free_list import FreeList
-from rdakit.hdl.memory_unit import MemoryUnit
-from rdakit.hdl.router import Router, check_fault
-from rdakit.sim import formal_harness
-from rdakit.sim.formal import run_sby, sby_available
-from rdakit.sim.formal_harness import PROPERTIES, get_property, prove
+from rdakit.hdl.memory.free_list import FreeList
+from rdakit.hdl.memory.unit import MemoryUnit
+from rdakit.hdl.noc.router import Router, check_fault
+from rdakit.sim.verify import formal_harness
+from rdakit.sim.verify.formal import run_sby, sby_available
+from rdakit.sim.verify.formal_harness import PROPERTIES, get_property, prove
 
 
 def _counter(limit):
@@ -70,7 +70,7 @@ def test_property_list_is_consistent():
     for prop in PROPERTIES:
         assert prop.mode in ("prove", "bmc") and prop.expect in ("PASS", "FAIL")
         assert prop.faults, f"{prop.name} has no broken variant that shows its harness works"
-        assert prop.where.startswith("rdakit.sim.formal_harness.")
+        assert prop.where.startswith("rdakit.sim.verify.formal_harness.")
     table = formal_harness.properties_table()
     for name in names:
         assert f"`{name}`" in table

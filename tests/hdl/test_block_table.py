@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from rdakit.hdl.block_table import BlockTable
-from rdakit.hdl.params import MUParams
-from rdakit.sim.amaranth_sim import WithReset, simulate
-from rdakit.sim.runner import generate_verilog
+from rdakit.hdl.memory.block_table import BlockTable
+from rdakit.hdl.spec.params import MUParams
+from rdakit.sim.verify.amaranth_sim import WithReset, simulate
+from rdakit.sim.verify.runner import generate_verilog
 
 P = MUParams(words=256, block_words=16, max_buffers=4, buf_id_bits=4, max_buffer_words=128)
 

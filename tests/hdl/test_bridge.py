@@ -8,9 +8,9 @@ import random
 import pytest
 from amaranth.lib import data
 
-from rdakit.hdl.bridge import Link, link_beats, link_depth
-from rdakit.sim.amaranth_sim import StreamDriver
-from rdakit.sim.runner import generate_verilog
+from rdakit.hdl.cluster.bridge import Link, link_beats, link_depth
+from rdakit.sim.verify.amaranth_sim import StreamDriver
+from rdakit.sim.verify.runner import generate_verilog
 
 BITS = 37
 SHAPE = data.StructLayout({"word": BITS})

@@ -1,6 +1,6 @@
 # amaranth: UnusedElaboratable=no
 """The compute unit in Amaranth's simulator, wired straight to memory units
-(:mod:`rdakit.sim.cu_harness`): parameters, Verilog, every instruction and ALU function, streams
+(:mod:`rdakit.sim.verify.cu_harness`): parameters, Verilog, every instruction and ALU function, streams
 bit-exact against numpy, tokens and references between CUs, error halts, the configuration
 space, stream throughput, and equivalence with the functional interpreter on generated programs.
 
@@ -11,13 +11,13 @@ Most tests run one CU at (0, 0) of a 2x2 checkerboard (MUs at (1, 0) and (0, 1),
 import numpy as np
 import pytest
 
-from rdakit.compiler.bitstream import FabricConfig, TileConfig
-from rdakit.hdl.compute_unit import ComputeUnit
-from rdakit.hdl.config import CU_MAP, CU_STATUS_BITS, TILE_COUNTERS
-from rdakit.hdl.isa import AluFn, BMode, DMode, Instr, Op, alu, assemble, encode
-from rdakit.hdl.params import CUParams, FabricParams, MUParams
-from rdakit.sim.cu_harness import CUHarness, run_program, run_session
-from rdakit.sim.runner import generate_verilog
+from rdakit.hdl.compute.unit import ComputeUnit
+from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
+from rdakit.hdl.spec.config import CU_MAP, CU_STATUS_BITS, TILE_COUNTERS
+from rdakit.hdl.spec.isa import AluFn, BMode, DMode, Instr, Op, alu, assemble, encode
+from rdakit.hdl.spec.params import CUParams, FabricParams, MUParams
+from rdakit.sim.verify.cu_harness import CUHarness, run_program, run_session
+from rdakit.sim.verify.runner import generate_verilog
 
 LANES = 4
 MU_P = MUParams(words=256, block_words=16, max_buffers=4, max_buffer_words=128, buf_id_bits=4,
@@ -1000,7 +1000,7 @@ def random_program(rng, fault=None):
 
 
 def _interpret(tiles, buffers, refs):
-    from rdakit.sim.interp import Interpreter
+    from rdakit.sim.models.interp import Interpreter
 
     it = Interpreter(P, FabricConfig(P, tiles))
     names = {name: it.load_buffer(mu, array) for name, (mu, array) in buffers.items()}
@@ -1024,7 +1024,7 @@ def _interpret(tiles, buffers, refs):
 def test_random_programs_match_the_interpreter(seed, fault, stall):
     # With stall > 0, random back-pressure on every MU and CU input of the harness. A stream
     # that reads past the end of its buffer halts in order, after the steps before it.
-    pytest.importorskip("rdakit.sim.interp")
+    pytest.importorskip("rdakit.sim.models.interp")
     rng = np.random.default_rng(100 + seed)
     program, text = random_program(rng, fault)
     local = {w: rand32(rng, LANES).tolist() for w in range(P.cu.local_words)}

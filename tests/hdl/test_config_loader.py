@@ -6,7 +6,8 @@ import zlib
 
 import pytest
 
-from rdakit.compiler.bitstream import (
+from rdakit.hdl.fabric.config_loader import ConfigLoader, LoadStatus
+from rdakit.hdl.spec.bitstream import (
     HEADER,
     MAGIC,
     FabricConfig,
@@ -15,12 +16,11 @@ from rdakit.compiler.bitstream import (
     params_hash,
     write_bitstream,
 )
-from rdakit.hdl.config import CU_MAP
-from rdakit.hdl.config_loader import ConfigLoader, LoadStatus
-from rdakit.hdl.isa import assemble
-from rdakit.hdl.params import CUParams, FabricParams
-from rdakit.sim.amaranth_sim import simulate
-from rdakit.sim.runner import generate_verilog
+from rdakit.hdl.spec.config import CU_MAP
+from rdakit.hdl.spec.isa import assemble
+from rdakit.hdl.spec.params import CUParams, FabricParams
+from rdakit.sim.verify.amaranth_sim import simulate
+from rdakit.sim.verify.runner import generate_verilog
 
 P = FabricParams(rows=2, cols=3, cu=CUParams(lanes=4, prog_len=16))
 

@@ -5,13 +5,14 @@ through the host port, run, and checked bit-exactly against numpy and the interp
 import numpy as np
 import pytest
 
-from rdakit.compiler.bitstream import write_bitstream
-from rdakit.fabric_args import fabric_params
-from rdakit.hdl.config_loader import LoadStatus
-from rdakit.hdl.fabric import Fabric
-from rdakit.sim.amaranth_sim import simulate
-from rdakit.sim.host import AmaranthTransport, HostDriver, HostError
-from rdakit.sim.kernels import matvec, moe_fanout, run_job, run_job_interp, vector_add
+from rdakit.hdl.fabric.config_loader import LoadStatus
+from rdakit.hdl.fabric.top import Fabric
+from rdakit.hdl.spec.bitstream import write_bitstream
+from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.runtime.host import AmaranthTransport, HostDriver, HostError
+from rdakit.sim.runtime.job import run_job, run_job_interp
+from rdakit.sim.verify.amaranth_sim import simulate
+from rdakit.sim.verify.kernels import matvec, moe_fanout, vector_add
 
 P = fabric_params(2, 2, layout="CC/CM", mu_words=2048, prog_len=32)
 

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from rdakit.hdl.free_list import FreeList
-from rdakit.sim.amaranth_sim import WithReset, simulate
-from rdakit.sim.runner import generate_verilog
+from rdakit.hdl.memory.free_list import FreeList
+from rdakit.sim.verify.amaranth_sim import WithReset, simulate
+from rdakit.sim.verify.runner import generate_verilog
 
 
 class FreeListModel:

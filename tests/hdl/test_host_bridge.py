@@ -7,8 +7,8 @@ answered with ERROR frames and change nothing in the fabric."""
 import numpy as np
 import pytest
 
-from rdakit.fabric_args import fabric_params
-from rdakit.hdl.frames import (
+from rdakit.hdl.host.bridge import BridgedFabric, HostBridge
+from rdakit.hdl.spec.frames import (
     SOF,
     BadFrame,
     Frame,
@@ -21,13 +21,14 @@ from rdakit.hdl.frames import (
     int_payload,
     reply_bytes,
 )
-from rdakit.hdl.host_bridge import BridgedFabric, HostBridge
-from rdakit.hdl.packets import HostCmd, MUOp, host_cmd_layout, host_reply_layout, pack
-from rdakit.sim.amaranth_sim import simulate
-from rdakit.sim.host import HostDriver
-from rdakit.sim.host_link import FramedTransport, SimUARTPort, uart_bits
-from rdakit.sim.kernels import run_job, vector_add
-from rdakit.sim.vector import pack_vector
+from rdakit.hdl.spec.packets import HostCmd, MUOp, host_cmd_layout, host_reply_layout, pack
+from rdakit.hdl.spec.params import fabric_params
+from rdakit.hdl.spec.vector import pack_vector
+from rdakit.sim.runtime.host import HostDriver
+from rdakit.sim.runtime.host_link import FramedTransport, SimUARTPort, uart_bits
+from rdakit.sim.runtime.job import run_job
+from rdakit.sim.verify.amaranth_sim import simulate
+from rdakit.sim.verify.kernels import vector_add
 
 P = fabric_params(1, 2, lanes=1, prog_len=16, local_words=16, mu_words=256, max_buffers=4)
 DIV = 4

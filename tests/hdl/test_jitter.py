@@ -10,12 +10,12 @@ import pytest
 from amaranth.back import verilog
 from amaranth.sim import Simulator
 
-from rdakit.hdl.fabric import Fabric
-from rdakit.hdl.flit import pack_flit
-from rdakit.hdl.jitter import jitter_salt, stall_sequence, xorshift32
-from rdakit.hdl.mesh import DualMesh, Mesh
-from rdakit.hdl.params import FabricParams
-from rdakit.sim.noc_model import PATTERNS, Destinations, NocScoreboard, hops, tb_payload_layout
+from rdakit.hdl.fabric.top import Fabric
+from rdakit.hdl.noc.jitter import jitter_salt, stall_sequence, xorshift32
+from rdakit.hdl.noc.mesh import DualMesh, Mesh
+from rdakit.hdl.spec.flit import pack_flit
+from rdakit.hdl.spec.params import FabricParams
+from rdakit.sim.models.noc import PATTERNS, Destinations, NocScoreboard, hops, tb_payload_layout
 
 
 async def drive(ctx, net, n, queues, *, ready_p, rng, on_eject, limit, until=None):

@@ -8,14 +8,14 @@ import warnings
 
 import pytest
 
-from rdakit.hdl.memory_unit import MemoryUnit
-from rdakit.hdl.packets import MUOp, MUStatus, mu_request_layout, mu_response_layout, pack
-from rdakit.hdl.params import PLASTICINE_MU, AllocMode, MUParams, RefcountMode
-from rdakit.sim.amaranth_sim import StreamDriver
-from rdakit.sim.mu_bench import run_requests
-from rdakit.sim.mu_model import MUModel
-from rdakit.sim.mu_stimulus import MUStimulus
-from rdakit.sim.runner import generate_verilog
+from rdakit.hdl.memory.unit import MemoryUnit
+from rdakit.hdl.spec.packets import MUOp, MUStatus, mu_request_layout, mu_response_layout, pack
+from rdakit.hdl.spec.params import PLASTICINE_MU, AllocMode, MUParams, RefcountMode
+from rdakit.sim.bench.mu import run_requests
+from rdakit.sim.models.mu import MUModel
+from rdakit.sim.verify.amaranth_sim import StreamDriver
+from rdakit.sim.verify.mu_stimulus import MUStimulus
+from rdakit.sim.verify.runner import generate_verilog
 
 MODES = [(a, r) for a in AllocMode for r in RefcountMode]
 
@@ -191,7 +191,7 @@ def test_every_fsm_state_is_listed_for_the_observers(monkeypatch):
     reading as INIT."""
     from amaranth.back import rtlil
 
-    import rdakit.hdl.memory_unit as mu
+    import rdakit.hdl.memory.unit as mu
 
     monkeypatch.setattr(mu, "MU_STATES", tuple(s for s in mu.MU_STATES if s != "RMW"))
     with pytest.raises(AssertionError, match=r"MU_STATES lacks the FSM states \['RMW'\]"):

@@ -11,11 +11,11 @@ import pytest
 from amaranth.back import verilog
 from amaranth.sim import Simulator
 
-from rdakit.hdl.flit import Port, pack_flit
-from rdakit.hdl.mesh import DualMesh, Mesh, tile_coords, tile_index
-from rdakit.hdl.packets import MUOp, mu_request_layout, mu_response_layout, pack
-from rdakit.hdl.params import MUParams
-from rdakit.sim.noc_model import (
+from rdakit.hdl.noc.mesh import DualMesh, Mesh, tile_coords, tile_index
+from rdakit.hdl.spec.flit import Port, pack_flit
+from rdakit.hdl.spec.packets import MUOp, mu_request_layout, mu_response_layout, pack
+from rdakit.hdl.spec.params import MUParams
+from rdakit.sim.models.noc import (
     PATTERNS,
     Destinations,
     NocScoreboard,

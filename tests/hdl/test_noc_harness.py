@@ -4,7 +4,7 @@ epochs (``rdakit bench noc`` starts one per traffic pattern)."""
 import pytest
 from amaranth.sim import Simulator
 
-from rdakit.hdl.noc_harness import RATE_ONE, Pattern, TrafficHarness
+from rdakit.sim.verify.noc_harness import RATE_ONE, Pattern, TrafficHarness
 
 
 def _run_phases(epochs):
@@ -60,8 +60,8 @@ def test_check_is_live_within_an_epoch(epochs):
 def test_router_area_finds_yosys_without_an_activated_venv(monkeypatch):
     """``bench noc``'s router area runs Yosys from beside this Python when ``PATH`` lacks it
     (the venv not activated), and counts cells and flip-flops of a small router."""
-    from rdakit.hdl.router import Router
-    from rdakit.sim.noc_bench import router_area
+    from rdakit.hdl.noc.router import Router
+    from rdakit.sim.bench.noc import router_area
 
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     monkeypatch.delenv("RDAKIT_YOSYS", raising=False)

@@ -13,9 +13,9 @@ from amaranth.hdl import ClockDomain, Module
 from amaranth.lib import data
 from amaranth.sim import Simulator
 
-from rdakit.hdl.flit import DIRECTIONS, PORT_DELTA, Port, flit_layout, pack_flit, unpack_flit
-from rdakit.hdl.router import Router, link_signature, port_exists, reachable_outputs
-from rdakit.sim.noc_model import xy_route
+from rdakit.hdl.noc.router import Router, link_signature, port_exists, reachable_outputs
+from rdakit.hdl.spec.flit import DIRECTIONS, PORT_DELTA, Port, flit_layout, pack_flit, unpack_flit
+from rdakit.sim.models.noc import xy_route
 
 ALL_READY = (1 << len(Port)) - 1
 QUEUES = ["voq", "fifo", "scan"]
@@ -561,7 +561,7 @@ def test_arbiter_keeps_the_turn_of_a_blocked_queue(keep_turn):
     ... for ever; with the waiting queues seen, B goes within two cycles of its room's return."""
     from amaranth.hdl import Signal
 
-    from rdakit.hdl.router import _round_robin
+    from rdakit.hdl.noc.router import _round_robin
 
     m = Module()
     m.domains.sync = ClockDomain()

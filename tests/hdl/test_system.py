@@ -6,13 +6,13 @@ import random
 
 import pytest
 
-from rdakit.fabric_args import fabric_params
-from rdakit.hdl.config import MU_MAP
-from rdakit.hdl.packets import MUOp, MUStatus
-from rdakit.hdl.system import System, SystemParams
-from rdakit.sim.amaranth_sim import simulate
-from rdakit.sim.host import AmaranthTransport, HostDriver
-from rdakit.sim.mu_model import MUModel
+from rdakit.hdl.cluster.system import System, SystemParams
+from rdakit.hdl.spec.config import MU_MAP
+from rdakit.hdl.spec.packets import MUOp, MUStatus
+from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.models.mu import MUModel
+from rdakit.sim.runtime.host import AmaranthTransport, HostDriver
+from rdakit.sim.verify.amaranth_sim import simulate
 
 FP = fabric_params(1, 2, cluster_bits=1, mu_words=256, max_buffers=4, prog_len=16)
 SP = SystemParams(FP, clusters=2, link_latency=6)
@@ -146,7 +146,7 @@ def test_system_needs_system_params():
 
 
 def test_fabric_cluster_must_fit_cluster_bits():
-    from rdakit.hdl.fabric import Fabric
+    from rdakit.hdl.fabric.top import Fabric
     with pytest.raises(TypeError, match=r"^cluster must be an integer from 0 to 1"):
         Fabric(FP, cluster=2)
     with pytest.raises(TypeError, match=r"^bridge must be the \(x, y\) of a tile"):
@@ -155,7 +155,7 @@ def test_fabric_cluster_must_fit_cluster_bits():
 
 @pytest.mark.slow
 def test_remote_access_costs_two_link_crossings():
-    from rdakit.sim.cluster_bench import measure_access
+    from rdakit.sim.bench.clusters import measure_access
 
     fig = measure_access(SP, reads=8, words=32)
     local, remote = fig["local"], fig["remote"]
@@ -215,10 +215,10 @@ def test_tokens_and_references_cross_clusters():
     returns the weight: the copy is exact and the buffer freed by that remote return."""
     import numpy as np
 
-    from rdakit.compiler.bitstream import FabricConfig, TileConfig
-    from rdakit.hdl.isa import assemble
-    from rdakit.sim.clusters import SystemJob, run_system_job
-    from rdakit.sim.kernels import HostBuffer, Ref
+    from rdakit.compiler.job import HostBuffer, Ref
+    from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
+    from rdakit.hdl.spec.isa import assemble
+    from rdakit.sim.runtime.clusters import SystemJob, run_system_job
 
     lanes = FP.cu.lanes
     a = np.arange(4 * lanes, dtype=np.int32).reshape(4, lanes) * 7 - 9

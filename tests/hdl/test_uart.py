@@ -8,9 +8,9 @@ import pytest
 from amaranth.hdl import Module
 from amaranth.lib import wiring
 
-from rdakit.hdl.uart import UARTRx, UARTTx, baud_divisor
-from rdakit.sim.amaranth_sim import simulate
-from rdakit.sim.host_link import uart_bits
+from rdakit.hdl.host.uart import UARTRx, UARTTx, baud_divisor
+from rdakit.sim.runtime.host_link import uart_bits
+from rdakit.sim.verify.amaranth_sim import simulate
 
 
 @pytest.mark.parametrize("divisor", [4, 5, 9])

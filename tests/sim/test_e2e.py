@@ -9,9 +9,9 @@ import pytest
 from rdakit.cli import main
 from rdakit.compiler.adapt import MeasuredCostModel, measured_cost
 from rdakit.compiler.cost import CostModel
-from rdakit.sim import e2e
-from rdakit.sim.e2e import SMALLEST, RunSpec
-from rdakit.sim.runner import SIMULATORS, require_simulator
+from rdakit.sim.flows import e2e
+from rdakit.sim.flows.e2e import SMALLEST, RunSpec
+from rdakit.sim.verify.runner import SIMULATORS, require_simulator
 
 FABRIC_2X2 = {"rows": 2, "cols": 2, "prog_len": 2048}
 FABRIC_4X4 = {"rows": 4, "cols": 4, "prog_len": 2048}

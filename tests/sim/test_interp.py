@@ -8,18 +8,18 @@ compared bit for bit with numpy int32 arithmetic.
 import numpy as np
 import pytest
 
-from rdakit.compiler.bitstream import (
+from rdakit.hdl.spec.bitstream import (
     BitstreamError,
     FabricConfig,
     TileConfig,
     read_bitstream,
     write_bitstream,
 )
-from rdakit.hdl.config import CU_STATUS_BITS
-from rdakit.hdl.isa import AluFn, BMode, DMode, Instr, Op, alu, assemble, encode
-from rdakit.hdl.packets import MUOp, MUStatus
-from rdakit.hdl.params import CUParams, FabricParams
-from rdakit.sim.interp import (
+from rdakit.hdl.spec.config import CU_STATUS_BITS
+from rdakit.hdl.spec.isa import AluFn, BMode, DMode, Instr, Op, alu, assemble, encode
+from rdakit.hdl.spec.packets import MUOp, MUStatus
+from rdakit.hdl.spec.params import CUParams, FabricParams
+from rdakit.sim.models.interp import (
     DeadlockError,
     HostError,
     Interpreter,

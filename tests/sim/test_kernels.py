@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from rdakit.fabric_args import fabric_params
-from rdakit.sim.kernels import matmul, matvec, moe_fanout, run_job_interp, vector_add
+from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.runtime.job import run_job_interp
+from rdakit.sim.verify.kernels import matmul, matvec, moe_fanout, vector_add
 
 P2 = fabric_params(2, 2, layout="CC/CM", mu_words=4096)
 P4 = fabric_params(4, 4, mu_words=2048)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rdakit.hdl.packets import (
+from rdakit.hdl.spec.packets import (
     MUOp,
     MUStatus,
     mu_request_layout,
@@ -19,8 +19,8 @@ from rdakit.hdl.packets import (
     pack,
     unpack,
 )
-from rdakit.hdl.params import AllocMode, MUParams, RefcountMode
-from rdakit.sim.mu_model import (
+from rdakit.hdl.spec.params import AllocMode, MUParams, RefcountMode
+from rdakit.sim.models.mu import (
     ModelInvariantError,
     MUModel,
     add_weight,
@@ -35,7 +35,7 @@ from rdakit.sim.mu_model import (
     unlock,
     write,
 )
-from rdakit.sim.mu_stimulus import PROFILES, MUStimulus, random_requests
+from rdakit.sim.verify.mu_stimulus import PROFILES, MUStimulus, random_requests
 
 OK = MUStatus.OK
 OUT_OF_MEMORY = MUStatus.OUT_OF_MEMORY

@@ -7,8 +7,8 @@ import collections
 
 import pytest
 
-from rdakit.hdl.config import CU_STATUS_BITS
-from rdakit.sim.race import (
+from rdakit.hdl.spec.config import CU_STATUS_BITS
+from rdakit.sim.bench.race import (
     BAD_PC,
     SCHEMES,
     WEIGHT_BITS,

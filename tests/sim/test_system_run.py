@@ -1,4 +1,4 @@
-"""sim/system_run.py's pieces that need no simulation: the injected load's program rewrite,
+"""sim/flows/system.py's pieces that need no simulation: the injected load's program rewrite,
 the busy times and their calibration, and the run spec's checks."""
 
 import re
@@ -6,11 +6,11 @@ import re
 import numpy as np
 import pytest
 
-from rdakit.compiler.bitstream import FabricConfig, TileConfig
-from rdakit.fabric_args import fabric_params
-from rdakit.hdl.isa import Instr, Op, decode
-from rdakit.hdl.system import SystemParams
-from rdakit.sim.system_run import SystemRunSpec, busy_times, calibrated, inject_load
+from rdakit.hdl.cluster.system import SystemParams
+from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
+from rdakit.hdl.spec.isa import Instr, Op, decode
+from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.flows.system import SystemRunSpec, busy_times, calibrated, inject_load
 
 
 def system():

@@ -1,0 +1,61 @@
+"""Jobs: what the compiler hands the runtime.
+
+A :class:`Job` is everything needed to run a program on a fabric through the host port: the
+:class:`~rdakit.hdl.spec.bitstream.FabricConfig`, the buffers the host allocates and fills
+before loading (their references are bound into the CUs' initial registers when the bitstream
+is written, so a job runs on a fabric in any state), the buffers read back after done, and the
+expected outputs. The lowering (:mod:`rdakit.compiler.lower`) and the hand-written kernels of
+the tests (:mod:`rdakit.sim.verify.kernels`) make them; :mod:`rdakit.sim.runtime.job` runs them.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from rdakit.hdl.spec.bitstream import FabricConfig
+
+__all__ = ["HostBuffer", "Job", "Ref"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Ref:
+    """An initial register value that is the reference of host buffer ``name``, bound when
+    the job's bitstream is written (:meth:`Job.bind`)."""
+
+    name: str
+
+
+@dataclasses.dataclass
+class HostBuffer:
+    """A buffer the host allocates (in this order) in MU ``mu`` with total weight ``weight``
+    and fills with ``data`` (n × lanes int32, or ``None`` for an empty buffer)."""
+
+    name: str
+    mu: tuple
+    data: np.ndarray | None = None
+    weight: int = 1
+    #: Weight the CUs return; the host returns the rest after reading the outputs.
+    cu_returns: int = 0
+
+
+@dataclasses.dataclass
+class Job:
+    config: FabricConfig
+    buffers: list                    # HostBuffer, allocated in order
+    outputs: list                    # names of buffers read back after the run
+    expected: dict                   # name -> n × lanes int32 array
+    macs: int = 0                    # multiply-accumulates, for lower bounds
+    cus_used: int = 1
+    description: str = ""
+
+    @property
+    def params(self):
+        return self.config.params
+
+    def bind(self, refs):
+        """The configuration with every :class:`Ref` register replaced by ``refs[name]``."""
+        tiles = {}
+        for xy, tile in self.config.tiles.items():
+            regs = {r: refs[v.name] if isinstance(v, Ref) else v for r, v in tile.regs.items()}
+            tiles[xy] = dataclasses.replace(tile, regs=regs)
+        return FabricConfig(self.params, tiles)

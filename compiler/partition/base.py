@@ -1,0 +1,389 @@
+"""Partitioning: one interface, several strategies, the same measures for every result.
+
+The interface is ``strategy.partition(graph, targets) -> parts``: a
+:class:`~rdakit.compiler.partition.wgraph.WeightedGraph` (nodes in topological order, node weights in
+cycles, edge weights in bytes) and :class:`Targets` (the units, with capacities and the loads
+they already carry) in, one unit index per node out. A strategy is a frozen dataclass whose
+fields are its options; :data:`STRATEGIES` names them all:
+
+``multilevel``
+    Multilevel Kernighan-Lin / Fiduccia-Mattheyses (:mod:`.multilevel`).
+``greedy``
+    Cost-based greedy of seed 2, ``findBestCluster`` / ``calculatePartitioningCost``
+    (:mod:`.greedy`).
+``dqn``
+    A DQN agent assigning subgraphs to units, as in seed 3 (:mod:`.dqn`).
+``heft``
+    HEFT list scheduling (:mod:`.heft`).
+``round_robin``, ``static``
+    The baselines of seed 3: node ``i`` (in topological order) on unit ``i mod k``; contiguous
+    chunks of the topological order of equal work.
+``metis``, ``mtkahypar``
+    External references through pymetis and Mt-KaHyPar (:mod:`.external`).
+
+:func:`partition` runs a strategy, checks its answer (every node on exactly one existing unit,
+capacities respected) and measures it (:class:`PartitionResult`): the cut, the imbalance, the
+lower bound on the makespan, the estimated makespan of a list schedule, and whether the
+quotient graph of the parts is acyclic.
+"""
+
+import dataclasses
+import importlib
+import math
+import time
+from typing import ClassVar, Protocol
+
+import numpy as np
+
+from rdakit.compiler.cost import CostModel, list_schedule, lower_bound
+from rdakit.compiler.graph import DataflowGraph
+from rdakit.compiler.partition.wgraph import WeightedGraph
+
+__all__ = [
+    "PartitionError", "Targets", "Partitioner", "PartitionResult", "RoundRobin", "Static",
+    "STRATEGIES", "get_strategy", "partition", "measure", "as_weighted",
+]
+
+
+class PartitionError(ValueError):
+    """A graph does not fit its targets, or a strategy gave a malformed answer."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Targets:
+    """The units a graph is partitioned onto.
+
+    Parameters
+    ----------
+    count : int
+        Number of units.
+    capacity : tuple of float, optional
+        Most work (cycles) each unit may hold, its load included (default: unlimited).
+    load : tuple of float, optional
+        Work each unit already carries (default: none).
+    names : tuple of str, optional
+        Unit names for messages (default ``unit0``, ``unit1``, ...).
+
+    Raises
+    ------
+    TypeError
+        If ``count`` is not a positive integer or a capacity or load is negative.
+    ValueError
+        If a tuple does not have ``count`` entries.
+    """
+
+    count: int
+    capacity: tuple | None = None
+    load: tuple | None = None
+    names: tuple | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.count, int | np.integer) or isinstance(self.count, bool) \
+                or self.count < 1:
+            raise TypeError(f"Target count must be a positive integer, not {self.count!r}")
+        object.__setattr__(self, "count", int(self.count))
+        for field in ("capacity", "load", "names"):
+            value = getattr(self, field)
+            if value is None:
+                continue
+            value = tuple(value)
+            if len(value) != self.count:
+                raise ValueError(f"Target {field} must have {self.count} entries, "
+                                 f"not {len(value)}")
+            if field != "names" and any(not isinstance(x, int | float | np.number) or x < 0
+                                        for x in value):
+                raise TypeError(f"Target {field} must be non-negative numbers, not {value!r}")
+            object.__setattr__(self, field, value)
+
+    @classmethod
+    def uniform(cls, count, capacity=None):
+        """``count`` equal units with an optional common capacity."""
+        return cls(count, None if capacity is None else (capacity,) * count)
+
+    @property
+    def k(self):
+        """Number of units."""
+        return self.count
+
+    def name(self, p):
+        """Name of unit ``p``."""
+        return self.names[p] if self.names is not None else f"unit{p}"
+
+    @property
+    def loads(self):
+        """Pre-existing loads as an array."""
+        return np.zeros(self.count) if self.load is None else np.asarray(self.load, dtype=float)
+
+    @property
+    def capacities(self):
+        """Capacities as an array (``inf`` when unlimited)."""
+        if self.capacity is None:
+            return np.full(self.count, np.inf)
+        return np.asarray(self.capacity, dtype=float)
+
+    def target_weights(self, total):
+        """Work each unit should receive so that work plus load is even, capped by capacity.
+
+        Sums to ``total`` when the capacities allow it.
+        """
+        loads, caps = self.loads, self.capacities
+        free = caps - loads
+        level = _water_level(total, loads, free)
+        return np.clip(level - loads, 0, free)
+
+    def max_weights(self, total, eps):
+        """Most work each unit may receive: ``(1 + eps)`` times its share, capped by capacity,
+        and never less than its share."""
+        share = self.target_weights(total)
+        even = (total + self.loads.sum()) / self.count
+        return np.minimum(np.maximum(share, (1 + eps) * even - self.loads),
+                          self.capacities - self.loads)
+
+
+def _water_level(total, loads, free):
+    """The level ``L`` with ``sum(clip(L - loads, 0, free)) == total`` (bisection)."""
+    if total <= 0:
+        return float(loads.min(initial=0.0))
+    lo, hi = float(loads.min()), float(loads.max() + total)
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if np.clip(mid - loads, 0, free).sum() < total:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+class Partitioner(Protocol):
+    """A partitioning strategy: a frozen dataclass of options with a name."""
+
+    name: ClassVar[str]
+
+    def partition(self, graph: WeightedGraph, targets: Targets) -> np.ndarray:
+        """Return the unit of every node (an integer array of length ``graph.n``)."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PartitionResult:
+    """An assignment with its measures.
+
+    Members
+    -------
+    strategy : str
+        Name of the strategy.
+    graph : WeightedGraph
+        The partitioned graph.
+    targets : Targets
+        The units.
+    parts : numpy.ndarray
+        Unit of each node.
+    seconds : float
+        Time the strategy took.
+    cut : int
+        Sum of the weights (bytes) of edges crossing units.
+    imbalance : float
+        Heaviest unit (work plus load) over the average, minus 1.
+    lower_bound : float
+        Larger of the critical path and total work over units.
+    makespan : int
+        Estimated makespan: list schedule of the assignment under the cost model.
+    quotient_acyclic : bool
+        Whether the graph of units is acyclic.
+    """
+
+    strategy: str
+    graph: WeightedGraph
+    targets: Targets
+    parts: np.ndarray
+    seconds: float
+    cut: int
+    imbalance: float
+    lower_bound: float
+    makespan: int
+    quotient_acyclic: bool
+
+    def assignment(self):
+        """Unit of each node, by node name."""
+        return {self.graph.label(i): int(p) for i, p in enumerate(self.parts)}
+
+    def row(self):
+        """The measures as a dict (for tables and JSON)."""
+        return {"partitioner": self.strategy, "cut": self.cut,
+                "imbalance": round(self.imbalance, 6), "seconds": round(self.seconds, 4),
+                "makespan": self.makespan, "lower_bound": round(self.lower_bound, 1),
+                "acyclic": self.quotient_acyclic}
+
+
+def as_weighted(graph, cost=None):
+    """A :class:`WeightedGraph` for a dataflow graph (through ``cost``) or itself."""
+    if isinstance(graph, WeightedGraph):
+        return graph
+    if isinstance(graph, DataflowGraph):
+        return WeightedGraph.from_dataflow(graph, cost)
+    raise TypeError(f"Graph must be a DataflowGraph or a WeightedGraph, not "
+                    f"{type(graph).__name__}")
+
+
+def _as_targets(targets):
+    return Targets(targets) if isinstance(targets, int | np.integer) else targets
+
+
+def check_assignment(wg, targets, parts):
+    """Check that ``parts`` puts every node on exactly one existing unit; return it as int64."""
+    parts = np.asarray(parts)
+    if parts.shape != (wg.n,) or (wg.n and not np.issubdtype(parts.dtype, np.integer)):
+        raise PartitionError(f"An assignment of graph {wg.name!r} must be {wg.n} unit "
+                             f"indices, not an array of {parts.dtype} and shape {parts.shape}")
+    parts = parts.astype(np.int64)
+    bad = np.flatnonzero((parts < 0) | (parts >= targets.count))
+    if len(bad):
+        i = int(bad[0])
+        raise PartitionError(f"Node {wg.label(i)!r} is assigned to unit {parts[i]}, which is "
+                             f"not one of the {targets.count} targets")
+    return parts
+
+
+def check_capacity(wg, targets, parts=None):
+    """Raise :class:`PartitionError` if the work cannot fit, or ``parts`` overfills a unit."""
+    caps, loads = targets.capacities, targets.loads
+    if parts is None:
+        total = wg.total_weight + loads.sum()
+        if total > caps.sum():
+            raise PartitionError(f"Graph {wg.name!r} needs {wg.total_weight} cycles of work "
+                                 f"but the {targets.count} targets have room for "
+                                 f"{caps.sum() - loads.sum():g}")
+        heaviest = int(np.argmax(wg.node_weight)) if wg.n else None
+        if heaviest is not None and wg.node_weight[heaviest] > (caps - loads).max():
+            raise PartitionError(f"Node {wg.label(heaviest)!r} needs "
+                                 f"{wg.node_weight[heaviest]} cycles but no target has room for "
+                                 f"more than {(caps - loads).max():g}")
+        return
+    weights = wg.part_weights(parts, targets.count) + loads
+    over = np.flatnonzero(weights > caps)
+    if len(over):
+        p = int(over[0])
+        raise PartitionError(f"Partition {p} needs {weights[p]:g} cycles (load included) but "
+                             f"target {targets.name(p)!r} has capacity {caps[p]:g}")
+
+
+def imbalance(wg, targets, parts):
+    """Heaviest unit (work plus load) over the average, minus 1 (0 for an empty graph)."""
+    weights = wg.part_weights(parts, targets.count) + targets.loads
+    mean = weights.sum() / targets.count
+    return float(weights.max() / mean - 1) if mean > 0 else 0.0
+
+
+def measure(wg, targets, parts, cost=None, *, strategy="?", seconds=0.0, hops=None):
+    """Measure an assignment (see :class:`PartitionResult`)."""
+    cost = CostModel() if cost is None else cost
+    targets = _as_targets(targets)
+    parts = check_assignment(wg, targets, parts)
+    sched = list_schedule(wg, parts, targets.count, cost, hops=hops, loads=targets.loads)
+    return PartitionResult(strategy, wg, targets, parts, float(seconds), wg.cut(parts),
+                           imbalance(wg, targets, parts),
+                           lower_bound(wg, targets.count, targets.loads), sched.makespan,
+                           wg.quotient_acyclic(parts))
+
+
+# --- the baselines ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RoundRobin:
+    """Node ``i`` of the topological order on unit ``i mod k`` (loads and capacities ignored)."""
+
+    name: ClassVar[str] = "round_robin"
+
+    def partition(self, graph, targets):
+        return np.arange(graph.n, dtype=np.int64) % targets.count
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """Contiguous chunks of the topological order, each with its unit's share of the work.
+
+    The quotient graph is acyclic by construction (unit ``p`` only feeds units ``q >= p``).
+    """
+
+    name: ClassVar[str] = "static"
+
+    def partition(self, graph, targets):
+        w = graph.node_weight.astype(float)
+        if w.sum() == 0:
+            w = np.ones(graph.n)
+        share = targets.target_weights(w.sum())
+        bounds = np.cumsum(share)[:-1]
+        middle = np.cumsum(w) - w / 2
+        return np.searchsorted(bounds, middle, side="right").astype(np.int64)
+
+
+#: Strategy classes by name, as ``module:Class`` (imported on first use).
+STRATEGIES = {
+    "multilevel": "multilevel:MultilevelKL",
+    "greedy": "greedy:CostGreedy",
+    "dqn": "dqn:DQNPartitioner",
+    "heft": "heft:HEFT",
+    "round_robin": "base:RoundRobin",
+    "static": "base:Static",
+    "metis": "external:Metis",
+    "mtkahypar": "external:MtKaHyPar",
+}
+
+
+def get_strategy(name, **options):
+    """The strategy called ``name``, built with ``options``.
+
+    Raises
+    ------
+    ValueError
+        If there is no strategy of that name.
+    """
+    if name not in STRATEGIES:
+        raise ValueError(f"Strategy must be one of {', '.join(STRATEGIES)}, not {name!r}")
+    module, cls = STRATEGIES[name].split(":")
+    return getattr(importlib.import_module(f"{__package__}.{module}"), cls)(**options)
+
+
+def partition(graph, targets, strategy="multilevel", *, cost=None, **options):
+    """Partition ``graph`` onto ``targets`` and measure the result.
+
+    Parameters
+    ----------
+    graph : DataflowGraph or WeightedGraph
+        The graph (a dataflow graph is weighed through ``cost``).
+    targets : Targets or int
+        The units (an int: that many equal units without loads or capacities).
+    strategy : str or Partitioner
+        A name from :data:`STRATEGIES` (built with ``options``) or a strategy object.
+    cost : CostModel, optional
+        Cost model for weighing and measuring (default :class:`CostModel`).
+
+    Returns
+    -------
+    PartitionResult
+
+    Raises
+    ------
+    PartitionError
+        If the work cannot fit the targets' capacities, or the assignment overfills one.
+    """
+    cost = CostModel() if cost is None else cost
+    wg = as_weighted(graph, cost)
+    targets = _as_targets(targets)
+    if isinstance(strategy, str):
+        if strategy in ("greedy", "heft", "dqn") and "cost" not in options:
+            options["cost"] = cost
+        strategy = get_strategy(strategy, **options)
+    check_capacity(wg, targets)
+    t0 = time.perf_counter()
+    parts = strategy.partition(wg, targets)
+    seconds = time.perf_counter() - t0
+    parts = check_assignment(wg, targets, parts)
+    check_capacity(wg, targets, parts)
+    return measure(wg, targets, parts, cost, strategy=strategy.name, seconds=seconds)
+
+
+def balance_limit(wg, targets, eps):
+    """Largest part weight (load included) allowed by a balance tolerance ``eps``: used by the
+    tests and the bench to check a result."""
+    even = (wg.total_weight + targets.loads.sum()) / targets.count
+    return max((1 + eps) * even, float(wg.node_weight.max(initial=0)) + math.ceil(even))

@@ -1,0 +1,1 @@
+"""Systems of clusters: fabrics joined by credit-flow-controlled bridges."""

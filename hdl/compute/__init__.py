@@ -1,0 +1,1 @@
+"""The compute unit (CU): a control sequencer and a SIMD stream datapath."""

@@ -1,0 +1,1 @@
+"""The fabric: tiles on two meshes, the configuration loader and the host port."""

@@ -1,0 +1,1 @@
+"""The board's host bridge: a UART and the framed link to the fabric's host port."""

@@ -1,0 +1,377 @@
+"""The board's host bridge: frames over a UART to and from the fabric's host port.
+
+Format and rules in :mod:`rdakit.hdl.spec.frames` and ``docs/boards.md``. The receiver checks a frame
+completely (kind, length, CRC, no UART error, no gap longer than ``timeout`` cycles) before the
+command it carries reaches the fabric, so a corrupted frame is answered with an ``ERROR`` frame
+and changes nothing. One frame is handled at a time: the host sends the next frame after the
+answer to the last one.
+"""
+
+from amaranth.hdl import Cat, Const, Module, Mux, Signal
+from amaranth.lib import stream, wiring
+from amaranth.lib.wiring import In, Out
+
+from rdakit.hdl.host.uart import UARTRx, UARTTx, check_divisor
+from rdakit.hdl.spec.frames import (
+    FRAME_CRC,
+    NO_REPLY,
+    SOF,
+    FrameError,
+    FrameKind,
+    cmd_bytes,
+    reply_bytes,
+)
+from rdakit.hdl.spec.packets import host_cmd_layout, host_reply_layout
+from rdakit.hdl.spec.params import FabricParams
+
+__all__ = ["HostBridge", "BridgedFabric"]
+
+
+class HostBridge(wiring.Component):
+    """UART frames to host-port commands and host-port replies to UART frames.
+
+    Parameters
+    ----------
+    params : FabricParams
+        The fabric whose host port the bridge drives (command and reply layouts).
+    divisor : int
+        UART clocks per bit (at least 4).
+    timeout : int
+        Cycles of silence inside a frame after which it is ``TRUNCATED`` (at least 20 bit
+        times: a host may pause between bytes).
+
+    Members
+    -------
+    rx : In(1), tx : Out(1)
+        The UART lines (idle high).
+    cmd : Out(stream.Signature(host_cmd_layout(params.mu)))
+        Commands to the fabric's host port, one per good ``CMD`` frame.
+    reply : In(stream.Signature(host_reply_layout(params.mu)))
+        The host port's replies.
+    frames_ok, frames_bad : Out(16)
+        Frames applied and frames answered with ``ERROR`` (wrapping counters, for LEDs and
+        debugging).
+
+    Latency: a command reaches ``cmd`` 3 cycles after the last CRC byte is received; its answer
+    frame starts 2 cycles after the reply (or the command, if it has none) is taken.
+    """
+
+    def __init__(self, params, *, divisor, timeout=None):
+        if not isinstance(params, FabricParams):
+            raise TypeError(f"Params must be a FabricParams, not {params!r}")
+        check_divisor(divisor)
+        if timeout is None:
+            timeout = 200 * divisor
+        if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 20 * divisor:
+            raise TypeError(f"Timeout must be an integer of at least 20 bit times "
+                            f"({20 * divisor} cycles), not {timeout!r}")
+        self.params = params
+        self.divisor = divisor
+        self.timeout = timeout
+        p = params.mu
+        super().__init__({
+            "rx": In(1, init=1),
+            "tx": Out(1, init=1),
+            "cmd": Out(stream.Signature(host_cmd_layout(p))),
+            "reply": In(stream.Signature(host_reply_layout(p))),
+            "frames_ok": Out(16),
+            "frames_bad": Out(16),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        p = self.params.mu
+        n_cmd = cmd_bytes(p)
+        n_reply = reply_bytes(p)
+        m.submodules.uart_rx = urx = UARTRx(self.divisor)
+        m.submodules.uart_tx = utx = UARTTx(self.divisor)
+        m.d.comb += [urx.rx.eq(self.rx), self.tx.eq(utx.tx)]
+
+        # --- receiver: bytes to a checked frame --------------------------------------------
+        m.submodules.rx_crc = rx_crc = FRAME_CRC.create()
+        buf = Signal(8 * n_cmd)            # the payload, zero-filled past LEN
+        seq = Signal(8)
+        kind = Signal(8)
+        length = Signal(8)
+        index = Signal(8)
+        crc_hi = Signal(8)
+        crc_lo = Signal(8)
+        garbage = Signal()                 # a run of non-SOF bytes was already answered
+        quiet = Signal(range(self.timeout + 1))
+        ev_valid = Signal()                # a frame (or an error) waits for the core
+        ev_seq = Signal(8)
+        ev_error = Signal(FrameError, init=FrameError.BAD_CRC)
+        ev_ok = Signal()                   # ev: a good frame (else ev_error)
+        ev_taken = Signal()                # from the core
+        pend_error = Signal(FrameError, init=FrameError.BAD_CRC)   # found, to hand over
+
+        byte = urx.o.payload.data
+        uart_bad = urx.o.payload.framing_error | urx.o.payload.overrun
+        got = Signal()
+        m.d.comb += [
+            got.eq(urx.o.valid & urx.o.ready),
+            rx_crc.data.eq(byte),
+        ]
+        kind_ok = (byte == FrameKind.CMD.value) | (byte == FrameKind.OPEN.value)
+        max_len = Mux(kind == FrameKind.CMD.value, n_cmd, 0)
+
+        with m.If(ev_taken):
+            m.d.sync += ev_valid.eq(0)
+
+        def fail(error):
+            m.d.sync += [pend_error.eq(error), garbage.eq(1)]
+            m.next = "REPORT"
+
+        with m.FSM(name="rx"):
+            with m.State("HUNT"):
+                m.d.comb += urx.o.ready.eq(1)
+                # A quiet line ends a run of garbage: the next non-SOF byte is answered again.
+                with m.If(quiet == self.timeout):
+                    m.d.sync += garbage.eq(0)
+                with m.Else():
+                    m.d.sync += quiet.eq(quiet + 1)
+                with m.If(got):
+                    m.d.sync += quiet.eq(0)
+                    with m.If((byte == SOF) & ~uart_bad):
+                        m.d.sync += [garbage.eq(0), quiet.eq(0), buf.eq(0), index.eq(0),
+                                     seq.eq(0)]
+                        m.d.comb += rx_crc.start.eq(1)
+                        m.next = "SEQ"
+                    with m.Elif(~garbage):
+                        m.d.sync += seq.eq(0)
+                        fail(FrameError.SYNC)
+            for state, nxt in (("SEQ", "KIND"), ("KIND", "LEN"), ("LEN", "PAYLOAD"),
+                               ("PAYLOAD", "CRC_HI"), ("CRC_HI", "CRC_LO"), ("CRC_LO", "CHECK")):
+                with m.State(state):
+                    m.d.comb += urx.o.ready.eq(1)
+                    m.d.sync += quiet.eq(quiet + 1)
+                    with m.If(got):
+                        m.d.sync += quiet.eq(0)
+                        m.d.comb += rx_crc.valid.eq(state in ("SEQ", "KIND", "LEN", "PAYLOAD"))
+                        with m.If(uart_bad):
+                            fail(FrameError.UART)
+                        with m.Else():
+                            if state == "SEQ":
+                                m.d.sync += seq.eq(byte)
+                                m.next = nxt
+                            elif state == "KIND":
+                                m.d.sync += kind.eq(byte)
+                                with m.If(kind_ok):
+                                    m.next = nxt
+                                with m.Else():
+                                    fail(FrameError.BAD_KIND)
+                            elif state == "LEN":
+                                m.d.sync += length.eq(byte)
+                                with m.If(byte > max_len):
+                                    fail(FrameError.BAD_LENGTH)
+                                with m.Elif(byte == 0):
+                                    m.next = "CRC_HI"
+                                with m.Else():
+                                    m.next = nxt
+                            elif state == "PAYLOAD":
+                                with m.Switch(index):
+                                    for i in range(n_cmd):
+                                        with m.Case(i):
+                                            m.d.sync += buf[8 * i:8 * i + 8].eq(byte)
+                                m.d.sync += index.eq(index + 1)
+                                with m.If(index + 1 == length):
+                                    m.next = nxt
+                            elif state == "CRC_HI":
+                                m.d.sync += crc_hi.eq(byte)
+                                m.next = nxt
+                            else:
+                                m.d.sync += crc_lo.eq(byte)
+                                m.next = nxt
+                    with m.Elif(quiet == self.timeout):
+                        fail(FrameError.TRUNCATED)
+            with m.State("CHECK"):
+                with m.If(~ev_valid):
+                    with m.If(rx_crc.crc == Cat(crc_lo, crc_hi)):
+                        m.d.sync += [ev_valid.eq(1), ev_ok.eq(1), ev_seq.eq(seq)]
+                        m.next = "HOLD"
+                    with m.Else():
+                        fail(FrameError.BAD_CRC)
+            with m.State("REPORT"):
+                with m.If(~ev_valid):
+                    m.d.sync += [ev_valid.eq(1), ev_ok.eq(0), ev_error.eq(pend_error),
+                                 ev_seq.eq(seq)]
+                    m.next = "HUNT"
+            with m.State("HOLD"):
+                # ``buf`` and ``seq`` stay until the core has issued the command.
+                with m.If(ev_taken):
+                    m.next = "HUNT"
+
+        # --- core: apply a good frame once, choose the answer -------------------------------
+        last_seq = Signal(8)
+        have_last = Signal()
+        held_kind = Signal(8)              # ACK or REPLY: the answer of the last CMD applied
+        held_reply = Signal(8 * n_reply)
+        ans_kind = Signal(8)
+        ans_seq = Signal(8)
+        ans_error = Signal(8)
+        ans_start = Signal()               # one-cycle pulse to the transmitter
+        tx_busy = Signal()
+        frames_ok = Signal(16)
+        frames_bad = Signal(16)
+        m.d.comb += [self.frames_ok.eq(frames_ok), self.frames_bad.eq(frames_bad)]
+
+        kind_field = host_cmd_layout(p)["kind"]
+        cmd_kind = buf[kind_field.offset:kind_field.offset + kind_field.width]
+        no_reply = Const(0)
+        for k in NO_REPLY:
+            no_reply = no_reply | (cmd_kind == k.value)
+        m.d.comb += self.cmd.payload.eq(buf[:host_cmd_layout(p).size])
+
+        with m.FSM(name="core"):
+            with m.State("IDLE"):
+                with m.If(ev_valid & ~tx_busy):
+                    m.d.sync += ans_seq.eq(ev_seq)
+                    with m.If(~ev_ok):
+                        m.d.comb += ev_taken.eq(1)
+                        m.d.sync += [ans_kind.eq(FrameKind.ERROR.value),
+                                     ans_error.eq(ev_error), frames_bad.eq(frames_bad + 1)]
+                        m.next = "ANSWER"
+                    with m.Elif(kind == FrameKind.OPEN.value):
+                        m.d.comb += ev_taken.eq(1)
+                        m.d.sync += [have_last.eq(0), ans_kind.eq(FrameKind.ACK.value),
+                                     frames_ok.eq(frames_ok + 1)]
+                        m.next = "ANSWER"
+                    with m.Elif(have_last & (ev_seq == last_seq)):
+                        # A resent frame: its command was applied; answer it again.
+                        m.d.comb += ev_taken.eq(1)
+                        m.d.sync += ans_kind.eq(held_kind)
+                        m.next = "ANSWER"
+                    with m.Else():
+                        m.next = "ISSUE"
+            with m.State("ISSUE"):
+                m.d.comb += self.cmd.valid.eq(1)
+                with m.If(self.cmd.ready):
+                    m.d.comb += ev_taken.eq(1)
+                    m.d.sync += [last_seq.eq(ev_seq), have_last.eq(1),
+                                 frames_ok.eq(frames_ok + 1)]
+                    with m.If(no_reply):
+                        m.d.sync += [held_kind.eq(FrameKind.ACK.value),
+                                     ans_kind.eq(FrameKind.ACK.value)]
+                        m.next = "ANSWER"
+                    with m.Else():
+                        m.next = "WAIT_REPLY"
+            with m.State("WAIT_REPLY"):
+                m.d.comb += self.reply.ready.eq(1)
+                with m.If(self.reply.valid):
+                    m.d.sync += [held_reply.eq(self.reply.payload.as_value()),
+                                 held_kind.eq(FrameKind.REPLY.value),
+                                 ans_kind.eq(FrameKind.REPLY.value)]
+                    m.next = "ANSWER"
+            with m.State("ANSWER"):
+                m.d.comb += ans_start.eq(1)
+                m.next = "IDLE"
+
+        # --- transmitter: the answer frame ------------------------------------------------
+        m.submodules.tx_crc = tx_crc = FRAME_CRC.create()
+        reply_len = Signal(8)              # held_reply without its trailing zero bytes
+        for i in range(n_reply):
+            with m.If(held_reply[8 * i:8 * i + 8] != 0):
+                m.d.comb += reply_len.eq(i + 1)
+        tx_len = Signal(8)
+        tx_index = Signal(8)
+        tx_byte = Signal(8)
+        reply_byte = Signal(8)
+        with m.Switch(tx_index):
+            for i in range(n_reply):
+                with m.Case(i):
+                    m.d.comb += reply_byte.eq(held_reply[8 * i:8 * i + 8])
+        m.d.comb += [utx.i.payload.eq(tx_byte), tx_crc.data.eq(tx_byte)]
+        sent = utx.i.valid & utx.i.ready
+
+        with m.FSM(name="tx"):
+            with m.State("IDLE"):
+                with m.If(ans_start):
+                    m.d.sync += [
+                        tx_busy.eq(1), tx_index.eq(0),
+                        tx_len.eq(Mux(ans_kind == FrameKind.REPLY.value, reply_len,
+                                      Mux(ans_kind == FrameKind.ERROR.value, 1, 0))),
+                    ]
+                    m.d.comb += tx_crc.start.eq(1)
+                    m.next = "SOF"
+            for state, value, nxt, crc_in in (
+                    ("SOF", SOF, "SEQ", False), ("SEQ", ans_seq, "KIND", True),
+                    ("KIND", ans_kind, "LEN", True), ("LEN", tx_len, "PAYLOAD", True)):
+                with m.State(state):
+                    m.d.comb += [utx.i.valid.eq(1), tx_byte.eq(value),
+                                 tx_crc.valid.eq(sent & crc_in)]
+                    with m.If(sent):
+                        m.next = nxt
+                        if state == "LEN":
+                            with m.If(tx_len == 0):
+                                m.next = "CRC_HI"
+            with m.State("PAYLOAD"):
+                m.d.comb += [utx.i.valid.eq(1), tx_crc.valid.eq(sent),
+                             tx_byte.eq(Mux(ans_kind == FrameKind.ERROR.value, ans_error,
+                                            reply_byte))]
+                with m.If(sent):
+                    m.d.sync += tx_index.eq(tx_index + 1)
+                    with m.If(tx_index + 1 == tx_len):
+                        m.next = "CRC_HI"
+            with m.State("CRC_HI"):
+                m.d.comb += [utx.i.valid.eq(1), tx_byte.eq(tx_crc.crc[8:])]
+                with m.If(sent):
+                    m.next = "CRC_LO"
+            with m.State("CRC_LO"):
+                m.d.comb += [utx.i.valid.eq(1), tx_byte.eq(tx_crc.crc[:8])]
+                with m.If(sent):
+                    m.d.sync += tx_busy.eq(0)
+                    m.next = "IDLE"
+        return m
+
+
+class BridgedFabric(wiring.Component):
+    """A fabric behind a host bridge: what a board holds, without its pins.
+
+    Parameters
+    ----------
+    params : FabricParams
+    divisor, timeout : int
+        Of the :class:`HostBridge`.
+
+    Members
+    -------
+    rx : In(1), tx : Out(1)
+        The UART lines.
+    configured, done, error : Out(1)
+        The fabric's (for LEDs).
+    frames_ok, frames_bad : Out(16)
+        The bridge's counters.
+    """
+
+    def __init__(self, params, *, divisor, timeout=None):
+        from rdakit.hdl.fabric.top import Fabric
+
+        self.bridge = HostBridge(params, divisor=divisor, timeout=timeout)
+        self.fabric = Fabric(params)
+        self.params = params
+        super().__init__({
+            "rx": In(1, init=1),
+            "tx": Out(1, init=1),
+            "configured": Out(1),
+            "done": Out(1),
+            "error": Out(1),
+            "frames_ok": Out(16),
+            "frames_bad": Out(16),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        m.submodules.bridge = bridge = self.bridge
+        m.submodules.fabric = fabric = self.fabric
+        wiring.connect(m, bridge.cmd, fabric.cmd)
+        wiring.connect(m, fabric.reply, bridge.reply)
+        m.d.comb += [
+            bridge.rx.eq(self.rx),
+            self.tx.eq(bridge.tx),
+            self.configured.eq(fabric.configured),
+            self.done.eq(fabric.done),
+            self.error.eq(fabric.error),
+            self.frames_ok.eq(bridge.frames_ok),
+            self.frames_bad.eq(bridge.frames_bad),
+        ]
+        return m

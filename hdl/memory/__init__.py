@@ -1,0 +1,1 @@
+"""The memory unit (MU): free list, block table and the unit itself."""

@@ -1,0 +1,223 @@
+"""The board link's frame format: the one definition the bridge RTL, the host link and the docs use.
+
+A host talks to a board's :class:`~rdakit.hdl.host.bridge.HostBridge` over a UART in frames::
+
+    SOF  SEQ  KIND  LEN  payload (LEN bytes)  CRC (2 bytes, high byte first)
+
+``SOF`` is :data:`SOF`; the CRC (:data:`FRAME_CRC`, from ``amaranth.lib.crc``'s catalogue, the
+same parameters in hardware and in :func:`frame_crc`) covers ``SEQ`` to the end of the payload.
+A command payload is the packed :func:`~rdakit.hdl.spec.packets.host_cmd_layout` value, little-endian,
+with its trailing zero bytes left out (the receiver fills them with zeros); a reply payload is the
+packed :func:`~rdakit.hdl.spec.packets.host_reply_layout` value, the same way. Every frame the bridge
+receives gets exactly one answer frame with the same ``SEQ``: ``REPLY``, ``ACK`` or ``ERROR``
+(``docs/boards.md``). A frame with any error is never applied. A ``CMD`` frame with the ``SEQ`` of
+the last one applied is not applied again: its answer is sent again, so a host may always resend
+a frame whose answer it did not get.
+"""
+
+import dataclasses
+
+from amaranth.lib import crc, enum
+
+from rdakit.hdl.spec.packets import HostCmd, host_cmd_layout, host_reply_layout
+from rdakit.hdl.spec.params import MUParams
+
+__all__ = ["SOF", "FrameKind", "FrameError", "FRAME_CRC", "NO_REPLY", "KIND_DOC", "ERROR_DOC",
+           "frame_crc", "cmd_bytes", "reply_bytes", "int_payload", "encode_frame", "Frame",
+           "BadFrame", "FrameParser", "HEADER_BYTES", "TRAILER_BYTES"]
+
+#: The first byte of every frame.
+SOF = 0xA5
+#: Bytes before the payload (SOF, SEQ, KIND, LEN) and after it (CRC).
+HEADER_BYTES = 4
+TRAILER_BYTES = 2
+
+#: CRC-16/CCITT-FALSE (poly 0x1021, init 0xFFFF), one byte a step.
+FRAME_CRC = crc.catalog.CRC16_CCITT_FALSE(data_width=8)
+
+
+class FrameKind(enum.Enum, shape=8):
+    """What a frame carries. Host to board: ``CMD``, ``OPEN``; board to host: the others."""
+
+    CMD = 0x01     #: a host-port command
+    OPEN = 0x02    #: start a session: forget the last SEQ applied
+    REPLY = 0x81   #: the host port's reply to a command
+    ACK = 0x82     #: the command (or OPEN) was applied and has no reply
+    ERROR = 0x83   #: the frame was not applied; the payload is one FrameError byte
+
+
+class FrameError(enum.Enum, shape=8):
+    """The code of an ``ERROR`` frame."""
+
+    BAD_CRC = 1
+    BAD_LENGTH = 2
+    BAD_KIND = 3
+    TRUNCATED = 4
+    SYNC = 5
+    UART = 6
+
+
+KIND_DOC = {
+    FrameKind.CMD: ("host", "a packed host command (trailing zero bytes left out)",
+                    "REPLY, or ACK for LOAD_BEGIN / LOAD_WORD"),
+    FrameKind.OPEN: ("host", "none", "ACK; the next CMD is applied whatever its SEQ"),
+    FrameKind.REPLY: ("board", "a packed host-port reply (trailing zero bytes left out)", "—"),
+    FrameKind.ACK: ("board", "none", "—"),
+    FrameKind.ERROR: ("board", "one byte: the FrameError code", "—"),
+}
+
+ERROR_DOC = {
+    FrameError.BAD_CRC: "the CRC does not match",
+    FrameError.BAD_LENGTH: "LEN is longer than the kind's payload (a CMD's packed command, "
+                           "0 for OPEN)",
+    FrameError.BAD_KIND: "KIND is not a host-to-board kind",
+    FrameError.TRUNCATED: "the line went quiet inside a frame for longer than the bridge's "
+                          "timeout",
+    FrameError.SYNC: "bytes other than SOF between frames, answered once a run (with SEQ 0); "
+                     "a run, like the rest of a frame found bad, ends at a SOF or a quiet line",
+    FrameError.UART: "a byte of the frame had a framing error (its stop bit was low), or bytes "
+                     "were lost (overrun)",
+}
+
+#: Host-port commands that have no reply: the bridge answers them with ACK.
+NO_REPLY = frozenset({HostCmd.LOAD_BEGIN, HostCmd.LOAD_WORD})
+
+
+def frame_crc(data):
+    """The frame CRC of ``data`` (bytes), as the bridge computes it."""
+    return FRAME_CRC.compute(bytes(data))
+
+
+def cmd_bytes(p: MUParams):
+    """Bytes of a packed host command: the longest CMD payload."""
+    return (host_cmd_layout(p).size + 7) // 8
+
+
+def reply_bytes(p: MUParams):
+    """Bytes of a packed host-port reply: the longest REPLY payload."""
+    return (host_reply_layout(p).size + 7) // 8
+
+
+def int_payload(value, nbytes):
+    """``value`` as at most ``nbytes`` little-endian bytes, trailing zero bytes left out."""
+    if value < 0 or value >> (8 * nbytes):
+        raise ValueError(f"Payload value must fit in {nbytes} bytes, not {value!r}")
+    return value.to_bytes(nbytes, "little").rstrip(b"\0")
+
+
+def encode_frame(kind, seq, payload=b""):
+    """The bytes of one frame."""
+    kind = FrameKind(kind)
+    if not 0 <= seq < 256:
+        raise ValueError(f"SEQ must be a byte, not {seq!r}")
+    if len(payload) > 255:
+        raise ValueError(f"Payload must be at most 255 bytes, not {len(payload)}")
+    body = bytes([seq, kind.value, len(payload)]) + bytes(payload)
+    return bytes([SOF]) + body + frame_crc(body).to_bytes(2, "big")
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    """A frame that passed its checks."""
+
+    kind: FrameKind
+    seq: int
+    payload: bytes
+
+    @property
+    def value(self):
+        """The payload as a little-endian integer (a packed command or reply)."""
+        return int.from_bytes(self.payload, "little")
+
+
+@dataclasses.dataclass(frozen=True)
+class BadFrame:
+    """Bytes that did not make a frame: ``error`` says why, ``seq`` is the SEQ byte if read."""
+
+    error: FrameError
+    seq: int | None = None
+
+
+class FrameParser:
+    """Turns a byte stream into :class:`Frame` and :class:`BadFrame` events, like the bridge's
+    receiver: bytes before a SOF are one ``SYNC`` event a run, and ``max_len`` maps each kind
+    accepted to its longest payload (a kind not in it is ``BAD_KIND``). A timeout (a quiet
+    line inside a frame) is the caller's: :meth:`timeout` ends a frame in progress."""
+
+    def __init__(self, max_len):
+        self.max_len = {FrameKind(k): n for k, n in max_len.items()}
+        self._reset()
+        self._garbage = False
+
+    def _reset(self):
+        self._state = "HUNT"
+        self._body = bytearray()
+        self._len = 0
+
+    @property
+    def in_frame(self):
+        return self._state != "HUNT"
+
+    def timeout(self):
+        """The line went quiet: a frame in progress is ``TRUNCATED``; a run of garbage ends."""
+        if self._state == "HUNT":
+            self._garbage = False
+            return []
+        seq = self._body[0] if self._body else None
+        self._reset()
+        return [BadFrame(FrameError.TRUNCATED, seq)]
+
+    def feed(self, data):
+        """Feed bytes; return the events they complete."""
+        out = []
+        for b in bytes(data):
+            out.extend(self._byte(b))
+        return out
+
+    def _fail(self, error):
+        seq = self._body[0] if self._body else None
+        self._reset()
+        self._garbage = True          # the rest of this frame is one run of garbage
+        return [BadFrame(error, seq)]
+
+    def _byte(self, b):
+        st = self._state
+        if st == "HUNT":
+            if b == SOF:
+                self._garbage = False
+                self._state = "SEQ"
+                return []
+            if not self._garbage:
+                self._garbage = True
+                return [BadFrame(FrameError.SYNC)]
+            return []
+        self._body.append(b)
+        if st == "SEQ":
+            self._state = "KIND"
+        elif st == "KIND":
+            try:
+                kind = FrameKind(b)
+            except ValueError:
+                kind = None
+            if kind not in self.max_len:
+                return self._fail(FrameError.BAD_KIND)
+            self._state = "LEN"
+        elif st == "LEN":
+            if b > self.max_len[FrameKind(self._body[1])]:
+                return self._fail(FrameError.BAD_LENGTH)
+            self._len = b
+            self._state = "PAYLOAD" if b else "CRC"
+        elif st == "PAYLOAD":
+            if len(self._body) == 3 + self._len:
+                self._state = "CRC"
+        elif st == "CRC":
+            if len(self._body) == 3 + self._len + 2:
+                body = bytes(self._body[:-2])
+                ok = frame_crc(body) == int.from_bytes(self._body[-2:], "big")
+                seq, kind = body[0], FrameKind(body[1])
+                self._reset()
+                if not ok:
+                    self._garbage = True
+                    return [BadFrame(FrameError.BAD_CRC, seq)]
+                return [Frame(kind, seq, body[3:])]
+        return []

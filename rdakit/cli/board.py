@@ -1,0 +1,216 @@
+"""``rdakit board build|run`` and ``rdakit bench boards``."""
+
+import asyncio
+import pathlib
+import re
+
+from rdakit.cli.options import add_fabric_arguments
+
+__all__ = ["register", "params_for", "WORKLOADS"]
+
+#: Kernels ``rdakit board run`` knows: name -> (builder in rdakit.sim.runtime.job, size keyword).
+WORKLOADS = {"vector-add": ("vector_add", "n"), "matvec": ("matvec", "m"),
+             "moe": ("moe_fanout", "n")}
+
+_FABRIC_OPTIONS = ("lanes", "prog_len", "local_words", "mu_words", "block_words", "max_buffers",
+                   "weight_bits", "noc_depth", "noc_queues", "alloc_mode", "refcount")
+
+
+def _grid(text, option="--fabric"):
+    from rdakit.errors import UserError
+
+    m = re.fullmatch(r"(\d+)x(\d+)", text)
+    if not m:
+        raise UserError(f"{option} must be ROWSxCOLS like 2x2, not {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def params_for(board, args, *, grid=None, **changes):
+    """The FabricParams of a board build: the board's preset, then the options given."""
+    from rdakit.boards.build import board_preset
+    from rdakit.errors import UserError
+    from rdakit.hdl.spec.params import fabric_params
+
+    options = board_preset(board)
+    for name in _FABRIC_OPTIONS:
+        value = getattr(args, name, None)
+        if value is not None:
+            options[name] = value
+    options.update(changes)
+    rows, cols = grid or _grid(args.fabric)
+    try:
+        return fabric_params(rows, cols, layout=getattr(args, "layout", None), **options)
+    except (TypeError, ValueError) as e:
+        raise UserError(str(e)) from None
+
+
+def _spec(board):
+    from rdakit.boards.build import board_spec
+    from rdakit.errors import UserError
+
+    try:
+        return board_spec(board)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def _utilization_table(report, title, result, spec):
+    rows = result.rows(spec.family)
+    report.table(title, rows, columns=["resource", "bel", "used", "available", "percent"])
+
+
+def _build(args):
+    from rdakit.boards.build import build
+    from rdakit.errors import UserError
+    from rdakit.sim.bench.report import Report
+
+    spec = _spec(args.board)
+    params = params_for(args.board, args)
+    build_dir = args.build_dir or f"build/{args.board}-{params.rows}x{params.cols}"
+    try:
+        result = build(args.board, params, build_dir=build_dir,
+                       clock_hz=args.clock_mhz * 1e6 if args.clock_mhz else None,
+                       baud=args.baud, log=lambda s: print(f"rdakit: {s}"))
+    except (ValueError, FileNotFoundError) as e:
+        raise UserError(str(e)) from None
+    report = Report("board build")
+    _utilization_table(report, f"{spec.title}: {params.rows}x{params.cols} fabric, "
+                               f"{params.cu.lanes} lanes, MU {params.mu.words} words", result,
+                       spec)
+    report.figure("fits", result.fits)
+    report.figure("fmax_mhz", result.fmax_mhz)
+    report.figure("clock_mhz", result.clock_mhz)
+    report.figure("meets_clock", result.meets_clock)
+    report.figure("build_seconds", round(result.seconds, 1))
+    report.figure("bitstream", result.bitstream)
+    report.finish(args.json)
+    if not result.fits:
+        raise UserError(f"{params.rows}x{params.cols} fabric on the {spec.title}: "
+                        f"{result.problem}")
+    if not result.meets_clock:
+        print(f"rdakit: warning: Fmax {result.fmax_mhz} MHz is below the "
+              f"{result.clock_mhz:g} MHz clock")
+    return 0
+
+
+def _run(args):
+    from rdakit.errors import UserError
+    from rdakit.sim.runtime.job import run_job
+    from rdakit.sim.verify import kernels
+
+    spec = _spec(args.board)
+    params = params_for(args.board, args)
+    builder, size_kw = WORKLOADS[args.workload]
+    try:
+        job = getattr(kernels, builder)(params, **({size_kw: args.size} if args.size else {}))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    import serial
+
+    from rdakit.boards.serial_link import board_host
+    from rdakit.sim.runtime.host_link import LinkError
+
+    try:
+        host, port = board_host(params, args.port, baud=args.baud or spec.default_baud,
+                                timeout=args.timeout)
+    except serial.SerialException as e:
+        raise UserError(f"cannot open {args.port}: {e}") from None
+    try:
+        result = asyncio.run(run_job(host, job, counters=False))
+    except LinkError as e:
+        raise UserError(f"{args.port}: {e} (is the board programmed with `rdakit board build "
+                        f"{args.board}` and the same fabric options?)") from None
+    except RuntimeError as e:
+        raise UserError(str(e)) from None
+    finally:
+        port.close()
+    try:
+        result.check(job)
+    except AssertionError as e:
+        raise UserError(f"{job.description} on the {spec.title}: {e}") from None
+    print(f"{job.description} on the {spec.title}: outputs match numpy; "
+          f"{result.cycles} cycles, bitstream load {result.load_cycles} cycles")
+    return 0
+
+
+def _bench(args):
+    from rdakit.errors import UserError
+    from rdakit.sim.bench.boards import bench_boards
+
+    boards = args.boards.split(",")
+    for b in boards:
+        _spec(b)
+    grids = [_grid(g, "--grids") for g in args.grids.split(",")]
+    try:
+        mu_words = ([int(w) for w in args.bench_mu_words.split(",")]
+                    if args.bench_mu_words else None)
+    except ValueError:
+        raise UserError(f"--mu-words must be numbers separated by commas, not "
+                        f"{args.bench_mu_words!r}") from None
+    return bench_boards(boards, grids=grids, mu_words=mu_words, root=pathlib.Path(args.root),
+                        json_path=args.json, args=args)
+
+
+def _presets():
+    from rdakit.boards.build import BOARDS, board_preset
+
+    return "; ".join(f"{b}: " + ", ".join(f"{k.replace('_', '-')} {v}"
+                                          for k, v in board_preset(b).items()) for b in BOARDS)
+
+
+def _fabric_options(p, default_grid):
+    add_fabric_arguments(p, default=default_grid)
+    # The board's preset (rdakit.boards.build.board_preset) fills what is not given.
+    p.set_defaults(**{name: None for name in _FABRIC_OPTIONS})
+
+
+def register(commands, verilog, bench):
+    board = commands.add_parser(
+        "board", help="FPGA builds of the fabric and runs on a board",
+        description="Build a fabric with its UART host bridge for an FPGA board, or run a "
+                    "kernel on a programmed board (docs/boards.md).")
+    sub = board.add_subparsers(dest="board_command", metavar="COMMAND", required=True)
+    p = sub.add_parser(
+        "build", help="synthesize, place and route; print utilization and Fmax",
+        description="Build the fabric and its host bridge with YoWASP Yosys and nextpnr; "
+                    "print utilization and nextpnr's Fmax, and say so when the design does not "
+                    "fit. Fabric options not given take the board's preset, not the defaults "
+                    "listed below: " + _presets() + ".")
+    p.add_argument("board", help="icebreaker or ulx3s")
+    _fabric_options(p, "1x2")
+    p.add_argument("--clock-mhz", type=float,
+                   help="fabric clock (default: 12 on iCEBreaker, 50 on ULX3S through a PLL)")
+    p.add_argument("--baud", type=int, help="UART baud rate (default: the board's)")
+    p.add_argument("--build-dir", help="build folder (default: build/BOARD-RxC)")
+    p.add_argument("--json", metavar="FILE", help="write the figures to FILE")
+    p.set_defaults(func=_build)
+
+    p = sub.add_parser(
+        "run", help="run a kernel on a programmed board and check it against numpy",
+        description="Over the board's UART: allocate and fill the inputs, load the fabric "
+                    "bitstream, start, wait, read the outputs and compare them with numpy. "
+                    "Give the fabric options the board was built with; those not given take "
+                    "the board's preset: " + _presets() + ".")
+    p.add_argument("board", help="icebreaker or ulx3s")
+    p.add_argument("workload", choices=sorted(WORKLOADS))
+    p.add_argument("--port", required=True, help="serial port, e.g. /dev/ttyUSB0")
+    p.add_argument("--baud", type=int, help="UART baud rate (default: the board's)")
+    p.add_argument("--size", type=int, help="kernel size (vector words, matrix rows)")
+    p.add_argument("--timeout", type=float, default=0.5, help="seconds to wait for an answer")
+    _fabric_options(p, "1x2")
+    p.set_defaults(func=_run)
+
+    p = bench.add_parser(
+        "boards", help="largest fabric that fits each board, utilization and Fmax per size",
+        description="Build growing grids with each board's preset until one does not fit, "
+                    "then grow the MU of the largest grid that fits; records utilization and "
+                    "Fmax per build. Builds take minutes each.")
+    p.add_argument("--boards", default="icebreaker,ulx3s")
+    p.add_argument("--grids", default="1x2,2x2,2x3,3x3,3x4,4x4",
+                   help="grids to try in order (default: %(default)s)")
+    p.add_argument("--mu-words", dest="bench_mu_words",
+                   help="MU sizes to try on the largest grid, e.g. 512,1024,2048 (default: "
+                        "twice and four times the preset's)")
+    p.add_argument("--root", default="build/bench-boards", help="build folders under this")
+    p.add_argument("--json", metavar="FILE")
+    p.set_defaults(func=_bench)

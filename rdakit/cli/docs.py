@@ -1,0 +1,149 @@
+"""Tables in ``docs/`` generated from their single definition in code.
+
+A generated section sits between ``<!-- BEGIN GENERATED: name -->`` and
+``<!-- END GENERATED: name -->``. ``rdakit docs`` rewrites them; a test fails when a document is
+out of date.
+"""
+
+import pathlib
+import re
+
+__all__ = ["SECTIONS", "render", "update", "register"]
+
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
+
+
+def _mu_ops():
+    from rdakit.hdl.spec.packets import OP_DOC, STATUS_DOC, MUOp, MUStatus
+
+    lines = ["| opcode | operation | request | response |", "|---|---|---|---|"]
+    for op in MUOp:
+        req, resp = OP_DOC[op]
+        lines.append(f"| {op.value} | `{op.name}` | {req} | {resp} |")
+    lines += ["", "| status | name | meaning |", "|---|---|---|"]
+    for st in MUStatus:
+        lines.append(f"| {st.value} | `{st.name}` | {STATUS_DOC[st]} |")
+    return "\n".join(lines)
+
+
+def _mu_packets():
+    from rdakit.hdl.spec.packets import mu_request_layout, mu_response_layout
+    from rdakit.hdl.spec.params import MUParams
+
+    p = MUParams()
+    lines = []
+    for title, layout in (("request", mu_request_layout(p)), ("response", mu_response_layout(p))):
+        lines += [f"{title.capitalize()} with the default parameters ({layout.size} bits):", "",
+                  "| field | bits | width |", "|---|---|---|"]
+        for name, field in layout:
+            lines.append(f"| `{name}` | {field.offset + field.width - 1}:{field.offset} "
+                         f"| {field.width} |")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def _isa():
+    from rdakit.hdl.spec.isa import OP_INFO, AluFn, BMode, DMode, StreamField
+
+    lines = ["| opcode | syntax | semantics | cycles |", "|---|---|---|---|"]
+    for op, (syntax, sem, cycles) in OP_INFO.items():
+        lines.append(f"| {op.value} | `{syntax}` | {sem} | {cycles} |")
+    for title, enum in (("ALU function (fn)", AluFn), ("stream field (fn of SCFG)", StreamField),
+                        ("B_MODE", BMode), ("D_MODE", DMode)):
+        lines += ["", f"| {title} | value |", "|---|---|"]
+        lines += [f"| `{m.name}` | {m.value} |" for m in enum]
+    return "\n".join(lines)
+
+
+def _properties():
+    from rdakit.sim.verify.formal_harness import properties_table
+
+    return properties_table()
+
+
+def _frames():
+    from rdakit.boards.build import BOARDS, board_preset
+    from rdakit.hdl.spec.frames import (
+        ERROR_DOC,
+        FRAME_CRC,
+        KIND_DOC,
+        SOF,
+        FrameError,
+        FrameKind,
+        cmd_bytes,
+        reply_bytes,
+    )
+    from rdakit.hdl.spec.params import fabric_params
+
+    alg = FRAME_CRC.algorithm
+    lines = ["| byte | field | meaning |", "|---|---|---|",
+             f"| 0 | `SOF` | 0x{SOF:02X} |",
+             "| 1 | `SEQ` | sequence number, echoed in the answer |",
+             "| 2 | `KIND` | `FrameKind` below |",
+             "| 3 | `LEN` | payload bytes |",
+             "| 4 ... 3+LEN | payload | little-endian, trailing zero bytes left out |",
+             f"| 4+LEN, 5+LEN | `CRC` | CRC-16 of bytes 1 to 3+LEN, high byte first: "
+             f"polynomial 0x{alg.polynomial:04X}, initial 0x{alg.initial_crc:04X}, "
+             f"reflected {alg.reflect_input}/{alg.reflect_output}, "
+             f"xor 0x{alg.xor_output:04X} (CRC-16/CCITT-FALSE) |",
+             "", "| kind | value | from | payload | answer |", "|---|---|---|---|---|"]
+    for k in FrameKind:
+        frm, payload, answer = KIND_DOC[k]
+        lines.append(f"| `{k.name}` | 0x{k.value:02X} | {frm} | {payload} | {answer} |")
+    lines += ["", "| error | code | meaning |", "|---|---|---|"]
+    for e in FrameError:
+        lines.append(f"| `{e.name}` | {e.value} | {ERROR_DOC[e]} |")
+    lines += ["", "| board preset | command payload (max) | reply payload (max) |",
+              "|---|---|---|"]
+    for b in BOARDS:
+        p = fabric_params(2, 2, **board_preset(b))
+        lines.append(f"| {b} | {cmd_bytes(p.mu)} bytes | {reply_bytes(p.mu)} bytes |")
+    return "\n".join(lines)
+
+
+#: file name in docs/ -> section name -> function returning the Markdown.
+SECTIONS = {
+    "memory-unit.md": {"ops": _mu_ops, "packets": _mu_packets},
+    "compute-unit.md": {"isa": _isa},
+    "verification.md": {"properties": _properties},
+    "boards.md": {"frames": _frames},
+}
+
+
+def render(text, sections):
+    for name, fn in sections.items():
+        pattern = re.compile(rf"(<!-- BEGIN GENERATED: {name} -->\n).*?(<!-- END GENERATED: "
+                             rf"{name} -->)", re.S)
+        if not pattern.search(text):
+            raise ValueError(f"Section {name!r} has no BEGIN/END GENERATED markers")
+        text = pattern.sub(lambda m, fn=fn: m.group(1) + fn() + "\n" + m.group(2), text)
+    return text
+
+
+def update(*, check=False):
+    """Rewrite the generated sections; with ``check``, return the files that are stale."""
+    stale = []
+    for file, sections in SECTIONS.items():
+        path = DOCS / file
+        old = path.read_text()
+        new = render(old, sections)
+        if new != old:
+            stale.append(path)
+            if not check:
+                path.write_text(new)
+    return stale
+
+
+def _docs(args):
+    stale = update(check=args.check)
+    for path in stale:
+        print(f"{'stale' if args.check else 'updated'}: {path}")
+    return 1 if (args.check and stale) else 0
+
+
+def register(commands, verilog, bench):
+    p = commands.add_parser("docs", help="regenerate the tables in docs/ from the code",
+                            description="Rewrite the generated tables of docs/ (opcodes, "
+                                        "packet layouts) from their definitions in code.")
+    p.add_argument("--check", action="store_true", help="only report stale files (exit 1)")
+    p.set_defaults(func=_docs)

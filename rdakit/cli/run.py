@@ -1,0 +1,371 @@
+"""``rdakit run``: compile a workload, run it on a simulated fabric, check it and report."""
+
+import contextlib
+
+__all__ = ["register"]
+
+#: ``rdakit run``'s program length unless --prog-len says otherwise: compiled programs are
+#: hundreds of instructions long (the fabric commands' default, 64, suits hand-written kernels).
+RUN_PROG_LEN = 2048
+
+
+def spec_from_args(args, *, iterations=1):
+    from rdakit.cli.compile import parse_sizes
+    from rdakit.cli.options import fabric_dict
+    from rdakit.sim.flows.e2e import RunSpec
+
+    return RunSpec(workload=args.workload, sizes=parse_sizes(args.size),
+                   fabric=fabric_dict(args), partitioner=args.partitioner, seed=args.seed,
+                   iterations=iterations, place_steps=args.place_steps)
+
+
+def compile_or_explain(spec, cost=None):
+    """Compile ``spec`` or raise a UserError saying why it does not fit."""
+    from rdakit.compiler.lower import LoweringError
+    from rdakit.compiler.partition import PartitionError
+    from rdakit.compiler.placement import PlacementError
+    from rdakit.errors import UserError
+
+    params = spec.params
+    try:
+        return spec.compile(cost)
+    except (LoweringError, PlacementError, PartitionError) as e:
+        raise UserError(f"{spec.workload} does not fit the {params.rows}x{params.cols} fabric: "
+                        f"{e}") from None
+    except (TypeError, ValueError, OSError) as e:
+        raise UserError(str(e)) from None
+
+
+@contextlib.contextmanager
+def progress_bar(enabled):
+    """A rich progress bar fed by ``progress(stage, done, total)`` calls (a no-op when
+    disabled or when the output is not a terminal)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    if not enabled:
+        yield lambda stage, done=None, total=None: None
+        return
+    bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                   MofNCompleteColumn(), TextColumn("cycles (of the estimate)"),
+                   TimeElapsedColumn(), transient=True)
+    task = bar.add_task("starting", total=None)
+
+    def update(stage, done=None, total=None):
+        if total is not None:
+            bar.update(task, description=stage, completed=done, total=max(total, done or 0))
+        else:
+            bar.update(task, description=stage, completed=0, total=None)
+
+    with bar:
+        yield update
+
+
+def _run(args):
+    from rdakit.errors import UserError
+    from rdakit.sim.bench.report import Report
+    from rdakit.sim.flows import e2e
+
+    if args.adapt is not None and args.adapt < 1:
+        raise UserError(f"--adapt takes a number of iterations >= 1, not {args.adapt}")
+    if args.clusters is not None:
+        return _run_clusters(args)
+    for opt in ("slow_cluster", "inject_load", "cluster_cus"):
+        if getattr(args, opt) is not None:
+            raise UserError(f"--{opt.replace('_', '-')} needs --clusters N")
+    spec = spec_from_args(args, iterations=args.adapt or 1)
+    params = spec.params
+    _, summary = compile_or_explain(spec)
+    if args.sim != "amaranth":
+        from rdakit.sim.verify.runner import require_simulator_or_raise
+
+        require_simulator_or_raise(args.sim)
+    report = Report("run")
+    report.console.print(f"[bold]{summary.graph}[/bold] on a {params.rows}x{params.cols} fabric "
+                         f"({params.cu.lanes} lanes) with {args.sim}; partitioner "
+                         f"{summary.partitioner}")
+    with progress_bar(not args.quiet and report.console.is_terminal) as progress:
+        rows = e2e.run(spec, sim=args.sim, waves=args.waves, progress=progress)
+    last = rows[-1]
+    report.table("Iterations" + (" (adaptation: re-partitioned with measured costs)"
+                                 if spec.iterations > 1 else ""),
+                 [{k: r.get(k) for k in ("iteration", "cycles", "estimated_cycles",
+                                         "lower_bound", "utilization", "parts", "cut",
+                                         "noc_flits", "numpy", "interpreter")}
+                  for r in rows])
+    if last["tiles"]:
+        report.table(f"Tiles (iteration {last['iteration']}): utilization = busy / cycles, "
+                     f"active = (busy - stall) / cycles", last["tiles"])
+    best = min((r for r in rows if r["cycles"]), key=lambda r: r["cycles"], default=None)
+    for key in ("cycles", "load_cycles", "lower_bound", "utilization", "active", "noc_flits",
+                "mu_peak_words", "allocs", "frees", "leaked_buffers", "numpy", "interpreter",
+                "hw_error"):
+        report.figure(key, last.get(key))
+    if best is not None and spec.iterations > 1:
+        report.figure("best_iteration", best["iteration"])
+        report.figure("best_cycles", best["cycles"])
+    report.figure("workload", summary.graph)
+    report.figure("fabric", f"{params.rows}x{params.cols}")
+    report.figure("simulator", args.sim)
+    report.tables["iterations_full"] = rows
+    report.finish(args.report)
+    if args.plot and last["tiles"]:
+        e2e.plot_utilization(params, last["tiles"], args.plot,
+                             title=f"{summary.graph}, {last['cycles']} cycles ({args.sim})")
+        report.console.print(f"wrote {args.plot}")
+    if args.waves:
+        report.console.print(f"wrote {args.waves}")
+    return _verdict(report, rows, "outputs equal numpy's and the interpreter's bit for bit; "
+                                  "every buffer freed")
+
+
+def _verdict(report, rows, passed):
+    """Print the first failing iteration and why (exit status 1), or ``passed`` (0)."""
+    from rdakit.sim.flows.e2e import failure
+
+    for r in rows:
+        why = failure(r)
+        if why:
+            report.console.print(f"[bold red]FAILED[/bold red] in iteration {r['iteration']}: "
+                                 f"{why}")
+            return 1
+    report.console.print(f"[bold green]PASS[/bold green]: {passed}")
+    return 0
+
+
+def system_spec_from_args(args):
+    """The :class:`~rdakit.sim.flows.system.SystemRunSpec` of ``rdakit run --clusters N``, or a
+    UserError naming the problem. The clusters' coordinates are wide enough for the grid of
+    all clusters side by side (the compiler's view of the system, docs/clusters.md)."""
+    import re
+
+    from amaranth.utils import ceil_log2
+
+    from rdakit.cli.compile import parse_sizes
+    from rdakit.cli.options import fabric_from_args
+    from rdakit.errors import UserError
+    from rdakit.hdl.cluster.system import SystemParams
+    from rdakit.sim.flows.system import SystemRunSpec
+
+    n = args.clusters
+    if n < 2 or n > 16:
+        raise UserError(f"--clusters must be from 2 to 16, not {n}")
+    if args.sim != "amaranth":
+        raise UserError(f"--clusters runs in the built-in simulator only (--sim amaranth), not "
+                        f"{args.sim}; the cocotb tests run systems on Icarus and Verilator "
+                        f"(docs/clusters.md)")
+    if args.waves or args.plot:
+        raise UserError("--waves and --plot are for a single fabric, not with --clusters")
+    m = re.fullmatch(r"(\d+)x(\d+)", args.fabric)
+    if not m:
+        raise UserError(f"--fabric must be ROWSxCOLS like 2x2, not {args.fabric!r}")
+    rows, cols = int(m.group(1)), int(m.group(2))
+    params = fabric_from_args(args, cluster_bits=max(1, ceil_log2(n)),
+                              coord_bits=max(1, ceil_log2(max(rows, n * cols))))
+    delays = {}
+    if args.slow_cluster is not None or args.inject_load is not None:
+        if args.slow_cluster is None or args.inject_load is None:
+            raise UserError("--slow-cluster K and --inject-load CYCLES go together")
+        if not 0 <= args.slow_cluster < n:
+            raise UserError(f"--slow-cluster must name a cluster from 0 to {n - 1}, not "
+                            f"{args.slow_cluster}")
+        if args.inject_load < 0:
+            raise UserError(f"--inject-load must be cycles >= 0, not {args.inject_load}")
+        delays[args.slow_cluster] = args.inject_load
+    cus = None
+    if args.cluster_cus is not None:
+        try:
+            cus = [int(k) for k in args.cluster_cus.split(",")]
+        except ValueError:
+            raise UserError(f"--cluster-cus takes one number per cluster like 2,1, not "
+                            f"{args.cluster_cus!r}") from None
+        ncu = len(params.tiles("C"))
+        if len(cus) != n or any(not 0 <= k <= ncu for k in cus):
+            raise UserError(f"--cluster-cus takes {n} numbers from 0 to {ncu} (the CUs of a "
+                            f"cluster), not {args.cluster_cus!r}")
+    try:
+        system = SystemParams(params, clusters=n, link_width=args.link_width,
+                              link_latency=args.link_latency)
+        return SystemRunSpec(args.workload, system, sizes=parse_sizes(args.size), cus=cus,
+                             strategy=args.cluster_partitioner, inner=args.partitioner,
+                             iterations=args.adapt or 1, delays=delays, seed=args.seed,
+                             place_steps=args.place_steps)
+    except (TypeError, ValueError) as e:
+        raise UserError(str(e)) from None
+
+
+def _run_clusters(args):
+    from rdakit.compiler.lower import LoweringError
+    from rdakit.compiler.partition import PartitionError
+    from rdakit.compiler.placement import PlacementError
+    from rdakit.errors import UserError
+    from rdakit.sim.bench.report import Report
+    from rdakit.sim.flows.system import run_system_session
+
+    spec = system_spec_from_args(args)
+    sp = spec.system
+    fp = sp.fabric
+    report = Report("run")
+    slow = "".join(f"; cluster {k} spins {d} cycles before its programs (injected load, "
+                   f"unknown to the compiler)" for k, d in spec.delays.items())
+    report.console.print(
+        f"[bold]{spec.workload}[/bold] on {sp.clusters} clusters of {fp.rows}x{fp.cols} "
+        f"(link {sp.link_width} wires, {sp.link_latency} cycles) in Amaranth's simulator; "
+        f"partitioners {spec.strategy} across clusters, {spec.inner} within{slow}")
+    with progress_bar(not args.quiet and report.console.is_terminal) as progress:
+        try:
+            rows = run_system_session(spec, progress=progress)
+        except (LoweringError, PlacementError, PartitionError) as e:
+            raise UserError(f"{spec.workload} does not fit {sp.clusters} clusters of "
+                            f"{fp.rows}x{fp.cols}: {e}") from None
+    keys = ("iteration", "partitioner", "cycles", "finish", "busy", "work", "loads",
+            "cus_used", "estimated_cycles", "crossing_bytes", "cut_edges", "link_packets",
+            "numpy", "leaked_buffers")
+    report.table("Iterations" + (" (adaptation: each cluster's measured busy time fed back "
+                                 "as its load, re-partitioned and reloaded)"
+                                 if spec.iterations > 1 else ""),
+                 [{k: r.get(k) for k in keys} for r in rows])
+    last = rows[-1]
+    for key in ("cycles", "crossing_bytes", "link_packets", "numpy", "leaked_buffers",
+                "hw_error"):
+        report.figure(key, last.get(key))
+    report.figure("workload", spec.workload)
+    report.figure("system", f"{sp.clusters}x {fp.rows}x{fp.cols}")
+    report.tables["iterations_full"] = rows
+    report.finish(args.report)
+    return _verdict(report, rows, "outputs equal numpy's bit for bit on every iteration; "
+                                  "every buffer of every cluster freed")
+
+
+def _bench(args):
+    from rdakit.cli.options import fabric_dict
+    from rdakit.errors import UserError
+    from rdakit.sim.bench import e2e as e2e_bench
+    from rdakit.sim.bench.report import Report
+
+    fabric = fabric_dict(args)
+    names = args.partitioners.split(",") if args.partitioners else None
+    workloads = tuple(args.workloads.split(",")) if args.workloads else e2e_bench.WORKLOADS
+    for w in workloads:
+        if w not in e2e_bench.WORKLOADS:
+            raise UserError(f"--workloads takes a subset of {','.join(e2e_bench.WORKLOADS)}, "
+                            f"not {w!r}")
+    known = e2e_bench.partitioners()
+    for n in names or ():
+        if n not in known:
+            raise UserError(f"--partitioners takes a subset of {','.join(known)}, not {n!r}")
+    if args.sim != "amaranth":
+        from rdakit.sim.verify.runner import require_simulator_or_raise
+
+        require_simulator_or_raise(args.sim)
+    report = Report("e2e")
+    report.console.print(f"{','.join(workloads)} on a {fabric['rows']}x{fabric['cols']} fabric "
+                         f"with {args.sim}")
+    with progress_bar(report.console.is_terminal) as progress:
+        part_rows, mem_rows = e2e_bench.run(fabric, sim=args.sim, workloads=workloads,
+                                            names=names, place_steps=args.place_steps,
+                                            progress=progress)
+    report.table("Partitioners: measured cycles on the RTL beside the cost model's lower "
+                 "bound (utilization = mean CU busy / cycles; vs_round_robin = cycles / the "
+                 "round-robin baseline's)", part_rows)
+    report.table("Memory schemes (multilevel partitioner): weighted reference counting with "
+                 "partial free and virtual buffers, counter-based reference counting, "
+                 "reserve-and-copy allocation", mem_rows)
+    report.figure("fabric", f"{fabric['rows']}x{fabric['cols']}")
+    report.figure("simulator", args.sim)
+    bad = [r for r in part_rows + mem_rows if r["check"] != "ok"]
+    report.figure("failed_runs", len(bad))
+    report.finish(args.json)
+    return 1 if bad else 0
+
+
+def add_run_arguments(p):
+    """The workload and compilation options of ``rdakit run`` (also used by benches)."""
+    from rdakit.cli.options import add_fabric_arguments
+    from rdakit.compiler.partition import STRATEGIES
+
+    p.add_argument("--size", action="append", default=[], metavar="KEY=VALUE",
+                   help="a size option of the workload builder, e.g. tokens=8 (repeatable)")
+    p.add_argument("--partitioner", default="multilevel", choices=sorted(STRATEGIES),
+                   help="partitioning strategy (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the placement (default 0)")
+    p.add_argument("--place-steps", type=int, default=20000,
+                   help="annealing steps of the placement (default: %(default)s)")
+    add_fabric_arguments(p)
+    p.set_defaults(prog_len=RUN_PROG_LEN)
+
+
+def register(commands, verilog, bench):
+    from rdakit.cli.options import add_fabric_arguments
+    from rdakit.sim.flows.e2e import BACKENDS
+
+    p = commands.add_parser(
+        "run", help="compile a workload, run it on a simulated fabric and check it",
+        description="Compile a workload (mlp, decoder, moe, switch, mixtral or a Python graph "
+                    "file), generate the fabric, load the bitstream and inputs through the host "
+                    "port, run to done, read the outputs, compare them bit for bit with numpy "
+                    "and with the functional interpreter, and report cycles, per-tile "
+                    "utilization, NoC flits, MU peak memory and buffers allocated and freed. "
+                    "Exits 1 on a mismatch, a CU error or a leaked buffer; 2 when the workload "
+                    f"does not fit. CU program length defaults to {RUN_PROG_LEN} here.")
+    p.add_argument("workload", metavar="WORKLOAD",
+                   help="mlp, decoder, moe, switch, mixtral, or a Python file")
+    p.add_argument("--sim", choices=BACKENDS, default="amaranth",
+                   help="simulator: amaranth (built in, no tools), icarus or verilator "
+                        "(default: %(default)s)")
+    p.add_argument("--waves", metavar="FILE",
+                   help="write waveforms to FILE (VCD; FST with verilator)")
+    p.add_argument("--report", metavar="FILE.json", help="write the full report as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="write a heatmap of tile utilization")
+    p.add_argument("--adapt", type=int, metavar="N",
+                   help="run N iterations; after each, feed the measured per-CU costs into "
+                        "the cost model, re-partition and reload")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    add_run_arguments(p)
+    from rdakit.compiler.partition.clusters import CLUSTER_STRATEGIES
+
+    g = p.add_argument_group("a system of clusters (docs/clusters.md); --fabric is each "
+                             "cluster's")
+    g.add_argument("--clusters", type=int, metavar="N",
+                   help="partition across N clusters joined by links and run the system "
+                        "(built-in simulator only); with --adapt, feed each cluster's measured "
+                        "busy time back as its load")
+    g.add_argument("--cluster-partitioner", default="greedy", choices=CLUSTER_STRATEGIES,
+                   help="the partitioner across clusters (default: %(default)s)")
+    g.add_argument("--cluster-cus", metavar="LIST",
+                   help="CUs each cluster offers, e.g. 2,1 (default: all)")
+    g.add_argument("--link-width", type=int,
+                   help="wires of each inter-cluster link (default: a quarter of a request)")
+    g.add_argument("--link-latency", type=int, default=20,
+                   help="cycles of each link's wire delay (default: 20)")
+    g.add_argument("--slow-cluster", type=int, metavar="K",
+                   help="make cluster K slower by an injected load (with --inject-load)")
+    g.add_argument("--inject-load", type=int, metavar="CYCLES",
+                   help="cycles cluster K is busy with other work before it starts; the "
+                        "compiler is not told")
+    p.set_defaults(func=_run)
+
+    b = bench.add_parser(
+        "e2e", help="workloads on the RTL fabric with every partitioner and memory scheme",
+        description="Compile MLP, decoder-with-KV-cache and MoE (their smallest sizes) with "
+                    "every partitioner and run them on one build of the fabric; then with "
+                    "counter-based reference counting and with reserve-and-copy allocation "
+                    "(one build each). Prints cycles, the cost model's lower bound, CU "
+                    "utilization, NoC flits, MU peak words, buffers allocated and freed, and "
+                    "the bit-exact check of every run (exit 1 if any failed).")
+    b.add_argument("--sim", choices=BACKENDS, default="verilator",
+                   help="simulator (default: %(default)s)")
+    b.add_argument("--workloads", metavar="LIST", help="subset of mlp,decoder,moe")
+    b.add_argument("--partitioners", metavar="LIST",
+                   help="comma-separated subset of the partitioners (default: all)")
+    b.add_argument("--place-steps", type=int, default=20000,
+                   help="annealing steps of the placement (default: %(default)s)")
+    b.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    add_fabric_arguments(b, default="4x4")
+    b.set_defaults(func=_bench, prog_len=RUN_PROG_LEN)

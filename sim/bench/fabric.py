@@ -1,0 +1,83 @@
+"""``rdakit bench fabric``: matrix kernels on a 4x4 fabric's RTL beside the compute lower
+bound, configuration-load cycles, and Yosys cell counts per tile type."""
+
+import json
+import pathlib
+import tempfile
+
+from rdakit.cli.options import add_fabric_arguments, fabric_dict, fabric_from_args
+from rdakit.sim.bench.report import Report
+
+__all__ = ["register_bench"]
+
+
+def _cells(params):
+    from rdakit.hdl.compute.unit import ComputeUnit
+    from rdakit.hdl.fabric.top import MUTile
+    from rdakit.hdl.noc.router import Router
+    from rdakit.sim.bench.mu import yosys_stat
+
+    cx, cy = params.tiles("C")[0]
+    mx, my = params.tiles("M")[0]
+    router = Router(payload_shape=_req_shape(params), x=1, y=1, rows=max(params.rows, 3),
+                    cols=max(params.cols, 3), coord_bits=params.coord_bits,
+                    depth=params.noc_depth, queues=params.noc_queues)
+    return [
+        {"unit": "compute unit", **yosys_stat(ComputeUnit(params, x=cx, y=cy))},
+        {"unit": "memory tile (MU + adapters)", **yosys_stat(MUTile(params, x=mx, y=my))},
+        {"unit": "router (request network, 5 ports)", **yosys_stat(router)},
+    ]
+
+
+def _req_shape(params):
+    from rdakit.hdl.spec.packets import mu_request_layout
+
+    return mu_request_layout(params.mu)
+
+
+def bench_fabric(args):
+    from rdakit.hdl.fabric.top import Fabric
+    from rdakit.sim.verify.runner import require_simulator_or_raise, run_cocotb
+
+    params = fabric_from_args(args)
+    report = Report("fabric")
+    simulator = args.sim
+    require_simulator_or_raise(simulator)
+    jobs = [["matvec", {"m": 64, "k": 64}]]
+    if not args.quick:
+        jobs.append(["matmul", {"m": 64, "k": 64, "n": 64}])
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / "rows.json"
+        run_cocotb(Fabric(params), simulator=simulator, test_module="fabric_tb",
+                   test_dir=pathlib.Path(__file__).parent,
+                   build_name=f"bench-fabric-{params.rows}x{params.cols}",
+                   config={"fabric": fabric_dict(args), "jobs": jobs, "out": str(out)})
+        rows = json.loads(out.read_text())
+    table = []
+    for r in rows:
+        bound = r["macs"] / (params.cu.lanes * r["cus_used"])
+        table.append({**r, "lower_bound": bound, "cycles_over_bound": r["cycles"] / bound})
+        report.figure(f"{r['job']}_cycles", r["cycles"])
+        report.figure(f"{r['job']}_lower_bound", bound)
+        report.figure(f"{r['job']}_cus_used", r["cus_used"])
+    report.figure("config_load_cycles", rows[0]["load_cycles"])
+    report.table(f"Kernels on a {params.rows}x{params.cols} fabric ({params.cu.lanes} lanes, "
+                 f"{simulator}); lower bound = MACs / (lanes x CUs used)", table)
+    report.table("Area per tile type (Yosys coarse synthesis)", _cells(params))
+    report.finish(args.json)
+    return 0
+
+
+def register_bench(bench):
+    p = bench.add_parser(
+        "fabric", help="matrix kernels on a fabric's RTL beside the compute lower bound",
+        description="Run a 64x64 matrix-vector and a 64x64x64 matrix product spread over every "
+                    "CU of the fabric (Verilator by default), check them against numpy, and "
+                    "print cycles beside the lower bound MACs / (lanes x CUs), the "
+                    "configuration-load cycles and Yosys cell counts per tile type.")
+    add_fabric_arguments(p, default="4x4")
+    p.set_defaults(mu_words=2048)
+    p.add_argument("--sim", choices=["verilator", "icarus"], default="verilator")
+    p.add_argument("--quick", action="store_true", help="the matrix-vector product only")
+    p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    p.set_defaults(func=bench_fabric)

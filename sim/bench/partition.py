@@ -1,0 +1,154 @@
+"""``rdakit bench partition``: every partitioner on workloads, random DAGs and grids.
+
+Two tables and a few headline figures (through :class:`rdakit.sim.bench.report.Report`):
+
+``partition``
+    One row per graph and partitioner: nodes, edges, units ``k``, ``cut`` (bytes; unit weights
+    on the synthetic graphs), ``ref_cut`` (the known optimal or reference cut where there is
+    one: :meth:`WeightedGraph.known_cut`), ``vs_metis`` (cut over METIS's cut),
+    ``imbalance``, ``seconds`` (wall time of the strategy alone), the estimated ``makespan`` and
+    its ``lower_bound``, and whether the quotient graph is ``acyclic``.
+``makespan``
+    On the workloads: the estimated makespan of the DQN agent beside the cost-based greedy,
+    HEFT, round-robin and static (and the cut partitioners), over the lower bound.
+
+Figures: ``dqn_train_seconds``, ``dqn_train_episodes``; ``grid_100k_k64_multilevel_seconds``
+and ``_cut`` with ``grid_100k_k64_metis_cut`` (full run only); ``multilevel_vs_metis_geomean``
+(geometric mean of the multilevel/METIS cut ratio over the graphs where both meet the balance
+tolerance) and ``multilevel_within_5pct_of_metis`` (how many of those graphs).
+"""
+
+import math
+import time
+
+import numpy as np
+
+from rdakit.compiler import workloads
+from rdakit.compiler.cost import CostModel
+from rdakit.compiler.partition import Targets, dqn, get_strategy, measure
+from rdakit.compiler.partition.external import mtkahypar_available
+from rdakit.compiler.partition.wgraph import WeightedGraph
+
+__all__ = ["run", "graphs", "PARTITIONERS"]
+
+#: Partitioners in table order.
+PARTITIONERS = ("multilevel", "metis", "mtkahypar", "greedy", "dqn", "heft", "round_robin",
+                "static")
+EPS = 0.03
+
+
+def graphs(quick, cost):
+    """The benchmark graphs: ``(family, WeightedGraph, k)`` triples."""
+    out = []
+    if quick:
+        sizes = {"mlp": [dict(batch=4, sizes=(64, 128, 64))],
+                 "decoder": [dict(d_model=32, heads=4, d_ff=64, cache_len=8)],
+                 "mixtral": [dict(tokens=16, d_model=32, d_ff=64)],
+                 "switch": [dict(tokens=16, d_model=32, d_ff=64)]}
+        for name, options in sizes.items():
+            for o in options:
+                out.append(("workload", WeightedGraph.from_dataflow(
+                    workloads.build(name, **o).graph, cost), 4))
+        out += [("path", WeightedGraph.path(1000), 8),
+                ("chain", WeightedGraph.layered_chain(24, 6), 4),
+                ("dag", WeightedGraph.random_layered(20, 50, seed=1), 8),
+                ("grid", WeightedGraph.grid(32, 32), 8)]
+        return out
+    sizes = {"mlp": [dict(batch=8, sizes=(128, 256, 256, 128)),
+                     dict(batch=32, sizes=(256, 512, 512, 512, 256))],
+             "decoder": [dict(d_model=64, heads=4, d_ff=128, cache_len=16),
+                         dict(d_model=128, heads=8, d_ff=512, cache_len=64)],
+             "mixtral": [dict(tokens=32, d_model=64, d_ff=128),
+                         dict(tokens=128, d_model=128, d_ff=256)],
+             "switch": [dict(tokens=64, d_model=64, d_ff=128, experts=16)]}
+    for name, options in sizes.items():
+        for o in options:
+            g = WeightedGraph.from_dataflow(workloads.build(name, **o).graph, cost)
+            out += [("workload", g, 4), ("workload", g, 16)]
+    out += [("path", WeightedGraph.path(10000), 16),
+            ("chain", WeightedGraph.layered_chain(64, 16), 8),
+            ("dag", WeightedGraph.random_layered(20, 50, seed=1), 8),
+            ("dag", WeightedGraph.random_layered(100, 100, seed=2), 16),
+            ("dag", WeightedGraph.random_layered(200, 500, seed=3), 64)]
+    for r, c in ((32, 32), (100, 100), (316, 316)):
+        out += [("grid", WeightedGraph.grid(r, c), 8), ("grid", WeightedGraph.grid(r, c), 64)]
+    return out
+
+
+def _strategy(name, cost, agent):
+    if name == "dqn":
+        return get_strategy("dqn", agent=agent, cost=cost)
+    if name in ("greedy", "heft"):
+        return get_strategy(name, cost=cost)
+    if name in ("multilevel", "metis", "mtkahypar"):
+        return get_strategy(name, eps=EPS)
+    return get_strategy(name)
+
+
+def run(*, quick=False, json_path=None, console=None, seed=0):
+    """Run the benchmark; print the tables and write ``json_path`` if given.
+
+    Returns
+    -------
+    Report
+    """
+    from rdakit.sim.bench.report import Report
+
+    report = Report("partition", console=console)
+    cost = CostModel()
+    episodes = 60 if quick else 800
+    t0 = time.perf_counter()
+    agent = dqn.train(episodes=episodes, seed=seed, cost=cost)
+    report.figure("dqn_train_seconds", round(time.perf_counter() - t0, 2))
+    report.figure("dqn_train_episodes", episodes)
+    skip = mtkahypar_available()
+    names = [p for p in PARTITIONERS if not (p == "mtkahypar" and skip)]
+    rows, span_rows, ratios = [], [], []
+    for family, g, k in graphs(quick, cost):
+        targets = Targets(k)
+        results = {}
+        for name in names:
+            strategy = _strategy(name, cost, agent)
+            t1 = time.perf_counter()
+            parts = strategy.partition(g, targets)
+            seconds = time.perf_counter() - t1
+            results[name] = measure(g, targets, parts, cost, strategy=name, seconds=seconds)
+        metis_cut = results["metis"].cut
+        ref = g.known_cut(k)
+        for name, r in results.items():
+            rows.append({"graph": g.name, "family": family, "nodes": g.n, "edges": g.m, "k": k,
+                         "partitioner": name, "cut": r.cut, "ref_cut": ref,
+                         "vs_metis": round(r.cut / metis_cut, 3) if metis_cut else None,
+                         "imbalance": round(r.imbalance, 4), "seconds": round(r.seconds, 3),
+                         "makespan": r.makespan, "lower_bound": round(r.lower_bound),
+                         "acyclic": r.quotient_acyclic})
+        ml, me = results["multilevel"], results["metis"]
+        if ml.imbalance <= EPS + 1e-9 and me.imbalance <= EPS + 1e-9 and me.cut > 0:
+            ratios.append(ml.cut / me.cut)
+        if family == "workload":
+            row = {"graph": g.name, "k": k, "lower_bound": round(ml.lower_bound)}
+            for name in ("dqn", "greedy", "heft", "round_robin", "static", "multilevel",
+                         "metis"):
+                row[name] = results[name].makespan
+            row["dqn_vs_best"] = round(row["dqn"] / min(row[n] for n in (
+                "greedy", "heft", "round_robin", "static")), 3)
+            span_rows.append(row)
+        if g.name == "grid_316x316" and k == 64:
+            report.figure("grid_100k_k64_multilevel_seconds", round(ml.seconds, 2))
+            report.figure("grid_100k_k64_multilevel_cut", ml.cut)
+            report.figure("grid_100k_k64_metis_cut", me.cut)
+    columns = ["graph", "k", "nodes", "partitioner", "cut", "ref_cut", "vs_metis", "imbalance",
+               "seconds", "makespan", "lower_bound", "acyclic"]
+    notes = (f"balance tolerance {EPS} for multilevel, METIS and Mt-KaHyPar; the schedulers "
+             f"(greedy, dqn, heft) and baselines do not target balance"
+             + (f"; Mt-KaHyPar skipped: {skip}" if skip else ""))
+    report.table("partition: cut, balance and time", rows, columns=columns, notes=notes)
+    report.table("makespan on workloads (cycles, cost model)", span_rows,
+                 notes="dqn_vs_best: DQN over the best of greedy, HEFT, round-robin, static")
+    if ratios:
+        report.figure("multilevel_vs_metis_geomean",
+                      round(math.exp(float(np.mean(np.log(ratios)))), 4))
+        report.figure("multilevel_within_5pct_of_metis",
+                      f"{sum(r <= 1.05 for r in ratios)}/{len(ratios)}")
+    report.finish(json_path)
+    return report

@@ -1,0 +1,1 @@
+"""Flows across layers: compile, run on a simulated fabric or system, check and report (rdakit run)."""

@@ -1,0 +1,454 @@
+"""End to end: compile a workload, run it on a simulated fabric, check it, adapt and report.
+
+This is the engine of ``rdakit run`` and ``rdakit bench e2e``. A :class:`RunSpec` (JSON-able,
+so it crosses into a cocotb process) names the workload, its sizes, the fabric, the
+partitioner and the number of iterations. :func:`run_session` does the work on any host
+backend (a :class:`~rdakit.sim.runtime.host.HostDriver` over Amaranth's simulator or cocotb):
+
+1. compile the workload (:func:`~rdakit.compiler.compile.compile_workload`) with the current
+   cost model;
+2. run it on the functional interpreter (the golden model of the whole fabric);
+3. allocate and fill the inputs through the host port, load the bitstream, start, wait for done,
+   read the outputs and every tile's counters, release the host's references;
+4. compare the outputs bit-exactly with numpy and with the interpreter, check that every MU is
+   empty again (nothing leaked), and record cycles, utilization, NoC flits and MU occupancy;
+5. with more than one iteration, fold the measured per-CU costs into the cost model
+   (:func:`~rdakit.compiler.adapt.measured_cost`) and go back to 1 on the same fabric.
+
+Failures (a mismatch, a CU error halt, a leak) are recorded in the iteration's row, not raised,
+so that a report is always written; :func:`failed` tells whether any happened.
+:func:`run` picks the backend: ``amaranth`` (built in), ``icarus`` or ``verilator``.
+"""
+
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+__all__ = ["RunSpec", "run", "run_many", "run_session", "run_specs", "failed", "failure",
+           "BACKENDS",
+           "compute_bound", "plot_utilization", "SMALLEST"]
+
+#: The simulators ``rdakit run`` can use.
+BACKENDS = ("amaranth", "icarus", "verilator")
+
+
+#: The smallest sizes of the built-in workloads: what the tests run on every simulator and the
+#: README's main job on the built-in one.
+SMALLEST = {
+    "mlp": {"batch": 2, "sizes": (8, 8, 4)},
+    "decoder": {"d_model": 8, "heads": 2, "d_ff": 8, "cache_len": 2},
+    "moe": {"tokens": 4, "d_model": 8, "d_ff": 8, "experts": 4, "k": 2},
+    "switch": {"tokens": 4, "d_model": 4, "d_ff": 4, "experts": 2},
+    "mixtral": {"tokens": 4, "d_model": 8, "d_ff": 8},
+}
+
+
+@dataclasses.dataclass
+class RunSpec:
+    """What to run.
+
+    Members
+    -------
+    workload : str
+        A built-in workload name or the path of a Python graph file.
+    sizes : dict
+        Size options of the workload builder.
+    fabric : dict
+        Keyword arguments of :func:`rdakit.cli.options.fabric_params`.
+    partitioner : str
+        A name of :data:`rdakit.compiler.partition.STRATEGIES`.
+    seed : int
+        Seed of the placement.
+    iterations : int
+        Runs; after each but the last, the cost model takes the measured costs and the
+        workload is re-partitioned.
+    place_steps : int
+        Annealing steps of the placement.
+    max_cycles : int
+        Cycles after which a run that is not done counts as hung.
+    """
+
+    workload: str
+    sizes: dict = dataclasses.field(default_factory=dict)
+    fabric: dict = dataclasses.field(default_factory=dict)
+    partitioner: str = "multilevel"
+    seed: int = 0
+    iterations: int = 1
+    place_steps: int = 20000
+    max_cycles: int = 5_000_000
+
+    def __post_init__(self):
+        if not isinstance(self.iterations, int) or self.iterations < 1:
+            raise ValueError(f"iterations must be a positive integer, not {self.iterations!r}")
+
+    @property
+    def params(self):
+        from rdakit.hdl.spec.params import fabric_params
+
+        return fabric_params(**self.fabric)
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d):
+        d = dict(d)
+        d["sizes"] = {k: tuple(v) if isinstance(v, list) else v
+                      for k, v in d.get("sizes", {}).items()}
+        return cls(**d)
+
+    def compile(self, cost=None):
+        """``(CompiledJob, CompileSummary)`` of this spec (raises the compiler's errors)."""
+        from rdakit.compiler.compile import compile_workload
+
+        return compile_workload(self.workload, sizes=self.sizes, params=self.params,
+                                partitioner=self.partitioner, seed=self.seed,
+                                place_steps=self.place_steps, cost=cost)
+
+
+def compute_bound(job):
+    """A lower bound on the run's cycles: the critical path and the total work over the CUs,
+    with every op costing ``ceil(work / lanes)`` cycles (one vector operation a cycle, no
+    start-up, free communication)."""
+    from rdakit.compiler.cost import CostModel, lower_bound
+    from rdakit.compiler.partition import as_weighted
+
+    params = job.params
+    wg = as_weighted(job.graph, CostModel(lanes=params.cu.lanes, op_overhead=0))
+    return lower_bound(wg, len(params.tiles("C")))
+
+
+def _mu_state(counters, params):
+    return {xy: c for xy, c in counters.items() if params.kind(*xy) == "M"}
+
+
+async def _mu_counters(host):
+    from rdakit.hdl.spec.config import MU_MAP
+
+    out = {}
+    for x, y in host.params.tiles("M"):
+        out[(x, y)] = {name: await host.cfg_read(x, y, getattr(MU_MAP, name.upper()))
+                       for name in ("live_buffers", "allocs", "frees", "peak_held_words")}
+    return out
+
+
+def _compare(outputs, want, what):
+    for name, w in want.items():
+        got = outputs.get(name)
+        if got is None:
+            return f"output {name!r} missing"
+        if got.shape != w.shape:
+            return f"output {name!r} has shape {got.shape}, {what}'s {w.shape}"
+        if not np.array_equal(got, w):
+            bad = np.argwhere(got != w)
+            i = tuple(int(v) for v in bad[0])
+            return (f"output {name!r} differs from {what} in {len(bad)} elements, first at {i}: "
+                    f"{got[i]} instead of {w[i]}")
+    return "ok"
+
+
+def _tile_rows(params, counters, cycles, mu_after):
+    rows = []
+    for (x, y) in params.tiles():
+        c = counters.get((x, y), {})
+        kind = params.kind(x, y)
+        busy, stall = c.get("busy_cycles", 0), c.get("stall_cycles", 0)
+        row = {"tile": f"({x}, {y})", "kind": "CU" if kind == "C" else "MU",
+               "busy": busy, "stall": stall, "wait": c.get("wait_cycles"),
+               "utilization": busy / cycles if cycles else 0.0,
+               "active": (busy - stall) / cycles if cycles else 0.0,
+               "flits_out": c.get("flits_out", 0), "flits_in": c.get("flits_in", 0)}
+        m = mu_after.get((x, y), {})
+        row.update(peak_words=m.get("peak_held_words"), allocs=m.get("allocs"),
+                   frees=m.get("frees"), live_after=m.get("live_buffers"))
+        rows.append(row)
+    return rows
+
+
+async def run_iteration(host, job, summary, *, max_cycles, on_stage=None, on_poll=None):
+    """Run ``job`` once on ``host``; return the iteration's row (see the module docstring) and
+    the tiles' counters (``None`` after a hardware error)."""
+    from rdakit.sim.models.interp import InterpreterError
+    from rdakit.sim.runtime.job import JobError, run_job, run_job_interp
+
+    stage = on_stage or (lambda name: None)
+    params = job.params
+    row = {"partitioner": summary.partitioner, "parts": summary.parts, "cut": summary.cut,
+           "estimated_cycles": summary.estimated_cycles, "lower_bound": compute_bound(job),
+           "instructions": sum(summary.instructions.values())}
+    stage("interpret")
+    try:
+        interp_outputs, interp_result, _ = run_job_interp(job)
+        row["interpreter_instructions"] = int(sum(interp_result.instructions.values()))
+        interp_error = None
+    except InterpreterError as e:
+        # The golden model refuses the job (e.g. a corrupted program): still run the RTL, whose
+        # own error status is what the run reports; the comparison names the model's error.
+        interp_outputs, interp_error = None, f"the interpreter failed: {e}"
+        row["interpreter_instructions"] = None
+    before = await _mu_counters(host)
+    try:
+        result = await run_job(host, job, max_cycles=max_cycles, on_stage=stage,
+                               on_poll=on_poll)
+    except (JobError, TimeoutError) as e:
+        row.update(cycles=None, hw_error=str(e), numpy="not run", interpreter="not run",
+                   leaked_buffers=None, tiles=[])
+        return row, None
+    after = await _mu_counters(host)
+    delta = {xy: {k: after[xy][k] - before[xy][k] for k in ("allocs", "frees")} | {
+        "live_buffers": after[xy]["live_buffers"],
+        "peak_held_words": after[xy]["peak_held_words"]} for xy in after}
+    cycles = result.cycles
+    tiles = _tile_rows(params, result.counters, cycles, delta)
+    cu_rows = [t for t in tiles if t["kind"] == "CU"]
+    row.update(
+        cycles=cycles, load_cycles=result.load_cycles, hw_error=None,
+        numpy=_compare(result.outputs, job.expected, "numpy"),
+        interpreter=interp_error or _compare(
+            result.outputs, {n: interp_outputs[n] for n in job.outputs}, "the interpreter"),
+        utilization=float(np.mean([t["utilization"] for t in cu_rows])) if cu_rows else 0.0,
+        active=float(np.mean([t["active"] for t in cu_rows])) if cu_rows else 0.0,
+        noc_flits=int(sum(t["flits_out"] for t in tiles)),
+        mu_peak_words=int(max((t["peak_words"] for t in tiles if t["kind"] == "MU"),
+                              default=0)),
+        allocs=int(sum(d["allocs"] for d in delta.values())),
+        frees=int(sum(d["frees"] for d in delta.values())),
+        leaked_buffers=int(sum(d["live_buffers"] for d in delta.values())),
+        misrouted=bool(result.status.get("misrouted")),
+        tiles=tiles)
+    return row, result.counters
+
+
+async def run_session(host, spec, *, progress=None):
+    """Compile and run ``spec`` on ``host`` for ``spec.iterations`` iterations; return the
+    list of iteration rows.
+
+    ``progress(stage, done, total)`` is called as the work goes on (``total`` is the cost
+    model's estimate of the cycles while the fabric runs, else ``None``)."""
+    from rdakit.compiler.adapt import measured_cost
+    from rdakit.compiler.cost import CostModel
+
+    progress = progress or (lambda stage, done=None, total=None: None)
+    params = spec.params
+    cost = CostModel(lanes=params.cu.lanes)
+    rows = []
+    for i in range(spec.iterations):
+        tag = f"iteration {i + 1}/{spec.iterations}: " if spec.iterations > 1 else ""
+        progress(f"{tag}compiling")
+        job, summary = spec.compile(cost)
+        estimate = max(1, summary.estimated_cycles)
+        row, counters = await run_iteration(
+            host, job, summary, max_cycles=spec.max_cycles,
+            on_stage=lambda name, tag=tag: progress(f"{tag}{_STAGES[name]}"),
+            on_poll=lambda cycles, tag=tag, estimate=estimate:
+                progress(f"{tag}running", cycles, estimate))
+        row = {"iteration": i + 1, **row}
+        rows.append(row)
+        if failed([row]):
+            break
+        if i + 1 < spec.iterations:
+            cost, row["adaptation"] = measured_cost(cost, job, counters)
+    return rows
+
+
+_STAGES = {"interpret": "interpreter (golden model)", "fill": "filling inputs",
+           "load": "loading the bitstream", "run": "running", "read": "reading outputs"}
+
+
+def failure(row):
+    """Why the run of ``row`` failed: its hardware error, the first output check (``numpy``,
+    then ``interpreter`` if the row has one) that is not ``"ok"``, or its leaked buffers;
+    ``None`` if it passed. Rows of single fabrics and of systems alike."""
+    if row.get("hw_error"):
+        return row["hw_error"]
+    for check in ("numpy", "interpreter"):
+        if row.get(check, "ok") != "ok":
+            return row[check]
+    if row.get("leaked_buffers"):
+        return f"{row['leaked_buffers']} buffers left allocated"
+    return None
+
+
+def failed(rows):
+    """Whether any iteration had a hardware error, a mismatch or a leak."""
+    return any(failure(r) for r in rows)
+
+
+# --- backends ---------------------------------------------------------------------------------
+
+def run(spec, *, sim="amaranth", waves=None, progress=None):
+    """Run ``spec`` on ``sim`` (one of :data:`BACKENDS`); return the iteration rows.
+
+    ``waves``: a file for the waveforms (VCD from Amaranth's simulator and Icarus, FST from
+    Verilator)."""
+    return run_many([spec], sim=sim, waves=waves, progress=progress)[0]
+
+
+def run_many(specs, *, sim="amaranth", waves=None, progress=None):
+    """Run several specs with the same fabric parameters one after the other on one
+    simulation of the fabric (one Verilog build); return one list of iteration rows per
+    spec."""
+    if sim not in BACKENDS:
+        raise ValueError(f"Simulator must be one of {', '.join(BACKENDS)}, not {sim!r}")
+    if not specs:
+        raise ValueError("No run given")
+    params = specs[0].params
+    for s in specs[1:]:
+        if s.params != params:
+            raise ValueError(f"Runs on one simulation need the same fabric: {s.fabric} differs "
+                             f"from {specs[0].fabric}")
+    if sim == "amaranth":
+        return _run_amaranth(specs, waves=waves, progress=progress)
+    return _run_cocotb(specs, sim, waves=waves, progress=progress)
+
+
+async def run_specs(host, specs, *, progress=None):
+    """:func:`run_session` of each spec in turn on one fabric; the list of their rows."""
+    progress = progress or (lambda stage, done=None, total=None: None)
+    out = []
+    for k, spec in enumerate(specs):
+        tag = f"[{k + 1}/{len(specs)} {spec.workload} {spec.partitioner}] " if len(specs) > 1 \
+            else ""
+        out.append(await run_session(
+            host, spec, progress=lambda stage, done=None, total=None, tag=tag:
+                progress(tag + stage, done, total)))
+    return out
+
+
+def _run_amaranth(specs, *, waves, progress):
+    from rdakit.hdl.fabric.top import Fabric
+    from rdakit.sim.runtime.host import AmaranthTransport, HostDriver
+    from rdakit.sim.verify.amaranth_sim import simulate
+
+    params = specs[0].params
+    fabric = Fabric(params)
+    out = {}
+
+    async def testbench(ctx):
+        host = HostDriver(params, AmaranthTransport(ctx, fabric))
+        out["rows"] = await run_specs(host, specs, progress=progress)
+
+    simulate(fabric, testbench, vcd=waves)
+    return out["rows"]
+
+
+def fabric_verilog(params):
+    """The Verilog of ``Fabric(params)``, cached by its parameters."""
+    from rdakit.hdl.fabric.top import Fabric
+    from rdakit.sim.verify.runner import cached_verilog
+
+    return cached_verilog(f"Fabric {params!r}", lambda: Fabric(params))
+
+
+def _run_cocotb(specs, sim, *, waves, progress):
+    import hashlib
+
+    from rdakit.sim.verify.runner import run_cocotb
+
+    params = specs[0].params
+    progress = progress or (lambda stage, done=None, total=None: None)
+    progress(f"generating Verilog ({params.rows}x{params.cols} fabric)")
+    text = fabric_verilog(params)
+    digest = hashlib.sha256(repr(params).encode()).hexdigest()[:10]
+    with tempfile.TemporaryDirectory(prefix="rdakit-run-") as tmp:
+        out = pathlib.Path(tmp) / "rows.json"
+        prog = pathlib.Path(tmp) / "progress.json"
+        done = {}
+
+        def work():
+            try:
+                done["info"] = run_cocotb(
+                    None, verilog_text=text, simulator=sim, test_module="e2e_tb",
+                    test_dir=pathlib.Path(__file__).parent,
+                    build_name=f"run-{params.rows}x{params.cols}-{digest}",
+                    config={"specs": [s.to_dict() for s in specs], "out": str(out),
+                            "progress": str(prog)},
+                    waves=bool(waves))
+            except BaseException as e:     # re-raised in the caller's thread
+                done["error"] = e
+
+        progress(f"building the {sim} model and running")
+        thread = threading.Thread(target=work, daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.25)
+            try:
+                p = json.loads(prog.read_text())
+            except (OSError, ValueError):
+                continue
+            progress(p["stage"], p.get("done"), p.get("total"))
+        if "error" in done:
+            raise done["error"]
+        rows = json.loads(out.read_text())
+        if waves:
+            build_dir = pathlib.Path(done["info"]["build_dir"])
+            dumps = sorted((p for p in build_dir.iterdir() if p.suffix in (".fst", ".vcd")),
+                           key=lambda p: p.stat().st_mtime)
+            if dumps:
+                shutil.copyfile(dumps[-1], waves)
+    return rows
+
+
+class FileProgress:
+    """``progress`` for a cocotb process: writes the latest stage to a JSON file (at most every
+    ``interval`` seconds while running) for the parent's progress bar."""
+
+    def __init__(self, path, interval=0.2):
+        self.path = pathlib.Path(path)
+        self.interval = interval
+        self._last = 0.0
+
+    def __call__(self, stage, done=None, total=None):
+        now = time.monotonic()
+        if done is not None and now - self._last < self.interval:
+            return
+        self._last = now
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"stage": stage, "done": done, "total": total}))
+        tmp.replace(self.path)
+
+
+# --- the heatmap ------------------------------------------------------------------------------
+
+def plot_utilization(params, tiles, path, *, title=None):
+    """A PNG heatmap of the tiles' utilization (busy / cycles) on the grid; MU tiles show their
+    peak occupancy in words."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = np.full((params.rows, params.cols), np.nan)
+    labels = {}
+    for t in tiles:
+        x, y = (int(v) for v in t["tile"].strip("()").split(","))
+        if t["kind"] == "CU":
+            grid[y, x] = t["utilization"]
+            labels[(x, y)] = f"CU\n{t['utilization']:.0%}"
+        else:
+            labels[(x, y)] = f"MU\npeak {t['peak_words']}w"
+    fig, ax = plt.subplots(figsize=(1.4 * params.cols + 1.5, 1.4 * params.rows + 0.8))
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#dddddd")
+    im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=1)
+    for (x, y), text in labels.items():
+        value = grid[y, x]
+        color = "black" if np.isnan(value) or value > 0.6 else "white"
+        ax.text(x, y, text, ha="center", va="center", fontsize=8, color=color)
+    ax.set_xticks(range(params.cols))
+    ax.set_yticks(range(params.rows))
+    ax.set_xlabel("x")
+    ax.set_ylabel("y")
+    ax.set_title(title or "tile utilization (busy / cycles)", fontsize=9)
+    fig.colorbar(im, ax=ax, label="CU utilization")
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

