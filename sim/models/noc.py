@@ -22,16 +22,27 @@ from amaranth.lib import data
 
 from rdakit.hdl.spec.flit import PORT_DELTA, Port, flit_layout, pack_flit, unpack_flit
 from rdakit.hdl.spec.packets import coord_layout, pack, unpack
-from rdakit.sim.verify.noc_harness import neighbor_table
 
 __all__ = [
-    "PATTERNS", "xy_route", "xy_path", "hops", "traffic_matrix", "channel_loads",
+    "PATTERNS", "neighbor_table", "xy_route", "xy_path", "hops", "traffic_matrix", "channel_loads",
     "theoretical_limit", "average_hops", "zero_load_latency", "Destinations",
     "tb_payload_layout", "NocScoreboard",
 ]
 
 #: Synthetic traffic patterns, in the order of the harness's ``Pattern`` encoding.
 PATTERNS = ("uniform", "transpose", "bitcomp", "hotspot", "neighbor")
+
+
+def neighbor_table(x, y, rows, cols):
+    """The four equally likely destinations of the ``neighbor`` pattern from ``(x, y)``: east,
+    west, south, north; a step off the mesh goes to the opposite neighbour instead, and to
+    ``(x, y)`` itself if that does not exist either."""
+    def step(ddx, ddy):
+        for sx, sy in ((ddx, ddy), (-ddx, -ddy)):
+            if 0 <= x + sx < cols and 0 <= y + sy < rows:
+                return x + sx, y + sy
+        return x, y
+    return [step(1, 0), step(-1, 0), step(0, 1), step(0, -1)]
 
 
 def xy_route(x, y, dx, dy):

@@ -35,8 +35,9 @@ from amaranth.lib.wiring import In, Out
 from rdakit.hdl.noc.mesh import Mesh, tile_index
 from rdakit.hdl.noc.router import check_mesh_params
 from rdakit.hdl.spec.packets import coord_layout
+from rdakit.sim.models.noc import neighbor_table
 
-__all__ = ["Pattern", "TrafficHarness", "harness_payload_layout", "neighbor_table", "RATE_ONE"]
+__all__ = ["Pattern", "TrafficHarness", "harness_payload_layout", "RATE_ONE"]
 
 #: The ``rate`` that generates a packet every cycle (rates are in units of 2**-16).
 RATE_ONE = 1 << 16
@@ -57,18 +58,6 @@ def harness_payload_layout(coord_bits, ts_bits, seq_bits):
     """Payload of harness packets: generation cycle, source, sequence number, measured flag."""
     return data.StructLayout({"ts": ts_bits, "src": coord_layout(coord_bits),
                               "seq": seq_bits, "meas": 1})
-
-
-def neighbor_table(x, y, rows, cols):
-    """The four equally likely destinations of the ``neighbor`` pattern from ``(x, y)``: east,
-    west, south, north; a step off the mesh goes to the opposite neighbour instead, and to
-    ``(x, y)`` itself if that does not exist either."""
-    def step(ddx, ddy):
-        for sx, sy in ((ddx, ddy), (-ddx, -ddy)):
-            if 0 <= x + sx < cols and 0 <= y + sy < rows:
-                return x + sx, y + sy
-        return x, y
-    return [step(1, 0), step(-1, 0), step(0, 1), step(0, -1)]
 
 
 def _xorshift32(s):
