@@ -7,19 +7,15 @@ checks the payload CRC at the end: only then does the fabric count as configured
 of a load it disables every CU, so a bitstream that fails any check leaves no runnable tile.
 """
 
-import struct
-
 from amaranth.hdl import Const, Module, Signal
 from amaranth.lib import crc, enum, stream, wiring
 from amaranth.lib.wiring import In, Out
 
+from rdakit.hdl.spec.bitstream import MAGIC_WORD, VERSION
 from rdakit.hdl.spec.config import CU_MAP
 from rdakit.hdl.spec.params import FabricParams
 
 __all__ = ["ConfigLoader", "LoadStatus"]
-
-MAGIC_WORD = struct.unpack("<I", b"RDAB")[0]
-FORMAT_VERSION = 1
 
 
 class LoadStatus(enum.Enum, shape=4):
@@ -145,7 +141,7 @@ class ConfigLoader(wiring.Component):
                             with m.If(word != MAGIC_WORD):
                                 fail(LoadStatus.BAD_MAGIC)
                         with m.Case(1):
-                            with m.If(word[:16] != FORMAT_VERSION):
+                            with m.If(word[:16] != VERSION):
                                 fail(LoadStatus.BAD_VERSION)
                         with m.Case(2):
                             with m.If(word != self.params_hash):

@@ -29,11 +29,15 @@ from rdakit.hdl.spec.isa import decode, disassemble_one, encode
 from rdakit.hdl.spec.params import FabricParams
 
 __all__ = [
-    "MAGIC", "VERSION", "HEADER", "TileConfig", "FabricConfig", "BitstreamError",
+    "MAGIC", "MAGIC_WORD", "VERSION", "HEADER", "TileConfig", "FabricConfig", "BitstreamError",
     "params_hash", "write_bitstream", "read_bitstream", "bitstream_words", "listing",
 ]
 
+#: The first four bytes of every bitstream, and the same as the little-endian word the
+#: hardware loader compares its first word with.
 MAGIC = b"RDAB"
+MAGIC_WORD = struct.unpack("<I", MAGIC)[0]
+#: The format version (the low 16 bits of the second word); the loader refuses any other.
 VERSION = 1
 HEADER = struct.Struct("<4sHHIIII")
 MAX_RECORD = 0xffff

@@ -22,7 +22,7 @@ import numpy as np
 
 from rdakit.compiler.job import HostBuffer, Job, Ref
 from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
-from rdakit.hdl.spec.config import CU_MAP, CU_STATUS_BITS, MU_MAP, TILE_COUNTERS
+from rdakit.hdl.spec.config import CU_MAP, CU_STATUS_BITS, MU_MAP, TILE_COUNTERS, decode_cu_status
 from rdakit.hdl.spec.isa import assemble
 from rdakit.hdl.spec.params import fabric_params
 
@@ -234,10 +234,10 @@ def classify(sc, cu_status, mu):
     MU's free stamp before its last good READ)."""
     premature = other = 0
     for xy in sc.holders:
-        st = cu_status[xy]
-        if not st >> 1 & 1:
+        st = decode_cu_status(cu_status[xy])
+        if not st["error"]:
             continue
-        code, pc = st >> 8 & 0xff, st >> 16
+        code, pc = st["error_code"], st["pc"]
         if code == CU_STATUS_BITS["MU_ERROR"] or (
                 code == CU_STATUS_BITS["PC_OUT_OF_RANGE"] and pc == BAD_PC):
             premature += 1

@@ -74,7 +74,7 @@ import random
 import numpy as np
 
 from rdakit.hdl.spec.bitstream import BitstreamError, FabricConfig
-from rdakit.hdl.spec.config import CU_STATUS_BITS
+from rdakit.hdl.spec.config import CU_STATUS_BITS, cu_status_word
 from rdakit.hdl.spec.isa import AssemblyError, BMode, DMode, Instr, Op, StreamField, alu, decode
 from rdakit.hdl.spec.packets import MUOp, MUStatus, host_tag_bit
 from rdakit.hdl.spec.params import FabricParams
@@ -281,10 +281,9 @@ class CUState:
 
     @property
     def status(self):
-        """The STATUS word (``CU_MAP.STATUS``): bit 0 done, bit 1 error, bits 15:8 code,
-        bits 31:16 pc."""
-        return (int(self.done) | int(self.error) << 1 | (self.code & 0xff) << 8
-                | (self.pc & 0xffff) << 16)
+        """The STATUS word (``CU_MAP.STATUS``, laid out as
+        :data:`~rdakit.hdl.spec.config.CU_STATUS`)."""
+        return cu_status_word(done=self.done, error=self.error, code=self.code, pc=self.pc)
 
     def key(self):
         """Everything as a tuple of plain values (comparable with ``==``)."""

@@ -12,7 +12,7 @@ import struct
 import numpy as np
 
 from rdakit.hdl.fabric.config_loader import LoadStatus
-from rdakit.hdl.spec.config import CU_MAP, MU_MAP, STATUS_BITS, TILE_COUNTERS
+from rdakit.hdl.spec.config import CU_MAP, MU_MAP, STATUS_BITS, TILE_COUNTERS, decode_cu_status
 from rdakit.hdl.spec.packets import (
     HostCmd,
     MUOp,
@@ -159,9 +159,7 @@ class HostDriver:
                     c[name.lower()] = await self.cfg_read(x, y, getattr(MU_MAP, name))
             else:
                 c["wait_cycles"] = await self.cfg_read(x, y, CU_MAP.WAIT_CYCLES)
-                st = await self.cfg_read(x, y, CU_MAP.STATUS)
-                c.update(done=st & 1, error=st >> 1 & 1, error_code=st >> 8 & 0xff,
-                         pc=st >> 16)
+                c.update(decode_cu_status(await self.cfg_read(x, y, CU_MAP.STATUS)))
             out[(x, y)] = c
         return out
 

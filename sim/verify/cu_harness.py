@@ -26,7 +26,13 @@ from amaranth.lib.wiring import In, Out
 from rdakit.hdl.compute.unit import ComputeUnit
 from rdakit.hdl.memory.unit import MemoryUnit
 from rdakit.hdl.spec.bitstream import TileConfig, _tile_records
-from rdakit.hdl.spec.config import CU_MAP, CU_STATUS_BITS, TILE_COUNTERS, config_bus_signature
+from rdakit.hdl.spec.config import (
+    CU_MAP,
+    CU_STATUS_BITS,
+    TILE_COUNTERS,
+    config_bus_signature,
+    decode_cu_status,
+)
 from rdakit.hdl.spec.flit import flit_layout, pack_flit
 from rdakit.hdl.spec.packets import (
     MsgKind,
@@ -236,15 +242,15 @@ class CUResult:
 
     @property
     def done(self):
-        return bool(self.status & 1)
+        return bool(decode_cu_status(self.status)["done"])
 
     @property
     def error(self):
-        return bool(self.status & 2)
+        return bool(decode_cu_status(self.status)["error"])
 
     @property
     def code(self):
-        return (self.status >> 8) & 0xff
+        return decode_cu_status(self.status)["error_code"]
 
     @property
     def code_name(self):
@@ -252,7 +258,7 @@ class CUResult:
 
     @property
     def pc(self):
-        return self.status >> 16
+        return decode_cu_status(self.status)["pc"]
 
     @property
     def sregs(self):
