@@ -54,3 +54,12 @@ def test_a_broken_layer_is_caught(tmp_path):
                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert run.returncode != 0
     assert "rdakit.sim.models.mu -> rdakit.cli" in run.stdout
+
+
+def test_old_host_driver_path_still_works():
+    """Scripts written against ``rdakit.sim.host`` keep working after the move."""
+    import rdakit.sim.host as old
+    import rdakit.sim.runtime.host as new
+
+    assert old.HostDriver is new.HostDriver
+    assert set(old.__all__) == set(new.__all__)
