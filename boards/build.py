@@ -9,6 +9,7 @@ exception: the bench searches sizes by building until one does not fit.
 """
 
 import dataclasses
+import importlib
 import json
 import os
 import pathlib
@@ -17,6 +18,8 @@ import shutil
 import subprocess
 import time
 
+from rdakit.boards.top import BoardTop
+from rdakit.hdl.host.uart import baud_divisor
 from rdakit.sim.verify.runner import find_tool
 
 __all__ = ["BOARDS", "BoardSpec", "BuildResult", "board_spec", "board_preset", "build",
@@ -36,8 +39,7 @@ class BoardSpec:
     default_baud: int
 
     def create_platform(self):
-        import importlib
-
+        # amaranth-boards modules are imported only for the board asked for
         module, cls = self.platform.split(":")
         return getattr(importlib.import_module(module), cls)()
 
@@ -156,9 +158,6 @@ def build(board, params, *, build_dir, clock_hz=None, baud=None, seed=1, log=Non
     ``log`` (a callable) receives progress lines. The build folder keeps every product:
     ``top.rpt`` (Yosys), ``top.tim`` (nextpnr's log), ``report.json``, the bitstream.
     """
-    from rdakit.boards.top import BoardTop
-    from rdakit.hdl.host.uart import baud_divisor
-
     spec = board_spec(board)
     clock_hz = clock_hz or spec.default_clock_hz
     baud = baud or spec.default_baud

@@ -6,8 +6,8 @@ The host port shares tile (0, 0)'s network ports: its MU requests carry the top 
 responses with that bit go to the host instead of the tile's unit.
 
 With ``cluster_bits`` (``docs/clusters.md``) the fabric is one cluster of a
-:class:`~rdakit.hdl.cluster.system.System`: requests leaving a tile are stamped with the cluster, and
-requests for another cluster's MU and responses for another cluster's requester are routed to
+:class:`~rdakit.hdl.cluster.system.System`: requests leaving a tile are stamped with the
+cluster, and requests for another cluster's MU and responses for another cluster's requester are routed to
 the bridge tile, which hands them to the ``bridge_*`` ports and injects what arrives on them.
 """
 
@@ -20,6 +20,7 @@ from rdakit.hdl.fabric.config_loader import ConfigLoader, LoadStatus
 from rdakit.hdl.memory.unit import MemoryUnit
 from rdakit.hdl.noc.jitter import RATE_BITS, SEED_BITS
 from rdakit.hdl.noc.mesh import DualMesh, tile_index
+from rdakit.hdl.spec.bitstream import params_hash
 from rdakit.hdl.spec.config import MU_MAP, STATUS_BITS, TILE_COUNTERS, config_bus_signature
 from rdakit.hdl.spec.flit import flit_layout
 from rdakit.hdl.spec.packets import (
@@ -351,8 +352,6 @@ class Fabric(wiring.Component):
 
     def __init__(self, params: FabricParams, *, cluster=0, bridge=None, jitter=False,
                  stamps=False):
-        from rdakit.hdl.spec.bitstream import params_hash
-
         if not isinstance(params, FabricParams):
             raise TypeError(f"Params must be a FabricParams, not {params!r}")
         if not isinstance(cluster, int) or isinstance(cluster, bool) \
