@@ -1,0 +1,379 @@
+"""The lowering's passes: each rewrites a :class:`~rdakit.compiler.lower.plan.Plan` in place.
+
+A pass is a small frozen dataclass with a :attr:`~LoweringPass.name` and typed options (as
+xDSL's module passes are), whose :meth:`~LoweringPass.apply` leaves the plan valid: every
+tensor an op reads exists and every op comes after the ops producing what it reads.
+:data:`PIPELINE` is what :func:`~rdakit.compiler.lower.lower` runs, in order:
+
+``legalize``
+    Graph nodes to lowered ops the code generator has templates for (a matmul reads its
+    right-hand side transposed, a slice at an odd column becomes a selection matmul, ...).
+``fuse-elementwise``
+    Chains of elementwise ops on one CU into one op of several stream passes.
+``place-outputs``
+    Graph outputs into host buffers written by their producers (copies where needed).
+``eliminate-dead``
+    Ops nobody reads, then unread constants and inputs.
+``check-order``
+    That the ops are in a topological order (they were appended in graph order).
+"""
+
+import dataclasses
+from typing import ClassVar
+
+import numpy as np
+
+from rdakit.compiler.lower.chains import Clip, Stage, append_stage
+from rdakit.compiler.lower.layout import INT_MAX, LoweringError, TensorLayout, as2d, layout_of
+from rdakit.compiler.lower.plan import LOp
+from rdakit.hdl.spec.isa import AluFn
+
+__all__ = ["LOWERABLE_KINDS", "LoweringPass", "Legalize", "FuseElementwise", "PlaceOutputs",
+           "EliminateDead", "CheckOrder", "PIPELINE"]
+
+#: Op kinds the lowering turns into CU programs (every kind of the op table).
+LOWERABLE_KINDS = frozenset({
+    "input", "const", "output", "matmul", "add", "sub", "mul", "max", "min", "relu", "shr",
+    "shl", "clip", "transpose", "reduce_sum", "reduce_max", "slice", "concat", "append", "topk",
+    "take", "dispatch", "combine",
+})
+
+_BINARY = {"add": AluFn.ADD, "sub": AluFn.SUB, "mul": AluFn.MUL, "max": AluFn.MAX,
+           "min": AluFn.MIN}
+_COMMUTATIVE = {"add", "mul", "max", "min"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweringPass:
+    """A rewrite of a plan; subclasses set :attr:`name` and implement :meth:`apply`."""
+
+    #: The pass's name (as a pipeline spells it).
+    name: ClassVar[str] = ""
+
+    def apply(self, plan):
+        """Rewrite ``plan`` in place."""
+        raise NotImplementedError
+
+
+def _bmode(plan, operand, out):
+    """How operand ``operand`` broadcasts to layout ``out``: ``same``, ``scalar``, ``row``,
+    ``col`` or None (not supported)."""
+    s = plan.tensors[operand].layout
+    if (s.rows, s.cols) == (out.rows, out.cols) and s.dynamic == out.dynamic:
+        return "same"
+    if s.rows == 1 and s.cols == 1 and not s.dynamic:
+        return "scalar"
+    if s.rows == 1 and s.cols == out.cols and not s.dynamic:
+        return "row"
+    if s.cols == 1 and (s.rows, s.dynamic) == (out.rows, out.dynamic):
+        return "col"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Legalize(LoweringPass):
+    """Fill an empty plan from its graph: one or a few lowered ops per node.
+
+    Parameters
+    ----------
+    kinds : frozenset
+        The op kinds accepted; any other raises :class:`LoweringError` naming the node.
+    """
+
+    name: ClassVar[str] = "legalize"
+    kinds: frozenset = LOWERABLE_KINDS
+
+    def apply(self, plan):
+        g = plan.g
+        for n in g.order():
+            kind = g.kind(n)
+            if kind not in self.kinds:
+                raise LoweringError(f"Node {n!r} has op kind {kind!r}, which the lowering does "
+                                    f"not support (it lowers {', '.join(sorted(self.kinds))})")
+            t = g.type_of(n)
+            lay = layout_of(t, plan.lanes, n)
+            if lay.cols == 0 and kind not in ("input", "const", "output"):
+                plan.fail(n, kind, f"a tensor with no columns {t.shape} cannot be lowered")
+            ins = list(g.inputs_of(n))
+            if kind == "input":
+                plan.new_tensor(n, lay, "input", buffer=n,
+                                mu_hint=plan.placement.mu_of.get(n))
+            elif kind == "const":
+                plan.new_tensor(n, lay, "const", value=as2d(g.nx.nodes[n]["attrs"]["value"])
+                                .astype(np.int64), mu_hint=plan.placement.mu_of.get(n))
+            elif kind == "output":
+                plan.outputs.append((n, ins[0]))
+            else:
+                handler = getattr(self, "_" + kind, self._ew)
+                handler(plan, n, kind, ins, lay, g.nx.nodes[n]["attrs"])
+
+    def _matmul(self, plan, n, kind, ins, lay, attrs):
+        a, b = ins
+        cu = plan.cu_of(n)
+        tb = plan.tensors[b]
+        if tb.kind == "const":
+            bt = plan.const(f"{b}^T", tb.value.T, tb.mu_hint, tb.layout.dtype)
+        else:
+            prod = plan.lop_of(b)
+            if prod is not None and prod.kind == "transpose":
+                bt = prod.ins[0]
+            else:
+                lb = tb.layout
+                bt = plan.add_op(f"{n}/rhs^T", "transpose", [b],
+                                 TensorLayout(lb.cols, lb.rows, plan.lanes, lb.dtype), n, cu)
+        plan.add_op(n, "matmul_nt", [a, bt], lay, n, cu)
+
+    def _ew(self, plan, n, kind, ins, lay, attrs):
+        cu = plan.cu_of(n)
+        if kind in _BINARY:
+            a, b = ins
+            ma, mb = _bmode(plan, a, lay), _bmode(plan, b, lay)
+            if ma != "same":
+                if mb == "same" and kind in _COMMUTATIVE:
+                    a, b, ma, mb = b, a, mb, ma
+                elif ma == "row" and mb in ("same", "row", "scalar", "col") and not lay.dynamic:
+                    la = plan.tensors[a].layout
+                    a = plan.add_op(f"{n}/expand", "expand", [a],
+                                    TensorLayout(lay.rows, lay.cols, plan.lanes, la.dtype), n,
+                                    cu)
+                    ma = "same"
+                else:
+                    sa, sb = plan.g.type_of(ins[0]).shape, plan.g.type_of(ins[1]).shape
+                    plan.fail(n, kind, f"broadcasting {sa} with {sb} to {plan.g.type_of(n).shape} "
+                                       f"is not supported (one operand must have the result's "
+                                       f"shape; the other a row, a column or a scalar)")
+            if mb is None:
+                plan.fail(n, kind, f"broadcasting {plan.g.type_of(b).shape} to "
+                                   f"{plan.g.type_of(n).shape} is not supported")
+            tb = plan.tensors[b]
+            if mb == "scalar" and tb.kind == "const":
+                stage = Stage(_BINARY[kind], int(tb.value.reshape(-1)[0]))
+                plan.add_op(n, "ew", [a], lay, n, cu, raw=[stage], mode=None)
+            else:
+                stage = Stage(_BINARY[kind], None, tensor=True)
+                plan.add_op(n, "ew", [a, b], lay, n, cu, raw=[stage], mode=mb)
+            return
+        (x,) = ins
+        if kind == "relu":
+            raw = [Stage(AluFn.PASS, relu=True)]
+        elif kind == "shr":
+            raw = [Stage(AluFn.PASS, shift=int(attrs["shift"]))]
+        elif kind == "shl":
+            raw = [Stage(AluFn.SHL, int(attrs["shift"]))]
+        elif kind == "clip":
+            info = np.iinfo(attrs.get("dtype", "int8"))
+            raw = [Clip(int(attrs.get("lo", info.min)), int(attrs.get("hi", info.max)))]
+        else:  # pragma: no cover - every kind has a handler
+            raise AssertionError(kind)
+        plan.add_op(n, "ew", [x], lay, n, cu, raw=raw, mode=None)
+
+    def _transpose(self, plan, n, kind, ins, lay, attrs):
+        plan.add_op(n, "transpose", ins, lay, n, plan.cu_of(n))
+
+    def _reduce_sum(self, plan, n, kind, ins, lay, attrs):
+        t = plan.g.type_of(ins[0])
+        axis = attrs.get("axis", -1) % len(t.shape)
+        row = axis == len(t.shape) - 1
+        plan.add_op(n, "reduce", ins, lay, n, plan.cu_of(n), op=kind[7:],
+                    axis="row" if row else "col")
+
+    _reduce_max = _reduce_sum
+
+    def _slice(self, plan, n, kind, ins, lay, attrs):
+        (x,) = ins
+        cu = plan.cu_of(n)
+        t = plan.g.type_of(x)
+        lx = plan.layout(x)
+        axis = attrs["axis"] % len(t.shape)
+        start = attrs.get("start", 0)
+        stop = attrs.get("stop", t.shape[axis])
+        if len(t.shape) == 2 and axis == 0:
+            plan.add_op(n, "slice_rows", ins, lay, n, cu, start=start, stop=stop)
+            return
+        if lay.cols == 0:
+            plan.fail(n, kind, "an empty slice cannot be lowered")
+        if start % plan.lanes == 0:
+            plan.add_op(n, "slice_cols", ins, lay, n, cu, start=start, stop=stop,
+                        mask=stop < lx.cols and (stop - start) % plan.lanes != 0)
+            return
+        sel = np.zeros((stop - start, lx.cols), dtype=np.int64)
+        sel[np.arange(stop - start), np.arange(start, stop)] = 1
+        s = plan.const(f"{n}/select", sel, plan.nearest_mus(cu)[0])
+        plan.add_op(n, "matmul_nt", [x, s], lay, n, cu)
+
+    def _concat(self, plan, n, kind, ins, lay, attrs):
+        cu = plan.cu_of(n)
+        t = plan.g.type_of(ins[0])
+        axis = attrs.get("axis", -1) % len(t.shape) if kind == "concat" else 0
+        if len(t.shape) == 2 and axis == 0:
+            plan.add_op(n, "concat_rows", ins, lay, n, cu)
+            return
+        lays = [plan.layout(i) for i in ins]
+        if all(la.cols % plan.lanes == 0 for la in lays[:-1]):
+            plan.add_op(n, "concat_cols", ins, lay, n, cu)
+            return
+        # Concatenate whole words (gaps of zero lanes), then compact with a selection matrix.
+        width = sum(la.cw for la in lays) * plan.lanes
+        words = plan.add_op(f"{n}/words", "concat_cols", ins,
+                            TensorLayout(lay.rows, width, plan.lanes, lay.dtype, False, 2), n, cu)
+        sel = np.zeros((lay.cols, width), dtype=np.int64)
+        col = pos = 0
+        for la in lays:
+            sel[np.arange(col, col + la.cols), np.arange(pos, pos + la.cols)] = 1
+            col += la.cols
+            pos += la.cw * plan.lanes
+        s = plan.const(f"{n}/select", sel, plan.nearest_mus(cu)[0])
+        plan.add_op(n, "matmul_nt", [words, s], lay, n, cu)
+
+    def _append(self, plan, n, kind, ins, lay, attrs):
+        first = plan.tensors[ins[0]]
+        readers = [s for s in plan.g.nx.successors(ins[0])]
+        if first.kind == "input" and readers == [n] and ins[0] != ins[1]:
+            # The KV cache grows in place: the output is the input's own buffer.
+            cu = plan.cu_of(n)
+            plan.new_tensor(n, lay, "output", buffer=first.buffer, producer=n)
+            plan.lops.append(LOp(n, "append_inplace", list(ins), n, {}, cu, n))
+            first.kind = "aliased"
+            return
+        self._concat(plan, n, "append", ins, lay, attrs)
+
+    def _topk(self, plan, n, kind, ins, lay, attrs):
+        (x,) = ins
+        cu = plan.cu_of(n)
+        lx = plan.layout(x)
+        lanes = plan.lanes
+        mu = plan.nearest_mus(cu)[0]
+        lrow = np.full(lx.cw * lanes, INT_MAX, dtype=np.int64)
+        lrow[lx.cols:] = -(1 << 31)
+        table = np.full((lanes, lanes), INT_MAX, dtype=np.int64)
+        np.fill_diagonal(table, -(1 << 31))
+        ins = [x, plan.const(f"topk/L{lx.cols}", lrow.reshape(1, -1), mu),
+               plan.const(f"topk/T{lanes}", table, mu),
+               plan.const("topk/MAX", np.full((1, lanes), INT_MAX, np.int64), mu)]
+        plan.add_op(n, "topk", ins, lay, n, cu, k=int(attrs["k"]))
+
+    def _take(self, plan, n, kind, ins, lay, attrs):
+        plan.add_op(n, "take", ins, lay, n, plan.cu_of(n))
+
+    def _dispatch(self, plan, n, kind, ins, lay, attrs):
+        plan.add_op(n, "dispatch", ins, lay, n, plan.cu_of(n), expert=int(attrs["expert"]))
+
+    def _combine(self, plan, n, kind, ins, lay, attrs):
+        plan.add_op(n, "combine", ins, lay, n, plan.cu_of(n), shift=int(attrs["shift"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class FuseElementwise(LoweringPass):
+    """Fold chains of elementwise ops on one CU into one op of several stream passes
+    (``attrs["stages"]``, see :func:`~rdakit.compiler.lower.chains.append_stage`)."""
+
+    name: ClassVar[str] = "fuse-elementwise"
+
+    def apply(self, plan):
+        outputs = {src for _, src in plan.outputs}
+        changed = True
+        while changed:
+            changed = False
+            readers = plan.readers()
+            by_name = {op.name: op for op in plan.lops}
+            for op in plan.lops:
+                if op.kind != "ew" or op.attrs["mode"] is not None:
+                    continue
+                prev = by_name.get(plan.tensors[op.ins[0]].producer)
+                if (prev is None or prev.kind != "ew" or prev.cu != op.cu
+                        or prev.out in outputs or len(readers[prev.out]) != 1):
+                    continue
+                prev.attrs["raw"] = prev.attrs["raw"] + op.attrs["raw"]
+                prev.nodes = prev.nodes + op.nodes
+                del plan.tensors[prev.out]
+                prev.out = op.out
+                plan.tensors[op.out].producer = prev.name
+                plan.lops.remove(op)
+                changed = True
+                break
+        for op in plan.lops:
+            if op.kind == "ew":
+                stages = []
+                for s in op.attrs["raw"]:
+                    stages = append_stage(stages, s)
+                op.attrs["stages"] = stages
+
+
+@dataclasses.dataclass(frozen=True)
+class PlaceOutputs(LoweringPass):
+    """Graph outputs become host buffers written by their producer (copies where a tensor
+    is already in a host buffer or feeds several outputs)."""
+
+    name: ClassVar[str] = "place-outputs"
+
+    def apply(self, plan):
+        taken = set()
+        by_name = {op.name: op for op in plan.lops}
+        for name, src in plan.outputs:
+            t = plan.tensors[src]
+            if t.kind == "runtime" and src not in taken:
+                t.kind, t.buffer = "output", name
+                taken.add(src)
+                plan.output_map[name] = name
+                continue
+            if t.kind == "output" and t.buffer not in plan.output_map.values() \
+                    and src not in taken:
+                taken.add(src)                       # a buffer grown in place
+                plan.output_map[name] = t.buffer
+                continue
+            prod = by_name.get(t.producer)
+            if prod is not None:
+                cu = prod.cu
+            else:
+                part = plan.part_of.get(name)
+                cu = tuple(plan.placement.cu_of.get(part, plan.first_cu))
+            lay = t.layout
+            cname = f"{name}/copy"
+            plan.new_tensor(cname, lay, "output", buffer=name, producer=cname)
+            plan.lops.append(LOp(cname, "copy", [src], cname, {}, cu, name))
+            plan.output_map[name] = name
+
+
+@dataclasses.dataclass(frozen=True)
+class EliminateDead(LoweringPass):
+    """Drop ops whose result nobody reads, then unread constants and inputs."""
+
+    name: ClassVar[str] = "eliminate-dead"
+
+    def apply(self, plan):
+        kept = set(plan.output_map.values())
+        while True:
+            readers = plan.readers()
+            dead = [op for op in plan.lops if not readers[op.out] and (
+                plan.tensors[op.out].kind == "runtime" or (
+                    plan.tensors[op.out].kind == "output"
+                    and plan.tensors[op.out].buffer not in kept))]
+            if not dead:
+                break
+            for op in dead:
+                plan.lops.remove(op)
+                del plan.tensors[op.out]
+        readers = plan.readers()
+        for name in [n for n, t in plan.tensors.items()
+                     if t.kind in ("const", "input", "aliased") and not readers[n]]:
+            del plan.tensors[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckOrder(LoweringPass):
+    """Check that the ops are in a topological order (they are appended in graph order;
+    no pass reorders them)."""
+
+    name: ClassVar[str] = "check-order"
+
+    def apply(self, plan):
+        pos = {op.name: i for i, op in enumerate(plan.lops)}
+        for op in plan.lops:
+            for i in op.ins:
+                p = plan.tensors[i].producer
+                if p is not None and pos[p] >= pos[op.name]:
+                    raise AssertionError(f"op {op.name} reads {i} before it is produced")
+
+
+#: The passes :func:`~rdakit.compiler.lower.lower` runs, in order.
+PIPELINE = (Legalize(), FuseElementwise(), PlaceOutputs(), EliminateDead(), CheckOrder())

@@ -1,0 +1,89 @@
+"""The lowering's entry point :func:`lower`, and :func:`sample_inputs`."""
+
+import numpy as np
+
+from rdakit.compiler.graph import GraphError
+from rdakit.compiler.lower.layout import LoweringError
+from rdakit.compiler.lower.lowerer import Lowerer
+from rdakit.compiler.lower.passes import PIPELINE
+from rdakit.compiler.lower.plan import Plan
+
+__all__ = ["lower", "sample_inputs"]
+
+
+def sample_inputs(graph, seed=0):
+    """Deterministic sample inputs for a graph without a workload (small values; a dynamic
+    input gets its bound of rows)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for n in graph.inputs:
+        t = graph.type_of(n)
+        out[n] = rng.integers(-8, 8, size=t.shape, dtype=np.int64).astype(t.dtype)
+    return out
+
+
+def _parts_by_name(graph, parts):
+    if hasattr(parts, "assignment"):
+        return parts.assignment()
+    if isinstance(parts, dict):
+        return {n: int(p) for n, p in parts.items()}
+    order = graph.order()
+    parts = np.asarray(parts)
+    if len(parts) != len(order):
+        raise LoweringError(f"An assignment of graph {graph.name!r} must have {len(order)} "
+                            f"entries, not {len(parts)}")
+    return {n: int(p) for n, p in zip(order, parts.tolist(), strict=True)}
+
+
+def lower(graph, parts, placement, params, *, inputs=None):
+    """Lower a placed dataflow graph to a job for the fabric ``params`` describes.
+
+    Parameters
+    ----------
+    graph : DataflowGraph
+        The graph (validated here).
+    parts : PartitionResult, dict or array
+        Partition of every node (as :func:`~rdakit.compiler.placement.place` takes it).
+    placement : Placement
+        Where the partitions and buffers went; its fabric must have the grid of ``params``.
+    params : FabricParams
+        The fabric.
+    inputs : dict, optional
+        Values of the graph inputs (default :func:`sample_inputs`): written into the host
+        buffers, and evaluated in numpy for the job's expected outputs.
+
+    Returns
+    -------
+    CompiledJob
+
+    Raises
+    ------
+    LoweringError
+        If something does not fit or cannot be lowered; the message names it.
+    """
+    graph.validate()
+    fab = placement.fabric
+    if (fab.rows, fab.cols) != (params.rows, params.cols) or tuple(
+            "".join(r) for r in params.grid) != tuple(fab.layout):
+        raise LoweringError(f"The placement is for a {fab.rows}x{fab.cols} fabric of layout "
+                            f"{'/'.join(fab.layout)}, not the {params.rows}x{params.cols} "
+                            f"fabric of layout {'/'.join(''.join(r) for r in params.grid)}")
+    if params.cu.regs != 16:
+        raise LoweringError(f"The lowering needs CUs with 16 registers, not {params.cu.regs}")
+    if inputs is None:
+        inputs = sample_inputs(graph)
+    try:
+        graph.evaluate(inputs)
+    except GraphError as e:
+        raise LoweringError(str(e)) from None
+    part_of = _parts_by_name(graph, parts)
+    plan = Plan(graph, part_of, placement, params)
+    for lowering_pass in PIPELINE:
+        lowering_pass.apply(plan)
+    job = Lowerer(plan, params).run(inputs, graph)
+    if isinstance(job, dict):
+        # Some CUs need a reference table: lower again with room reserved for the tables.
+        job = Lowerer(plan, params, tables=job).run(inputs, graph)
+        if isinstance(job, dict):  # pragma: no cover - the tables do not depend on MUs
+            raise AssertionError(f"reference tables changed between passes: {job}")
+    return job
