@@ -1,0 +1,114 @@
+"""The lowering's passes, assembler and register bookkeeping, one unit at a time."""
+
+import dataclasses
+
+import pytest
+
+from rdakit.compiler.lower.asm import Assembler
+from rdakit.compiler.lower.layout import LoweringError
+from rdakit.compiler.lower.passes import (
+    LOWERABLE_KINDS,
+    PIPELINE,
+    CheckOrder,
+    EliminateDead,
+    FuseElementwise,
+    Legalize,
+    LoweringPass,
+    PlaceOutputs,
+)
+from rdakit.compiler.lower.registers import R1, R2, R5, REF_REGS, TABLE, RefFile
+from rdakit.hdl.spec.isa import AluFn, DMode, Instr, Op, StreamField
+
+
+def test_pipeline_is_named_frozen_passes_in_order():
+    assert [p.name for p in PIPELINE] == ["legalize", "fuse-elementwise", "place-outputs",
+                                          "eliminate-dead", "check-order"]
+    assert [type(p) for p in PIPELINE] == [Legalize, FuseElementwise, PlaceOutputs,
+                                           EliminateDead, CheckOrder]
+    for p in PIPELINE:
+        assert isinstance(p, LoweringPass)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            p.x = 1
+
+
+def test_legalize_option_names_the_kinds_it_accepts():
+    assert Legalize().kinds == LOWERABLE_KINDS
+    assert Legalize(kinds=frozenset({"input"})) != Legalize()
+
+
+# The assembler.
+
+def test_stream_writes_a_field_only_when_its_value_changes():
+    asm = Assembler()
+    asm.stream(AluFn.PASS, a=R1, n=4, d_mode=DMode.SUM, rd=R5)
+    first = len(asm)
+    asm.stream(AluFn.PASS, a=R1, n=4, d_mode=DMode.SUM, rd=R5)
+    # A register field is never known, so A_REF is written again; N and D_MODE are not.
+    code = asm.assemble(0)[first:]
+    assert [i.op for i in code] == [Op.SCFG, Op.SRUN]
+    assert code[0] == Instr(Op.SCFG, fn=StreamField.A_REF.value, ra=1)
+    assert code[1] == Instr(Op.SRUN, fn=AluFn.PASS.value, rd=5)
+
+
+def test_a_label_knows_only_what_every_way_in_agrees_on():
+    asm = Assembler()
+    skip = asm.label()
+    asm.branch(Op.BZ, skip, ra=R2)
+    asm.field(StreamField.N, 7)
+    asm.place(skip)
+    asm.field(StreamField.N, 7)          # not known on the branch's way in: written again
+    assert [i.op for i in asm.assemble(0)] == [Op.BZ, Op.SCFGI, Op.SCFGI]
+    assert asm.assemble(10)[0].imm == 12
+
+
+def test_a_loop_head_forgets_the_fields_its_body_writes():
+    asm = Assembler()
+    asm.li(R2, 3)
+
+    def body(head):
+        asm.field(StreamField.N, 1)
+        asm.field(StreamField.N, 2)
+        asm.branch(Op.LOOP, head, ra=R2)
+    asm.loop(body)
+    code = asm.assemble(0)
+    assert [(i.op, i.imm) for i in code] == [(Op.LI, 3), (Op.SCFGI, 1), (Op.SCFGI, 2),
+                                             (Op.LOOP, 1)]
+
+
+def test_registers_are_given_as_names_and_emitted_as_numbers():
+    asm = Assembler()
+    asm.emit(Op.READ, fn=0, rd=R5, ra=REF_REGS[0], rb=R5)
+    (instr,) = asm.assemble(0)
+    assert instr == Instr(Op.READ, rd=5, ra=8, rb=5)
+    assert type(asm.code[0][1]["rd"]) is int
+
+
+# The reference cache.
+
+def test_references_spill_to_the_table_when_the_registers_are_full():
+    asm = Assembler()
+    refs = RefFile(asm, "CU (0, 0)")
+    regs = [refs.new(f"b{i}") for i in range(len(REF_REGS))]
+    assert regs == list(REF_REGS)
+    refs.unpin()
+    refs.get("b1")                        # b0 is now the least recently used
+    r = refs.new("extra")
+    assert r == REF_REGS[0] and refs.table and refs.n_slots == 1
+    assert [i.op for i in asm.assemble(0)] == [Op.VSET, Op.VAPPEND]
+    assert asm.assemble(0)[1] == Instr(Op.VAPPEND, rd=REF_REGS[0], ra=TABLE)
+    refs.unpin()
+    # b0 comes back from slot 0 into the register of the least recently used (b2), which is
+    # spilled first to slot 1.
+    r = refs.get("b0")
+    assert r == REF_REGS[2] and refs.slot == {"b0": 0, "b2": 1}
+    assert [(i.op, i.rd, i.ra) for i in asm.assemble(0)[2:]] == [
+        (Op.VSET, 0, r), (Op.VAPPEND, r, TABLE), (Op.LI, r, 0), (Op.READ, r, TABLE)]
+
+
+def test_an_op_needing_more_references_than_registers_is_refused():
+    refs = RefFile(Assembler(), "CU (1, 0)")
+    for i in range(len(REF_REGS)):
+        refs.new(f"b{i}")
+    with pytest.raises(LoweringError) as e:
+        refs.new("one too many")
+    assert str(e.value) == "CU (1, 0): an op needs more than 7 buffer references at once"
