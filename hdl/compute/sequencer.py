@@ -1,0 +1,546 @@
+"""The compute unit's sequencer: program memory, pc, register file, decode and execute.
+
+The program memory has a synchronous read port: while instruction ``pc`` executes, the address
+of the next one (``pc + 1`` or a branch target, computed from the register file in the same
+cycle) is presented, so every non-blocking instruction, taken branches included, takes one
+cycle. A blocking MU instruction offers its request on ``req`` (the CU loads it into its request
+register) and waits for the response (tag 0), which is captured in a register and retired the
+cycle after it arrives. ``WAIT``/``RECV`` retire in the cycle the tokens or the reference are
+there; ``SEND``/``SENDREF`` retire when the message register is free. ``SRUN`` hands the stream
+to the stream engine (:mod:`rdakit.hdl.compute.stream`) and retires when it is done. See
+:mod:`rdakit.hdl.compute.unit` for the timing and the readings of the spec.
+"""
+
+from amaranth.hdl import Array, Cat, Const, Module, Mux, Signal, unsigned
+from amaranth.lib import enum, memory, stream, wiring
+from amaranth.lib.wiring import In, Out
+from amaranth.utils import exact_log2
+
+from rdakit.hdl.compute.common import (
+    STREAM_FIELDS,
+    TAG_BLOCKING,
+    TAG_WRITE,
+    alu,
+    check_cu_tile,
+    lane,
+    request,
+)
+from rdakit.hdl.spec.config import CU_MAP, CU_STATUS, CU_STATUS_BITS, config_bus_signature
+from rdakit.hdl.spec.flit import flit_layout
+from rdakit.hdl.spec.isa import INSTR_LAYOUT, BMode, DMode, Op, StreamField
+from rdakit.hdl.spec.packets import MsgKind, MUOp, MUStatus, msg_layout, mu_request_layout
+
+__all__ = ["Sequencer"]
+
+_TOKEN_MAX = 0xffff
+
+_MAX_BMODE = max(m.value for m in BMode)
+_MAX_DMODE = max(m.value for m in DMode)
+
+#: Stream destination modes that send D_REF requests (the others stay in the CU).
+_D_REF_MODES = (DMode.WRITE.value, DMode.APPEND.value, DMode.PACK_SUM.value)
+
+_MU_OP = {
+    Op.ALLOC: MUOp.ALLOC, Op.READ: MUOp.READ, Op.VREAD: MUOp.READ, Op.VWRITE: MUOp.WRITE,
+    Op.VAPPEND: MUOp.APPEND, Op.LEN: MUOp.LEN, Op.RET: MUOp.RETURN, Op.RETI: MUOp.RETURN,
+    Op.ADDW: MUOp.ADD_WEIGHT, Op.INCREF: MUOp.INCREF, Op.DECREF: MUOp.DECREF,
+    Op.FADD: MUOp.FETCH_ADD, Op.UNLOCK: MUOp.UNLOCK,
+}
+
+
+def _tile_mask(params, kind):
+    """Bit ``y << coord_bits | x`` set for every tile of ``kind`` ("C" or "M") of the grid."""
+    return sum(1 << (y << params.coord_bits | x) for x, y in params.tiles(kind))
+
+
+class _State(enum.Enum, shape=2):
+    IDLE = 0     # not running: done
+    RUN = 1      # executing the instruction on the program read port
+    WAIT = 2     # a blocking MU request is out; waiting for its response
+    STREAM = 3   # SRUN in progress
+
+
+class Sequencer(wiring.Component):
+    """The control of a compute unit: runs its program on ``start`` until HALT or an error.
+
+    Parameters
+    ----------
+    fabric_params : FabricParams
+        The fabric; its ``cu`` parameters size the sequencer and its ``mu`` parameters the
+        packets.
+    x, y : int
+        The CU tile (its ID, ``y << coord_bits | x``, is what ``SELF`` returns and the ``src``
+        of its requests).
+
+    Members
+    -------
+    cfg : In(config_bus_signature())
+        The program, ``REGS``, ``CONTROL`` and ``STATUS`` part of the configuration space;
+        ``rdata`` the cycle after ``re`` (0 for any other address).
+    start : In(1)
+        One-cycle pulse: load the initial registers, clear tokens, mailbox, ``V`` and the stream
+        fields (``OUTER`` = 1) and the status, and run from pc 0 if enabled.
+    done, error : Out(1)
+        Not running (halted, failed or disabled); halted on an error (code in STATUS).
+    retire : Out(1)
+        An instruction retires (or HALT halts) this cycle.
+    waiting : Out(1)
+        Stalled in WAIT or RECV on another CU's token or reference.
+    req : Out(stream.Signature(flit_layout(coord_bits, mu_request_layout(mu))))
+        The blocking MU request of the instruction being executed (not registered: the CU's
+        request register takes it); the sequencer waits for its response once it is taken.
+    msg_out : Out(stream.Signature(flit_layout(coord_bits, msg_layout(mu))))
+        Tokens and references to other CUs; ``valid`` comes from a register.
+    msg_in : In(stream.Signature(flit_layout(coord_bits, msg_layout(mu))))
+        Everything the CU receives; ``ready`` is constant 1. The sequencer takes tokens,
+        references and the responses of tags 0 (blocking) and 2 (stream writes, for MU_ERROR).
+    fields : Out(STREAM_FIELDS)
+        The stream configuration registers (SCFG, SCFGI).
+    fn : Out(4)
+        The ``fn`` field of the instruction being executed (SRUN's lane function).
+    v : Out(data_bits)
+        The staging vector ``V``.
+    stream_start, stream_active : Out(1)
+        SRUN starts a stream (one cycle); a stream runs.
+    stream_done, stream_error : In(1)
+        The stream has finished (SRUN retires); a stream read was refused (MU_ERROR).
+    stream_acc, stream_index : In(32)
+        The stream's reduction and ARGMAX index, written to ``rd`` (and ``rd + 1``) when
+        SRUN retires.
+    v_we : In(1), v_next : In(data_bits)
+        Load ``V`` with ``v_next`` (the stream engine's PACK_SUM).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :class:`rdakit.hdl.compute.unit.ComputeUnit` for ``fabric_params``, ``x`` and ``y``.
+    """
+
+    def __init__(self, fabric_params, *, x, y):
+        check_cu_tile(fabric_params, x, y)
+        p = fabric_params
+        self.fabric_params = p
+        self.x = x
+        self.y = y
+        self.cu_id = (y << p.coord_bits) | x
+        L = p.cu.lanes
+        cb = p.coord_bits
+        req_flit = flit_layout(cb, mu_request_layout(p.mu))
+        msg_flit = flit_layout(cb, msg_layout(p.mu))
+        super().__init__({
+            "cfg": In(config_bus_signature()),
+            "start": In(1),
+            "done": Out(1),
+            "error": Out(1),
+            "retire": Out(1),
+            "waiting": Out(1),
+            "req": Out(stream.Signature(req_flit)),
+            "msg_out": Out(stream.Signature(msg_flit)),
+            "msg_in": In(stream.Signature(msg_flit)),
+            "fields": Out(STREAM_FIELDS, init={"outer": 1}),
+            "fn": Out(INSTR_LAYOUT["fn"].shape),
+            "v": Out(32 * L),
+            "stream_start": Out(1),
+            "stream_active": Out(1),
+            "stream_done": In(1),
+            "stream_error": In(1),
+            "stream_acc": In(32),
+            "stream_index": In(32),
+            "v_we": In(1),
+            "v_next": In(32 * L),
+        })
+
+    def elaborate(self, platform):
+        p = self.fabric_params
+        cp, mp = p.cu, p.mu
+        cb = p.coord_bits
+        L = cp.lanes
+        lbits = exact_log2(L)
+        R = cp.regs
+        rbits = exact_log2(R)
+        refw = mp.mu_id_bits + mp.buf_id_bits
+        S = StreamField
+        m = Module()
+
+        # --- Storage ------------------------------------------------------------------------
+        m.submodules.program = prog = memory.Memory(shape=unsigned(64), depth=cp.prog_len,
+                                                    init=[])
+        prog_w = prog.write_port(granularity=32)
+        prog_r = prog.read_port()       # fetch
+        m.d.comb += prog_r.en.eq(0)     # (a read port's en is 1 unless driven)
+        prog_c = prog.read_port()       # configuration reads
+
+        regs = [Signal(32, name=f"r{i}") for i in range(R)]
+        regs_a = Array(regs)
+        init_regs = [Signal(32, name=f"init_r{i}") for i in range(R)]
+        V = self.v
+        sf = {f: getattr(self.fields, f.name.lower()) for f in S}
+        tokens = [Signal(16, name=f"tokens{c}") for c in range(cp.channels)]
+        tokens_a = Array(tokens)
+        mb_full = [Signal(name=f"mb_full{s}") for s in range(cp.mailbox)]
+        mb_ref = [Signal(refw, name=f"mb_ref{s}") for s in range(cp.mailbox)]
+        mb_weight = [Signal(32, name=f"mb_weight{s}") for s in range(cp.mailbox)]
+        mb_full_a, mb_ref_a, mb_weight_a = Array(mb_full), Array(mb_ref), Array(mb_weight)
+
+        state = Signal(_State)
+        running = state != _State.IDLE
+        in_run = state == _State.RUN
+        in_stream = state == _State.STREAM
+        enabled = Signal()
+        pc = Signal(16)
+        err = Signal()
+        code = Signal(8)
+        m.d.comb += [self.done.eq(~running), self.error.eq(err),
+                     self.stream_active.eq(in_stream)]
+
+        # The message register: valid never depends on ready.
+        msg_flit = self.msg_out.payload.shape()
+        out_valid = Signal()
+        out = Signal(msg_flit)
+        out_free = ~out_valid | self.msg_out.ready
+        out_load = Signal()
+        out_next = Signal(msg_flit)
+        m.d.comb += [self.msg_out.valid.eq(out_valid), self.msg_out.payload.eq(out)]
+        with m.If(out_load):
+            m.d.sync += [out_valid.eq(1), out.eq(out_next)]
+        with m.Elif(self.msg_out.ready):
+            m.d.sync += out_valid.eq(0)
+
+        # --- Decode -------------------------------------------------------------------------
+        ir = INSTR_LAYOUT(prog_r.data)
+        op = ir.op
+        m.d.comb += self.fn.eq(ir.fn)
+        rd_i, ra_i, rb_i = ir.rd[:rbits], ir.ra[:rbits], ir.rb[:rbits]
+        rd1_i = Signal(rbits)
+        m.d.comb += rd1_i.eq(rd_i + 1)
+        ra_v, rb_v, rd_v = regs_a[ra_i], regs_a[rb_i], regs_a[rd_i]
+        imm = ir.imm
+        salu = alu(m, ir.fn, ra_v, Mux(op == Op.ALUI, imm, rb_v), "salu")
+
+        # Register file write ports (rd and rd + 1) and sequencer outcomes.
+        wa_en, wa_idx, wa_data = Signal(), Signal(rbits), Signal(32)
+        wb_en, wb_idx, wb_data = Signal(), Signal(rbits), Signal(32)
+        npc = Signal(33)
+        adv = Signal()        # the instruction retires; fetch npc
+        halt = Signal()
+        seq_err = Signal(8)   # an error code raised by the instruction
+        bq_go = Signal()      # a blocking MU request wants the request register
+        wait_take = Signal()
+        recv_take = Signal()
+        srun_go = Signal()
+        m.d.comb += [npc.eq(pc + 1), self.stream_start.eq(srun_go),
+                     self.retire.eq(adv | halt)]
+
+        def write_a(idx, value):
+            m.d.comb += [wa_en.eq(1), wa_idx.eq(idx), wa_data.eq(value)]
+
+        def write_b(idx, value):
+            m.d.comb += [wb_en.eq(1), wb_idx.eq(idx), wb_data.eq(value)]
+
+        codes = CU_STATUS_BITS
+
+        def fail(name):
+            m.d.comb += seq_err.eq(codes[name])
+
+        # Blocking request of the instruction on the read port.
+        bq = self.req.payload
+        bq_op = Signal(MUOp)
+        bq_data = Signal(32 * L)
+        with m.Switch(op):
+            for o, mo in _MU_OP.items():
+                with m.Case(o):
+                    m.d.comb += bq_op.eq(mo)
+        with m.Switch(op):
+            with m.Case(Op.ALLOC, Op.RETI, Op.ADDW):
+                m.d.comb += bq_data.eq(imm)
+            with m.Case(Op.RET):
+                m.d.comb += bq_data.eq(rb_v)
+            with m.Case(Op.VWRITE, Op.VAPPEND):
+                m.d.comb += bq_data.eq(V)
+            with m.Case(Op.FADD):
+                m.d.comb += bq_data.eq(imm.as_signed())
+            with m.Case(Op.UNLOCK):
+                m.d.comb += bq_data.eq(rd_v)
+        indexed = ((op == Op.READ) | (op == Op.VREAD) | (op == Op.VWRITE) | (op == Op.FADD)
+                   | (op == Op.UNLOCK))
+        request(m, bq, p, x=self.x, y=self.y, op=bq_op, tag=TAG_BLOCKING,
+                ref=Mux(op == Op.ALLOC, ra_v[:mp.mu_id_bits], ra_v),
+                index=Mux(indexed, rb_v, 0), data=bq_data)
+        m.d.comb += self.req.valid.eq(bq_go)
+
+        # Messages of SEND / SENDREF.
+        to = Mux(op == Op.SEND, ra_v, rd_v)
+        m.d.comb += [
+            out_next.dst.x.eq(to[:cb]), out_next.dst.y.eq(to[cb:2 * cb]),
+            out_next.payload.kind.eq(Mux(op == Op.SEND, MsgKind.TOKEN, MsgKind.REF)),
+            out_next.payload.body.tag.eq(ir.aux),
+            out_next.payload.body.data.eq(Mux(op == Op.SEND, imm, rb_v)),
+            out_next.payload.body.ref.eq(Mux(op == Op.SEND, 0, ra_v[:refw])),
+            # The whole CU ID, cluster included: a message for another cluster's CU leaves
+            # through the bridges like a response (``docs/clusters.md``).
+            out_next.payload.body.dst.as_value().eq(to[:mp.mu_id_bits]),
+        ]
+
+        # Destinations, checked before anything is sent: a request's reference must name an MU
+        # tile of the grid and a message's ID a CU tile (a cluster's bits, above 2 * coord_bits,
+        # are the bridges' business). Otherwise the flit would be dropped as misrouted and the
+        # CU would wait forever for its answer.
+        mu_tiles = Const(_tile_mask(p, "M"), 1 << 2 * cb)
+        cu_tiles = Const(_tile_mask(p, "C"), 1 << 2 * cb)
+        ra_is_mu = mu_tiles.bit_select(ra_v[:2 * cb], 1)
+        to_is_cu = cu_tiles.bit_select(to[:2 * cb], 1)
+        stream_to_mu = (mu_tiles.bit_select(sf[S.A_REF][:2 * cb], 1)
+                        & (~sf[S.D_MODE].matches(*_D_REF_MODES)
+                           | mu_tiles.bit_select(sf[S.D_REF][:2 * cb], 1)))
+
+        channel_ok = ir.aux < cp.channels
+        slot_ok = ir.aux < cp.mailbox
+        n_val, outer_val = sf[S.N], sf[S.OUTER]
+        bad_stream = ((n_val == 0) | (outer_val == 0) | (sf[S.B_MODE] > _MAX_BMODE)
+                      | (sf[S.D_MODE] > _MAX_DMODE))
+
+        # --- Execute --------------------------------------------------------------------------
+        waiting = self.waiting     # stalled in WAIT / RECV on another CU
+        with m.If(in_run):
+            with m.Switch(op):
+                with m.Case(Op.NOP):
+                    m.d.comb += adv.eq(1)
+                with m.Case(Op.HALT):
+                    m.d.comb += halt.eq(~out_valid)
+                with m.Case(Op.LI):
+                    write_a(rd_i, imm)
+                    m.d.comb += adv.eq(1)
+                with m.Case(Op.ALU, Op.ALUI):
+                    write_a(rd_i, salu)
+                    m.d.comb += adv.eq(1)
+                with m.Case(Op.JMP):
+                    m.d.comb += [npc.eq(imm), adv.eq(1)]
+                with m.Case(Op.BNZ, Op.BZ, Op.BLT):
+                    taken = Mux(op == Op.BNZ, ra_v != 0,
+                                Mux(op == Op.BZ, ra_v == 0, ra_v.as_signed() < rb_v.as_signed()))
+                    with m.If(taken):
+                        m.d.comb += npc.eq(imm)
+                    m.d.comb += adv.eq(1)
+                with m.Case(Op.LOOP):
+                    write_a(ra_i, ra_v - 1)
+                    with m.If(ra_v != 1):
+                        m.d.comb += npc.eq(imm)
+                    m.d.comb += adv.eq(1)
+                with m.Case(*_MU_OP):
+                    with m.If(~ra_is_mu):
+                        fail("BAD_DESTINATION")
+                    with m.Else():
+                        m.d.comb += bq_go.eq(1)
+                with m.Case(Op.VSET):
+                    if L == 1:
+                        m.d.sync += V.eq(ra_v)
+                    else:
+                        m.d.sync += V.word_select(ir.fn[:lbits], 32).eq(ra_v)
+                    m.d.comb += adv.eq(1)
+                with m.Case(Op.VCLR):
+                    m.d.sync += V.eq(0)
+                    m.d.comb += adv.eq(1)
+                with m.Case(Op.SEND):
+                    with m.If(~channel_ok):
+                        fail("BAD_INSTRUCTION")
+                    with m.Elif(~to_is_cu):
+                        fail("BAD_DESTINATION")
+                    with m.Elif(out_free):
+                        m.d.comb += [out_load.eq(1), adv.eq(1)]
+                with m.Case(Op.SENDREF):
+                    with m.If(~slot_ok):
+                        fail("BAD_INSTRUCTION")
+                    with m.Elif(~to_is_cu):
+                        fail("BAD_DESTINATION")
+                    with m.Elif(out_free):
+                        m.d.comb += [out_load.eq(1), adv.eq(1)]
+                with m.Case(Op.WAIT):
+                    with m.If(~channel_ok):
+                        fail("BAD_INSTRUCTION")
+                    with m.Elif(tokens_a[ir.aux] >= imm):
+                        m.d.comb += [wait_take.eq(1), adv.eq(1)]
+                    with m.Else():
+                        m.d.comb += waiting.eq(1)
+                with m.Case(Op.RECV):
+                    with m.If(~slot_ok):
+                        fail("BAD_INSTRUCTION")
+                    with m.Elif(mb_full_a[ir.aux]):
+                        write_a(rd_i, mb_ref_a[ir.aux])
+                        write_b(rd1_i, mb_weight_a[ir.aux])
+                        m.d.comb += [recv_take.eq(1), adv.eq(1)]
+                    with m.Else():
+                        m.d.comb += waiting.eq(1)
+                with m.Case(Op.SCFG, Op.SCFGI):
+                    value = Mux(op == Op.SCFG, ra_v, imm)
+                    for f in S:
+                        with m.If(ir.fn == f.value):
+                            m.d.sync += sf[f].eq(value)
+                    m.d.comb += adv.eq(1)
+                with m.Case(Op.SRUN):
+                    with m.If(bad_stream):
+                        fail("BAD_STREAM")
+                    with m.Elif(~stream_to_mu):
+                        fail("BAD_DESTINATION")
+                    with m.Else():
+                        m.d.comb += srun_go.eq(1)
+                        m.d.sync += state.eq(_State.STREAM)
+                with m.Case(Op.SELF):
+                    write_a(rd_i, self.cu_id)
+                    m.d.comb += adv.eq(1)
+                with m.Default():
+                    fail("BAD_INSTRUCTION")
+
+        with m.If(halt):
+            m.d.sync += state.eq(_State.IDLE)
+
+        # Blocking MU instructions: the response (tag 0) is captured, then retired.
+        r0_valid = Signal()
+        r0_data = Signal(32 * L)
+        r0_ref = Signal(refw)
+        with m.If(state == _State.WAIT):
+            with m.If(r0_valid):
+                m.d.sync += r0_valid.eq(0)
+                m.d.comb += adv.eq(1)
+                with m.Switch(op):
+                    with m.Case(Op.ALLOC):
+                        write_a(rd_i, r0_ref)
+                    with m.Case(Op.READ):
+                        write_a(rd_i, lane(r0_data, ir.fn, L))
+                    with m.Case(Op.VAPPEND, Op.LEN, Op.FADD):
+                        write_a(rd_i, r0_data[:32])
+                    with m.Case(Op.VREAD):
+                        m.d.sync += V.eq(r0_data)
+
+        # Fetch: the next instruction is read while this one retires.
+        with m.If(adv):
+            with m.If(npc < cp.prog_len):
+                m.d.comb += [prog_r.addr.eq(npc), prog_r.en.eq(1)]
+                m.d.sync += [pc.eq(npc), state.eq(_State.RUN)]
+            with m.Else():
+                fail("PC_OUT_OF_RANGE")
+
+        # The CU's request register took the blocking request: wait for its response.
+        with m.If(self.req.valid & self.req.ready):
+            m.d.sync += state.eq(_State.WAIT)
+
+        # --- The stream engine: V for PACK_SUM, a refused read, SRUN retiring -----------------
+        with m.If(self.v_we):
+            m.d.sync += V.eq(self.v_next)
+        with m.If(self.stream_error):
+            fail("MU_ERROR")
+        d_mode = sf[S.D_MODE]
+        with m.If(self.stream_done):
+            m.d.comb += adv.eq(1)
+            with m.Switch(d_mode):
+                with m.Case(DMode.SUM.value, DMode.MAX.value):
+                    write_a(rd_i, self.stream_acc)
+                with m.Case(DMode.ARGMAX.value):
+                    write_a(rd_i, self.stream_acc)
+                    write_b(rd1_i, self.stream_index)
+
+        # --- Incoming messages ----------------------------------------------------------------
+        fin = self.msg_in.payload
+        kind = fin.payload.kind
+        body = fin.payload.body
+        tag = body.tag
+        inv = self.msg_in.valid
+        m.d.comb += self.msg_in.ready.eq(1)
+        msg_err = Signal(8)
+        is_resp = inv & (kind == MsgKind.RESPONSE)
+        refused = body.status != MUStatus.OK
+        with m.If(is_resp & ((tag == TAG_BLOCKING) | (tag == TAG_WRITE)) & refused):
+            m.d.comb += msg_err.eq(codes["MU_ERROR"])
+        with m.If(is_resp & (tag == TAG_BLOCKING)):
+            m.d.sync += [r0_valid.eq(1), r0_data.eq(body.data), r0_ref.eq(body.ref)]
+
+        # Tokens and references for a CU that does not run are dropped.
+        is_tok = inv & (kind == MsgKind.TOKEN) & running
+        for c, cnt in enumerate(tokens):
+            arrive = is_tok & (tag == c)
+            take = Mux(wait_take & (ir.aux == c), imm, 0)
+            total = cnt + Mux(arrive, body.data[:32], 0)
+            with m.If(total > _TOKEN_MAX):
+                m.d.comb += msg_err.eq(codes["TOKEN_OVERFLOW"])
+                m.d.sync += cnt.eq(cnt - take)
+            with m.Else():
+                m.d.sync += cnt.eq(total - take)
+
+        is_ref = inv & (kind == MsgKind.REF) & running
+        for s in range(cp.mailbox):
+            take = recv_take & (ir.aux == s)
+            with m.If(take):
+                m.d.sync += mb_full[s].eq(0)
+            with m.If(is_ref & (tag == s)):
+                with m.If(mb_full[s] & ~take):
+                    m.d.comb += msg_err.eq(codes["MAILBOX_OVERFLOW"])
+                with m.Else():
+                    m.d.sync += [mb_full[s].eq(1), mb_ref[s].eq(body.ref),
+                                 mb_weight[s].eq(body.data[:32])]
+
+        # --- Register file ------------------------------------------------------------------
+        cfg = self.cfg
+        cfg_we = cfg.sel & cfg.we
+        cfg_re = cfg.sel & cfg.re
+        addr = cfg.addr
+        at_regs = (addr >= CU_MAP.REGS) & (addr < CU_MAP.REGS + R)
+        cfg_reg = (addr - CU_MAP.REGS)[:rbits]
+        for i, r in enumerate(regs):
+            with m.If(cfg_we & at_regs & (cfg_reg == i)):
+                m.d.sync += init_regs[i].eq(cfg.wdata)
+                with m.If(~running):
+                    m.d.sync += r.eq(cfg.wdata)
+            with m.If(wa_en & (wa_idx == i)):
+                m.d.sync += r.eq(wa_data)
+            with m.If(wb_en & (wb_idx == i)):
+                m.d.sync += r.eq(wb_data)
+
+        # --- Errors ---------------------------------------------------------------------------
+        with m.If(running & ((seq_err != 0) | (msg_err != 0))):
+            m.d.sync += [state.eq(_State.IDLE), err.eq(1),
+                         code.eq(Mux(seq_err != 0, seq_err, msg_err))]
+            with m.If(seq_err == codes["PC_OUT_OF_RANGE"]):
+                m.d.sync += pc.eq(npc)
+
+        # --- Start (overrides everything above) -----------------------------------------------
+        with m.If(self.start):
+            m.d.sync += [
+                *[r.eq(i) for r, i in zip(regs, init_regs, strict=True)],
+                *[t.eq(0) for t in tokens], *[f.eq(0) for f in mb_full],
+                *[s.eq(int(f is S.OUTER)) for f, s in sf.items()],
+                V.eq(0), r0_valid.eq(0), err.eq(0), code.eq(0), pc.eq(0),
+            ]
+            m.d.comb += [prog_r.addr.eq(0), prog_r.en.eq(1)]
+            with m.If(enabled):
+                m.d.sync += state.eq(_State.RUN)
+            with m.Else():
+                m.d.sync += state.eq(_State.IDLE)
+
+        # --- Configuration space: program, registers, CONTROL, STATUS -----------------------
+        at_prog = addr < CU_MAP.PROGRAM + 2 * cp.prog_len
+        prog_word = (addr - CU_MAP.PROGRAM)[1:]
+        m.d.comb += [
+            prog_w.addr.eq(prog_word), prog_w.data.eq(Cat(cfg.wdata, cfg.wdata)),
+            prog_w.en.eq(Mux(cfg_we & at_prog, Mux(addr[0], 0b10, 0b01), 0)),
+            prog_c.addr.eq(prog_word), prog_c.en.eq(cfg_re & at_prog),
+        ]
+        with m.If(cfg_we & (addr == CU_MAP.CONTROL)):
+            m.d.sync += enabled.eq(cfg.wdata[0])
+
+        status = Signal(CU_STATUS)
+        m.d.comb += [status.done.eq(~running), status.error.eq(err), status.code.eq(code),
+                     status.pc.eq(pc)]
+        value = Signal(32)
+        with m.If(at_regs):
+            m.d.comb += value.eq(regs_a[cfg_reg])
+        with m.Elif(addr == CU_MAP.CONTROL):
+            m.d.comb += value.eq(enabled)
+        with m.Elif(addr == CU_MAP.STATUS):
+            m.d.comb += value.eq(status)
+        r_prog = Signal()
+        r_half = Signal()
+        r_value = Signal(32)
+        with m.If(cfg_re):
+            m.d.sync += [r_prog.eq(at_prog), r_half.eq(addr[0]), r_value.eq(value)]
+        m.d.comb += cfg.rdata.eq(Mux(r_prog, Mux(r_half, prog_c.data[32:], prog_c.data[:32]),
+                                     r_value))
+        return m

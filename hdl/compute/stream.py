@@ -1,0 +1,373 @@
+"""The compute unit's stream engine: the SIMD datapath that runs one SRUN.
+
+An issue stage walks ``(o, i)`` and offers a READ (tag 1) on ``req`` each cycle while fewer than
+``outstanding`` reads are unconsumed (issued and not yet popped). Read responses go into a
+response FIFO of ``outstanding + 1`` entries, so a response is always accepted. The execute
+pipeline has two stages: S0 pops the head of the FIFO and reads the local buffer (B operand and
+the LOCAL_ACC destination); S1 computes ``post(fn(a, b) >> SHIFT)`` in every lane and delivers
+it (local buffer write, reduction, ``V`` for PACK_SUM, or a write queue for MU writes and
+appends). The local buffer read ports are transparent to its write port, so step ``k`` sees the
+write of step ``k - 1``. MU writes and appends (tag 2) leave from the write queue with priority
+over reads, so a step that writes takes two request cycles; the stream is ``done`` when every
+step has been executed and every write acknowledged. See :mod:`rdakit.hdl.compute.unit` for the
+timing and the readings of the spec.
+"""
+
+from amaranth.hdl import Cat, Const, Module, Mux, Signal, unsigned
+from amaranth.lib import data, fifo, memory, stream, wiring
+from amaranth.lib.wiring import In, Out
+from amaranth.utils import exact_log2
+
+from rdakit.hdl.compute.common import (
+    STREAM_FIELDS,
+    TAG_READ,
+    TAG_WRITE,
+    alu,
+    check_cu_tile,
+    lane,
+    request,
+)
+from rdakit.hdl.spec.config import CU_MAP, config_bus_signature
+from rdakit.hdl.spec.flit import flit_layout
+from rdakit.hdl.spec.isa import INSTR_LAYOUT, BMode, DMode
+from rdakit.hdl.spec.packets import MUOp, mu_request_layout
+
+__all__ = ["StreamEngine", "WQ_DEPTH", "read_response_layout"]
+
+#: Depth of the queue of stream results waiting to be written to an MU.
+WQ_DEPTH = 4
+
+
+def read_response_layout(fabric_params):
+    """A read response as the stream engine takes it: the vector word and whether the MU
+    refused the read."""
+    return data.StructLayout({"data": fabric_params.cu.data_bits, "refused": 1})
+
+
+class StreamEngine(wiring.Component):
+    """The SIMD streaming datapath of a compute unit.
+
+    Parameters
+    ----------
+    fabric_params : FabricParams
+        The fabric; its ``cu`` parameters size the engine (lanes, local buffer, outstanding
+        reads) and its ``mu`` parameters the requests.
+    x, y : int
+        The CU tile the engine belongs to (the ``src`` of its requests).
+
+    Members
+    -------
+    fields : In(STREAM_FIELDS)
+        The stream configuration (``StreamField``); held while ``active``.
+    fn : In(4)
+        The lanes' ALU function (SRUN's ``fn``); held while ``active``.
+    start : In(1)
+        One-cycle pulse: a stream starts (the walk, the reductions and, for PACK_SUM, ``V`` are
+        reset). ``active`` rises the next cycle.
+    active : In(1)
+        A stream runs (the CU is in SRUN). While it is low, stale read responses and queued
+        writes are dropped and nothing is issued.
+    clear : In(1)
+        One-cycle pulse (the CU's start): forget outstanding reads and unacknowledged writes.
+    req : Out(stream.Signature(flit_layout(coord_bits, mu_request_layout(mu))))
+        READ, WRITE and APPEND requests; ``valid`` does not depend on ``ready``.
+    resp : In(stream.Signature(read_response_layout(fabric_params)))
+        Responses to the engine's reads (tag 1), in order; ``ready`` is constant 1 (the
+        response FIFO has room for every read the engine has outstanding).
+    ack : In(1)
+        A response to one of the engine's writes (tag 2) arrives.
+    v : In(data_bits)
+        The staging vector ``V`` (held by the sequencer).
+    v_we : Out(1), v_next : Out(data_bits)
+        Load ``V`` with ``v_next`` at the next clock edge (PACK_SUM).
+    step : Out(1)
+        A step enters the pipeline this cycle (a response is popped).
+    done : Out(1)
+        The stream has finished: every step ran and every write was acknowledged (while
+        ``active``; the sequencer retires SRUN in this cycle).
+    error : Out(1)
+        A read was refused and the steps before it have completed (MU_ERROR).
+    acc, index : Out(32)
+        The reduction (SUM, MAX, ARGMAX's value) and ARGMAX's index, final when ``done``.
+    cfg : In(config_bus_signature())
+        The local buffer's part of the configuration space (``CU_MAP.LOCAL``); ``rdata`` is 0
+        the cycle after a read of any other address. Writes are ignored in a cycle when the
+        stream writes the local buffer.
+
+    Latency: the first READ is offered the cycle after ``start``; a response popped in cycle
+    ``t`` is delivered in ``t + 1``; ``done`` follows the last delivery and acknowledgement by
+    at least one cycle.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :class:`rdakit.hdl.compute.unit.ComputeUnit` for ``fabric_params``, ``x`` and ``y``.
+    """
+
+    def __init__(self, fabric_params, *, x, y):
+        check_cu_tile(fabric_params, x, y)
+        p = fabric_params
+        self.fabric_params = p
+        self.x = x
+        self.y = y
+        L = p.cu.lanes
+        req_flit = flit_layout(p.coord_bits, mu_request_layout(p.mu))
+        super().__init__({
+            "fields": In(STREAM_FIELDS),
+            "fn": In(INSTR_LAYOUT["fn"].shape),
+            "start": In(1),
+            "active": In(1),
+            "clear": In(1),
+            "req": Out(stream.Signature(req_flit)),
+            "resp": In(stream.Signature(read_response_layout(p))),
+            "ack": In(1),
+            "v": In(32 * L),
+            "v_we": Out(1),
+            "v_next": Out(32 * L),
+            "step": Out(1),
+            "done": Out(1),
+            "error": Out(1),
+            "acc": Out(32),
+            "index": Out(32),
+            "cfg": In(config_bus_signature()),
+        })
+
+    def elaborate(self, platform):
+        p = self.fabric_params
+        cp, mp = p.cu, p.mu
+        L = cp.lanes
+        lbits = exact_log2(L)
+        wbits = exact_log2(cp.local_words)
+        sf = self.fields
+        in_stream = self.active
+        m = Module()
+
+        # --- Storage ------------------------------------------------------------------------
+        m.submodules.local = local = memory.Memory(shape=unsigned(32 * L),
+                                                   depth=cp.local_words, init=[])
+        loc_w = local.write_port(granularity=32)
+        loc_b = local.read_port(transparent_for=(loc_w,))   # stream operand B
+        loc_d = local.read_port(transparent_for=(loc_w,))   # LOCAL_ACC destination
+        loc_c = local.read_port()                           # configuration reads
+        # A read response and whether the MU refused it.
+        m.submodules.rfifo = rfifo = fifo.SyncFIFOBuffered(width=32 * L + 1,
+                                                           depth=cp.outstanding + 1)
+        wq_layout = data.StructLayout({"data": 32 * L, "index": mp.index_bits})
+        m.submodules.wq = wq = fifo.SyncFIFOBuffered(width=wq_layout.size, depth=WQ_DEPTH + 1)
+        m.d.comb += [self.resp.ready.eq(1), rfifo.w_en.eq(self.resp.valid),
+                     rfifo.w_data.eq(Cat(self.resp.payload.data, self.resp.payload.refused))]
+
+        # --- Issue --------------------------------------------------------------------------
+        credits = Signal(range(cp.outstanding + 1))   # reads issued and not yet popped
+        iss_o, iss_i = Signal(32), Signal(32)
+        iss_row, iss_idx = Signal(32), Signal(32)
+        iss_done = Signal()
+        wr_pending = Signal(16)                        # writes issued and not acknowledged
+        pop = Signal()
+        n_val, outer_val = sf.n, sf.outer
+        d_mode = sf.d_mode
+
+        wreq = Signal(self.req.payload.shape())
+        wq_head = wq_layout(wq.r_data)
+        request(m, wreq, p, x=self.x, y=self.y,
+                op=Mux(d_mode == DMode.WRITE.value, MUOp.WRITE, MUOp.APPEND),
+                tag=TAG_WRITE, ref=sf.d_ref, index=wq_head.index, data=wq_head.data)
+        rreq = Signal(self.req.payload.shape())
+        request(m, rreq, p, x=self.x, y=self.y, op=MUOp.READ, tag=TAG_READ, ref=sf.a_ref,
+                index=iss_idx)
+
+        # A queued write goes first; a read only when no write waits.
+        m.d.comb += [
+            self.req.valid.eq(in_stream & Mux(wq.r_rdy, wr_pending != (1 << 16) - 1,
+                                              ~iss_done & (credits != cp.outstanding))),
+            self.req.payload.eq(Mux(wq.r_rdy, wreq, rreq)),
+        ]
+        go = self.req.valid & self.req.ready
+        wr_go = go & wq.r_rdy
+        rd_go = go & ~wq.r_rdy
+        # Results queued for an MU are dropped when no stream runs (after an error).
+        m.d.comb += wq.r_en.eq(wr_go | ~in_stream)
+
+        with m.If(rd_go):
+            with m.If(iss_i + 1 == n_val):
+                m.d.sync += [iss_i.eq(0), iss_row.eq(iss_row + sf.a_ostride),
+                             iss_idx.eq(iss_row + sf.a_ostride)]
+                with m.If(iss_o + 1 == outer_val):
+                    m.d.sync += iss_done.eq(1)
+                with m.Else():
+                    m.d.sync += iss_o.eq(iss_o + 1)
+            with m.Else():
+                m.d.sync += [iss_i.eq(iss_i + 1), iss_idx.eq(iss_idx + sf.a_stride)]
+        with m.If(rd_go & ~pop):
+            m.d.sync += credits.eq(credits + 1)
+        with m.Elif(pop & ~rd_go):
+            m.d.sync += credits.eq(credits - 1)
+
+        # --- S0: pop a response, read the local buffer --------------------------------------
+        c_o, c_i, c_k = Signal(32), Signal(32), Signal(32)
+        b_row, b_idx, d_idx = Signal(32), Signal(32), Signal(32)
+        c_done = Signal()
+        s1_valid = Signal()
+        s1_a = Signal(32 * L)
+        s1_k = Signal(32)
+        s1_last_inner = Signal()
+        s1_last = Signal()
+        s1_lane = Signal(max(lbits, 1))
+        s1_didx = Signal(32)
+
+        # A refused read halts the stream in order: the steps before it complete (their
+        # writes are acknowledged), then ``error`` rises.
+        fault = Signal()
+        head_bad = rfifo.r_data[32 * L]
+        can_pop = in_stream & ~c_done & ~fault & rfifo.r_rdy & (wq.level <= WQ_DEPTH - 2)
+        with m.If(can_pop & head_bad):
+            m.d.sync += fault.eq(1)
+        m.d.comb += self.error.eq(in_stream & fault & ~s1_valid & (wq.level == 0)
+                                  & (wr_pending == 0))
+        m.d.comb += [
+            pop.eq(can_pop & ~head_bad),
+            self.step.eq(pop),
+            rfifo.r_en.eq(pop | ~in_stream),   # stale responses are dropped between streams
+            loc_b.addr.eq(b_idx[:wbits]), loc_b.en.eq(pop),
+            loc_d.addr.eq(d_idx[:wbits]), loc_d.en.eq(pop),
+        ]
+        last_inner = c_i + 1 == n_val
+        m.d.sync += s1_valid.eq(pop)
+        with m.If(pop):
+            m.d.sync += [
+                s1_a.eq(rfifo.r_data[:32 * L]), s1_k.eq(c_k), s1_didx.eq(d_idx),
+                s1_last_inner.eq(last_inner), s1_last.eq(last_inner & (c_o + 1 == outer_val)),
+                s1_lane.eq(c_o[:max(lbits, 1)] if lbits else 0),
+                c_k.eq(c_k + 1), d_idx.eq(d_idx + sf.d_stride),
+            ]
+            with m.If(last_inner):
+                m.d.sync += [c_i.eq(0), b_row.eq(b_row + sf.b_ostride),
+                             b_idx.eq(b_row + sf.b_ostride)]
+                with m.If(c_o + 1 == outer_val):
+                    m.d.sync += c_done.eq(1)
+                with m.Else():
+                    m.d.sync += c_o.eq(c_o + 1)
+            with m.Else():
+                m.d.sync += [c_i.eq(c_i + 1), b_idx.eq(b_idx + sf.b_stride)]
+
+        # --- S1: compute and deliver ------------------------------------------------------
+        b_mode = sf.b_mode
+        b_word = Mux(b_mode == BMode.LOCAL.value, loc_b.data,
+                     Mux(b_mode == BMode.SCALAR.value, Cat([sf.b_val] * L), 0))
+        shift = sf.shift[:5]
+        relu = sf.post[0]
+        r_lanes = []
+        for i in range(L):
+            a = s1_a.word_select(i, 32)
+            b = b_word.word_select(i, 32)
+            f = alu(m, self.fn, a, b, f"lane{i}_alu")
+            sh = Signal(32, name=f"lane{i}_shifted")
+            m.d.comb += sh.eq(f.as_signed() >> shift)
+            r = Signal(32, name=f"lane{i}_result")
+            m.d.comb += r.eq(Mux(relu & sh[31], 0, sh))
+            r_lanes.append(r)
+        r_word = Cat(r_lanes)
+
+        # Reductions over the lanes of one result: the sum, and the largest (first on ties).
+        lane_sum = Signal(32)
+        m.d.comb += lane_sum.eq(sum(r_lanes[1:], r_lanes[0]))
+        level = [(r, Const(i, max(lbits, 1))) for i, r in enumerate(r_lanes)]
+        while len(level) > 1:
+            nxt = []
+            for (lv, li), (rv, ri) in zip(level[::2], level[1::2], strict=True):
+                right = rv.as_signed() > lv.as_signed()
+                nxt.append((Mux(right, rv, lv), Mux(right, ri, li)))
+            level = nxt
+        word_max = Signal(32)
+        word_max_lane = Signal(max(lbits, 1))
+        m.d.comb += [word_max.eq(level[0][0]), word_max_lane.eq(level[0][1])]
+
+        red_acc = Signal(32)
+        red_idx = Signal(32)
+        pack_acc = Signal(32)
+        m.d.comb += [self.acc.eq(red_acc), self.index.eq(red_idx)]
+        s1_go = s1_valid & in_stream
+        stream_local_we = s1_go & ((d_mode == DMode.LOCAL.value)
+                                   | (d_mode == DMode.LOCAL_ACC.value))
+        with m.If(s1_go):
+            with m.Switch(d_mode):
+                with m.Case(DMode.WRITE.value, DMode.APPEND.value):
+                    m.d.comb += [wq.w_en.eq(1), wq.w_data.eq(Cat(r_word, s1_didx))]
+                with m.Case(DMode.LOCAL.value, DMode.LOCAL_ACC.value):
+                    acc_word = Cat((r + loc_d.data.word_select(i, 32))[:32]
+                                   for i, r in enumerate(r_lanes))
+                    m.d.comb += [
+                        loc_w.addr.eq(s1_didx[:wbits]), loc_w.en.eq((1 << L) - 1),
+                        loc_w.data.eq(Mux(d_mode == DMode.LOCAL.value, r_word, acc_word)),
+                    ]
+                with m.Case(DMode.SUM.value):
+                    m.d.sync += red_acc.eq(red_acc + lane_sum)
+                with m.Case(DMode.MAX.value, DMode.ARGMAX.value):
+                    with m.If(word_max.as_signed() > red_acc.as_signed()):
+                        m.d.sync += [red_acc.eq(word_max),
+                                     red_idx.eq(Cat(word_max_lane[:lbits], s1_k))]
+                with m.Case(DMode.PACK_SUM.value):
+                    total = Signal(32)
+                    m.d.comb += total.eq(pack_acc + lane_sum)
+                    with m.If(s1_last_inner):
+                        v_new = Signal(32 * L)
+                        m.d.comb += v_new.eq(self.v)
+                        if L == 1:
+                            m.d.comb += v_new.eq(total)
+                        else:
+                            m.d.comb += v_new.word_select(s1_lane[:lbits], 32).eq(total)
+                        m.d.sync += pack_acc.eq(0)
+                        m.d.comb += self.v_we.eq(1)
+                        with m.If((s1_lane == L - 1) | s1_last):
+                            m.d.comb += [wq.w_en.eq(1), wq.w_data.eq(v_new)]
+                            m.d.comb += self.v_next.eq(0)
+                        with m.Else():
+                            m.d.comb += self.v_next.eq(v_new)
+                    with m.Else():
+                        m.d.sync += pack_acc.eq(total)
+
+        # A stream starts: reset the walk, the reductions (and V for PACK_SUM).
+        with m.If(self.start):
+            is_max = (d_mode == DMode.MAX.value) | (d_mode == DMode.ARGMAX.value)
+            m.d.sync += [
+                iss_o.eq(0), iss_i.eq(0), iss_row.eq(sf.a_base), iss_idx.eq(sf.a_base),
+                iss_done.eq(0), credits.eq(0), fault.eq(0),
+                c_o.eq(0), c_i.eq(0), c_k.eq(0), c_done.eq(0),
+                b_row.eq(sf.b_val), b_idx.eq(sf.b_val), d_idx.eq(sf.d_base),
+                red_acc.eq(Mux(is_max, 1 << 31, 0)), red_idx.eq(0), pack_acc.eq(0),
+            ]
+            with m.If(d_mode == DMode.PACK_SUM.value):
+                m.d.comb += [self.v_we.eq(1), self.v_next.eq(0)]
+
+        # Every step ran and every write was acknowledged.
+        m.d.comb += self.done.eq(in_stream & c_done & ~s1_valid & (wq.level == 0)
+                                 & (wr_pending == 0))
+
+        # Acknowledgements of the writes.
+        with m.If(wr_go & ~self.ack):
+            m.d.sync += wr_pending.eq(wr_pending + 1)
+        with m.Elif(self.ack & ~wr_go & (wr_pending != 0)):
+            m.d.sync += wr_pending.eq(wr_pending - 1)
+
+        with m.If(self.clear):
+            m.d.sync += [wr_pending.eq(0), credits.eq(0)]
+
+        # --- Configuration space: the local buffer --------------------------------------------
+        cfg = self.cfg
+        cfg_we = cfg.sel & cfg.we
+        cfg_re = cfg.sel & cfg.re
+        addr = cfg.addr
+        loc_off = addr - CU_MAP.LOCAL
+        at_local = (addr >= CU_MAP.LOCAL) & (loc_off < cp.local_words * L)
+        loc_word = loc_off[lbits:lbits + wbits] if wbits else Const(0, 0)
+        loc_lane = loc_off[:lbits] if lbits else Const(0, 1)
+        m.d.comb += [loc_c.addr.eq(loc_word), loc_c.en.eq(cfg_re & at_local)]
+        with m.If(cfg_we & at_local & ~stream_local_we):
+            m.d.comb += [loc_w.addr.eq(loc_word), loc_w.data.eq(Cat([cfg.wdata] * L)),
+                         loc_w.en.eq(Const(1, L) << loc_lane)]
+        r_local = Signal()
+        r_lane = Signal(max(lbits, 1))
+        with m.If(cfg_re):
+            m.d.sync += [r_local.eq(at_local), r_lane.eq(loc_lane)]
+        m.d.comb += cfg.rdata.eq(Mux(r_local, lane(loc_c.data, r_lane, L), 0))
+        return m
