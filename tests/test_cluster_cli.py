@@ -10,7 +10,7 @@ from rdakit.cli import main
 
 def test_verilog_system_writes_a_module(tmp_path, capsys):
     out = tmp_path / "system.v"
-    assert main(["verilog", "system", "--clusters", "2", "--rows", "1", "--cols", "2",
+    assert main(["verilog", "system", "--clusters", "2", "--fabric", "1x2",
                  "--lanes", "1", "--link-width", "8", "--link-latency", "4", "-o", str(out),
                  "--name", "sys_top"]) == 0
     text = out.read_text()
@@ -28,7 +28,9 @@ def test_verilog_system_writes_a_module(tmp_path, capsys):
     (["--clusters", "2", "--link-latency", "0"],
      "link_latency must be an integer from 1 to 256, not 0"),
     (["--clusters", "2", "--link-width", "0"], "link_width must be an integer from 1 to"),
-    (["--clusters", "2", "--rows", "40"], "rows must be an integer between 1 and 16, not 40"),
+    (["--clusters", "2", "--fabric", "40x2"],
+     "rows must be an integer between 1 and 16, not 40"),
+    (["--clusters", "257"], "--clusters must be from 1 to 256, not 257"),
 ])
 def test_verilog_system_rejects_bad_options(tmp_path, capsys, args, message):
     assert main(["verilog", "system", *args, "-o", str(tmp_path / "x.v")]) == 2
@@ -63,6 +65,31 @@ def test_bench_clusters(tmp_path):
     assert slow[1] < slow[0]
 
 
+@pytest.mark.parametrize("command", [["verilog", "system", "-o", "x.v"], ["bench", "clusters"]])
+@pytest.mark.parametrize("old", [["--rows", "1"], ["--cols", "2"]])
+def test_system_commands_refuse_rows_and_cols(capsys, command, old):
+    """A cluster's grid is spelled --fabric RxC only; --rows and --cols name the new spelling."""
+    with pytest.raises(SystemExit) as e:
+        main([*command, "--clusters", "2", *old])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {old[0]} was replaced by --fabric RxC (rows x columns), e.g. --fabric 3x3 " \
+           f"for --rows 3 --cols 3" in err, err
+
+
+def test_run_and_system_share_one_cluster_range(capsys):
+    """``rdakit run --clusters`` and ``rdakit verilog system --clusters`` accept the same
+    counts (hdl.spec.params.CLUSTERS) and refuse the others with the same message."""
+    from rdakit.hdl.spec.params import CLUSTERS
+
+    for n in (CLUSTERS.start - 1, CLUSTERS.stop):
+        assert main(["run", *MLP, "--clusters", str(n)]) == 2
+        run_err = capsys.readouterr().err
+        assert main(["verilog", "system", "--clusters", str(n), "-o", "x.v"]) == 2
+        assert capsys.readouterr().err == run_err == \
+            f"rdakit: error: --clusters must be from 1 to 256, not {n}\n"
+
+
 def test_bench_clusters_rejects_an_unknown_workload(capsys):
     assert main(["bench", "clusters", "--workloads", "mlp,gpt5"]) == 2
     assert "--workloads takes names of" in capsys.readouterr().err
@@ -73,7 +100,7 @@ MLP = ["mlp", "--size", "batch=2", "--size", "sizes=8,8,4", "-q"]
 
 @pytest.mark.parametrize("args, message", [
     (["--clusters", "2", "--sim", "icarus"], "--clusters runs in the built-in simulator only"),
-    (["--clusters", "1"], "--clusters must be from 2 to 16, not 1"),
+    (["--clusters", "0"], "--clusters must be from 1 to 256, not 0"),
     (["--clusters", "2", "--slow-cluster", "2", "--inject-load", "9"],
      "--slow-cluster must name a cluster from 0 to 1, not 2"),
     (["--clusters", "2", "--slow-cluster", "1"],

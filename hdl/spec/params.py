@@ -11,7 +11,7 @@ import enum
 from amaranth.utils import ceil_log2, exact_log2
 
 __all__ = ["AllocMode", "RefcountMode", "MUParams", "PLASTICINE_MU", "CUParams", "FabricParams",
-           "fabric_params"]
+           "fabric_params", "CLUSTERS"]
 
 
 class AllocMode(enum.Enum):
@@ -459,6 +459,11 @@ class FabricParams:
     def mu_cluster(self, mu_id):
         """The cluster of the MU with ID ``mu_id`` (0 in a lone fabric)."""
         return mu_id >> (2 * self.coord_bits)
+
+
+#: The cluster counts a system of clusters may have: an MU ID holds its cluster in at most 8 bits
+#: (``MUParams.cluster_bits``), so 1 to 256. Every command taking ``--clusters`` checks this range.
+CLUSTERS = range(1, (1 << 8) + 1)
 
 
 def fabric_params(rows=2, cols=2, *, layout=None, lanes=4, prog_len=64, local_words=64,

@@ -1,12 +1,20 @@
-"""``rdakit board build|run`` and ``rdakit bench boards``."""
+"""``rdakit board build|run``: a fabric built for an FPGA board, and kernels run on a board."""
 
 import asyncio
-import pathlib
-import re
 
-from rdakit.cli.options import add_fabric_arguments
+import serial
 
-__all__ = ["register", "params_for", "WORKLOADS"]
+from rdakit.boards.build import BOARDS, board_preset, board_spec, build
+from rdakit.boards.serial_link import board_host
+from rdakit.cli.options import add_fabric_arguments, parse_grid
+from rdakit.errors import UserError
+from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.bench.report import Report
+from rdakit.sim.runtime.host_link import LinkError
+from rdakit.sim.runtime.job import run_job
+from rdakit.sim.verify import kernels
+
+__all__ = ["register", "params_for", "check_board", "WORKLOADS"]
 
 #: Kernels ``rdakit board run`` knows: name -> (builder in rdakit.sim.runtime.job, size keyword).
 WORKLOADS = {"vector-add": ("vector_add", "n"), "matvec": ("matvec", "m"),
@@ -16,38 +24,24 @@ _FABRIC_OPTIONS = ("lanes", "prog_len", "local_words", "mu_words", "block_words"
                    "weight_bits", "noc_depth", "noc_queues", "alloc_mode", "refcount")
 
 
-def _grid(text, option="--fabric"):
-    from rdakit.errors import UserError
-
-    m = re.fullmatch(r"(\d+)x(\d+)", text)
-    if not m:
-        raise UserError(f"{option} must be ROWSxCOLS like 2x2, not {text!r}")
-    return int(m.group(1)), int(m.group(2))
-
-
 def params_for(board, args, *, grid=None, **changes):
     """The FabricParams of a board build: the board's preset, then the options given."""
-    from rdakit.boards.build import board_preset
-    from rdakit.errors import UserError
-    from rdakit.hdl.spec.params import fabric_params
-
     options = board_preset(board)
     for name in _FABRIC_OPTIONS:
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value
     options.update(changes)
-    rows, cols = grid or _grid(args.fabric)
+    rows, cols = grid or parse_grid(args.fabric)
     try:
         return fabric_params(rows, cols, layout=getattr(args, "layout", None), **options)
     except (TypeError, ValueError) as e:
         raise UserError(str(e)) from None
 
 
-def _spec(board):
-    from rdakit.boards.build import board_spec
-    from rdakit.errors import UserError
-
+def check_board(board):
+    """The :class:`~rdakit.boards.build.BoardSpec` of ``board``, or a UserError naming the
+    boards there are."""
     try:
         return board_spec(board)
     except ValueError as e:
@@ -60,11 +54,7 @@ def _utilization_table(report, title, result, spec):
 
 
 def _build(args):
-    from rdakit.boards.build import build
-    from rdakit.errors import UserError
-    from rdakit.sim.bench.report import Report
-
-    spec = _spec(args.board)
+    spec = check_board(args.board)
     params = params_for(args.board, args)
     build_dir = args.build_dir or f"build/{args.board}-{params.rows}x{params.cols}"
     try:
@@ -94,22 +84,13 @@ def _build(args):
 
 
 def _run(args):
-    from rdakit.errors import UserError
-    from rdakit.sim.runtime.job import run_job
-    from rdakit.sim.verify import kernels
-
-    spec = _spec(args.board)
+    spec = check_board(args.board)
     params = params_for(args.board, args)
     builder, size_kw = WORKLOADS[args.workload]
     try:
         job = getattr(kernels, builder)(params, **({size_kw: args.size} if args.size else {}))
     except ValueError as e:
         raise UserError(str(e)) from None
-    import serial
-
-    from rdakit.boards.serial_link import board_host
-    from rdakit.sim.runtime.host_link import LinkError
-
     try:
         host, port = board_host(params, args.port, baud=args.baud or spec.default_baud,
                                 timeout=args.timeout)
@@ -133,27 +114,7 @@ def _run(args):
     return 0
 
 
-def _bench(args):
-    from rdakit.errors import UserError
-    from rdakit.sim.bench.boards import bench_boards
-
-    boards = args.boards.split(",")
-    for b in boards:
-        _spec(b)
-    grids = [_grid(g, "--grids") for g in args.grids.split(",")]
-    try:
-        mu_words = ([int(w) for w in args.bench_mu_words.split(",")]
-                    if args.bench_mu_words else None)
-    except ValueError:
-        raise UserError(f"--mu-words must be numbers separated by commas, not "
-                        f"{args.bench_mu_words!r}") from None
-    return bench_boards(boards, grids=grids, mu_words=mu_words, root=pathlib.Path(args.root),
-                        json_path=args.json, args=args)
-
-
 def _presets():
-    from rdakit.boards.build import BOARDS, board_preset
-
     return "; ".join(f"{b}: " + ", ".join(f"{k.replace('_', '-')} {v}"
                                           for k, v in board_preset(b).items()) for b in BOARDS)
 
@@ -164,7 +125,7 @@ def _fabric_options(p, default_grid):
     p.set_defaults(**{name: None for name in _FABRIC_OPTIONS})
 
 
-def register(commands, verilog, bench):
+def register(commands):
     board = commands.add_parser(
         "board", help="FPGA builds of the fabric and runs on a board",
         description="Build a fabric with its UART host bridge for an FPGA board, or run a "
@@ -199,18 +160,3 @@ def register(commands, verilog, bench):
     p.add_argument("--timeout", type=float, default=0.5, help="seconds to wait for an answer")
     _fabric_options(p, "1x2")
     p.set_defaults(func=_run)
-
-    p = bench.add_parser(
-        "boards", help="largest fabric that fits each board, utilization and Fmax per size",
-        description="Build growing grids with each board's preset until one does not fit, "
-                    "then grow the MU of the largest grid that fits; records utilization and "
-                    "Fmax per build. Builds take minutes each.")
-    p.add_argument("--boards", default="icebreaker,ulx3s")
-    p.add_argument("--grids", default="1x2,2x2,2x3,3x3,3x4,4x4",
-                   help="grids to try in order (default: %(default)s)")
-    p.add_argument("--mu-words", dest="bench_mu_words",
-                   help="MU sizes to try on the largest grid, e.g. 512,1024,2048 (default: "
-                        "twice and four times the preset's)")
-    p.add_argument("--root", default="build/bench-boards", help="build folders under this")
-    p.add_argument("--json", metavar="FILE")
-    p.set_defaults(func=_bench)

@@ -8,14 +8,35 @@ out of date.
 import pathlib
 import re
 
+from rdakit.boards.build import BOARDS, board_preset
+from rdakit.hdl.spec.frames import (
+    ERROR_DOC,
+    FRAME_CRC,
+    KIND_DOC,
+    SOF,
+    FrameError,
+    FrameKind,
+    cmd_bytes,
+    reply_bytes,
+)
+from rdakit.hdl.spec.isa import OP_INFO, AluFn, BMode, DMode, StreamField
+from rdakit.hdl.spec.packets import (
+    OP_DOC,
+    STATUS_DOC,
+    MUOp,
+    MUStatus,
+    mu_request_layout,
+    mu_response_layout,
+)
+from rdakit.hdl.spec.params import MUParams, fabric_params
+from rdakit.sim.verify.formal_harness import properties_table
+
 __all__ = ["SECTIONS", "render", "update", "register"]
 
 DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
 
 
 def _mu_ops():
-    from rdakit.hdl.spec.packets import OP_DOC, STATUS_DOC, MUOp, MUStatus
-
     lines = ["| opcode | operation | request | response |", "|---|---|---|---|"]
     for op in MUOp:
         req, resp = OP_DOC[op]
@@ -27,9 +48,6 @@ def _mu_ops():
 
 
 def _mu_packets():
-    from rdakit.hdl.spec.packets import mu_request_layout, mu_response_layout
-    from rdakit.hdl.spec.params import MUParams
-
     p = MUParams()
     lines = []
     for title, layout in (("request", mu_request_layout(p)), ("response", mu_response_layout(p))):
@@ -43,8 +61,6 @@ def _mu_packets():
 
 
 def _isa():
-    from rdakit.hdl.spec.isa import OP_INFO, AluFn, BMode, DMode, StreamField
-
     lines = ["| opcode | syntax | semantics | cycles |", "|---|---|---|---|"]
     for op, (syntax, sem, cycles) in OP_INFO.items():
         lines.append(f"| {op.value} | `{syntax}` | {sem} | {cycles} |")
@@ -56,25 +72,10 @@ def _isa():
 
 
 def _properties():
-    from rdakit.sim.verify.formal_harness import properties_table
-
     return properties_table()
 
 
 def _frames():
-    from rdakit.boards.build import BOARDS, board_preset
-    from rdakit.hdl.spec.frames import (
-        ERROR_DOC,
-        FRAME_CRC,
-        KIND_DOC,
-        SOF,
-        FrameError,
-        FrameKind,
-        cmd_bytes,
-        reply_bytes,
-    )
-    from rdakit.hdl.spec.params import fabric_params
-
     alg = FRAME_CRC.algorithm
     lines = ["| byte | field | meaning |", "|---|---|---|",
              f"| 0 | `SOF` | 0x{SOF:02X} |",
@@ -141,7 +142,7 @@ def _docs(args):
     return 1 if (args.check and stale) else 0
 
 
-def register(commands, verilog, bench):
+def register(commands):
     p = commands.add_parser("docs", help="regenerate the tables in docs/ from the code",
                             description="Rewrite the generated tables of docs/ (opcodes, "
                                         "packet layouts) from their definitions in code.")

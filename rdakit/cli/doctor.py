@@ -1,7 +1,12 @@
-"""``rdakit doctor`` and ``rdakit bench mu``."""
+"""``rdakit doctor``: which simulators, Python packages and FPGA tools are there."""
 
 import importlib.metadata
 import subprocess
+
+from rich.console import Console
+from rich.table import Table
+
+from rdakit.sim.verify.runner import SIMULATORS, find_tool, simulator_info
 
 __all__ = ["register"]
 
@@ -15,11 +20,6 @@ FPGA_TOOLS = [
 
 
 def _doctor(args):
-    from rich.console import Console
-    from rich.table import Table
-
-    from rdakit.sim.verify.runner import SIMULATORS, find_tool, simulator_info
-
     console = Console()
     table = Table(title="rdakit doctor", title_justify="left")
     for c in ("tool", "status", "version / problem", "install"):
@@ -52,15 +52,10 @@ def _doctor(args):
     return 1 if missing else 0
 
 
-def register(commands, verilog, bench):
+def register(commands):
     p = commands.add_parser(
         "doctor", help="check which simulators and FPGA tools are available",
         description="List the simulators (Icarus, Verilator), Python packages and FPGA tools "
                     "rdakit uses, their versions, and what to install when one is missing. "
                     "Exits 1 if a required one is missing.")
     p.set_defaults(func=_doctor)
-    from rdakit.sim.bench.fabric import register_bench as register_fabric
-    from rdakit.sim.bench.mu import register_bench
-
-    register_bench(bench)
-    register_fabric(bench)

@@ -2,7 +2,36 @@
 
 import contextlib
 
-__all__ = ["register"]
+from amaranth.utils import ceil_log2
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+from rdakit.cli.options import (
+    add_fabric_arguments,
+    check_clusters,
+    fabric_dict,
+    fabric_from_args,
+    parse_grid,
+    parse_sizes,
+)
+from rdakit.compiler.lower import LoweringError
+from rdakit.compiler.partition import STRATEGIES, PartitionError
+from rdakit.compiler.partition.clusters import CLUSTER_STRATEGIES
+from rdakit.compiler.placement import PlacementError
+from rdakit.errors import UserError
+from rdakit.hdl.cluster.system import SystemParams
+from rdakit.sim.bench.report import Report
+from rdakit.sim.flows import e2e
+from rdakit.sim.flows.system import SystemRunSpec, run_system_session
+from rdakit.sim.verify.runner import require_simulator_or_raise
+
+__all__ = ["register", "progress_bar", "RUN_PROG_LEN"]
 
 #: ``rdakit run``'s program length unless --prog-len says otherwise: compiled programs are
 #: hundreds of instructions long (the fabric commands' default, 64, suits hand-written kernels).
@@ -10,22 +39,13 @@ RUN_PROG_LEN = 2048
 
 
 def spec_from_args(args, *, iterations=1):
-    from rdakit.cli.compile import parse_sizes
-    from rdakit.cli.options import fabric_dict
-    from rdakit.sim.flows.e2e import RunSpec
-
-    return RunSpec(workload=args.workload, sizes=parse_sizes(args.size),
+    return e2e.RunSpec(workload=args.workload, sizes=parse_sizes(args.size),
                    fabric=fabric_dict(args), partitioner=args.partitioner, seed=args.seed,
                    iterations=iterations, place_steps=args.place_steps)
 
 
 def compile_or_explain(spec, cost=None):
     """Compile ``spec`` or raise a UserError saying why it does not fit."""
-    from rdakit.compiler.lower import LoweringError
-    from rdakit.compiler.partition import PartitionError
-    from rdakit.compiler.placement import PlacementError
-    from rdakit.errors import UserError
-
     params = spec.params
     try:
         return spec.compile(cost)
@@ -40,15 +60,6 @@ def compile_or_explain(spec, cost=None):
 def progress_bar(enabled):
     """A rich progress bar fed by ``progress(stage, done, total)`` calls (a no-op when
     disabled or when the output is not a terminal)."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        SpinnerColumn,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
     if not enabled:
         yield lambda stage, done=None, total=None: None
         return
@@ -68,10 +79,6 @@ def progress_bar(enabled):
 
 
 def _run(args):
-    from rdakit.errors import UserError
-    from rdakit.sim.bench.report import Report
-    from rdakit.sim.flows import e2e
-
     if args.adapt is not None and args.adapt < 1:
         raise UserError(f"--adapt takes a number of iterations >= 1, not {args.adapt}")
     if args.clusters is not None:
@@ -83,8 +90,6 @@ def _run(args):
     params = spec.params
     _, summary = compile_or_explain(spec)
     if args.sim != "amaranth":
-        from rdakit.sim.verify.runner import require_simulator_or_raise
-
         require_simulator_or_raise(args.sim)
     report = Report("run")
     report.console.print(f"[bold]{summary.graph}[/bold] on a {params.rows}x{params.cols} fabric "
@@ -127,10 +132,8 @@ def _run(args):
 
 def _verdict(report, rows, passed):
     """Print the first failing iteration and why (exit status 1), or ``passed`` (0)."""
-    from rdakit.sim.flows.e2e import failure
-
     for r in rows:
-        why = failure(r)
+        why = e2e.failure(r)
         if why:
             report.console.print(f"[bold red]FAILED[/bold red] in iteration {r['iteration']}: "
                                  f"{why}")
@@ -143,29 +146,14 @@ def system_spec_from_args(args):
     """The :class:`~rdakit.sim.flows.system.SystemRunSpec` of ``rdakit run --clusters N``, or a
     UserError naming the problem. The clusters' coordinates are wide enough for the grid of
     all clusters side by side (the compiler's view of the system, docs/clusters.md)."""
-    import re
-
-    from amaranth.utils import ceil_log2
-
-    from rdakit.cli.compile import parse_sizes
-    from rdakit.cli.options import fabric_from_args
-    from rdakit.errors import UserError
-    from rdakit.hdl.cluster.system import SystemParams
-    from rdakit.sim.flows.system import SystemRunSpec
-
-    n = args.clusters
-    if n < 2 or n > 16:
-        raise UserError(f"--clusters must be from 2 to 16, not {n}")
+    n = check_clusters(args.clusters)
     if args.sim != "amaranth":
         raise UserError(f"--clusters runs in the built-in simulator only (--sim amaranth), not "
                         f"{args.sim}; the cocotb tests run systems on Icarus and Verilator "
                         f"(docs/clusters.md)")
     if args.waves or args.plot:
         raise UserError("--waves and --plot are for a single fabric, not with --clusters")
-    m = re.fullmatch(r"(\d+)x(\d+)", args.fabric)
-    if not m:
-        raise UserError(f"--fabric must be ROWSxCOLS like 2x2, not {args.fabric!r}")
-    rows, cols = int(m.group(1)), int(m.group(2))
+    rows, cols = parse_grid(args.fabric)
     params = fabric_from_args(args, cluster_bits=max(1, ceil_log2(n)),
                               coord_bits=max(1, ceil_log2(max(rows, n * cols))))
     delays = {}
@@ -201,13 +189,6 @@ def system_spec_from_args(args):
 
 
 def _run_clusters(args):
-    from rdakit.compiler.lower import LoweringError
-    from rdakit.compiler.partition import PartitionError
-    from rdakit.compiler.placement import PlacementError
-    from rdakit.errors import UserError
-    from rdakit.sim.bench.report import Report
-    from rdakit.sim.flows.system import run_system_session
-
     spec = system_spec_from_args(args)
     sp = spec.system
     fp = sp.fabric
@@ -243,53 +224,8 @@ def _run_clusters(args):
                                   "every buffer of every cluster freed")
 
 
-def _bench(args):
-    from rdakit.cli.options import fabric_dict
-    from rdakit.errors import UserError
-    from rdakit.sim.bench import e2e as e2e_bench
-    from rdakit.sim.bench.report import Report
-
-    fabric = fabric_dict(args)
-    names = args.partitioners.split(",") if args.partitioners else None
-    workloads = tuple(args.workloads.split(",")) if args.workloads else e2e_bench.WORKLOADS
-    for w in workloads:
-        if w not in e2e_bench.WORKLOADS:
-            raise UserError(f"--workloads takes a subset of {','.join(e2e_bench.WORKLOADS)}, "
-                            f"not {w!r}")
-    known = e2e_bench.partitioners()
-    for n in names or ():
-        if n not in known:
-            raise UserError(f"--partitioners takes a subset of {','.join(known)}, not {n!r}")
-    if args.sim != "amaranth":
-        from rdakit.sim.verify.runner import require_simulator_or_raise
-
-        require_simulator_or_raise(args.sim)
-    report = Report("e2e")
-    report.console.print(f"{','.join(workloads)} on a {fabric['rows']}x{fabric['cols']} fabric "
-                         f"with {args.sim}")
-    with progress_bar(report.console.is_terminal) as progress:
-        part_rows, mem_rows = e2e_bench.run(fabric, sim=args.sim, workloads=workloads,
-                                            names=names, place_steps=args.place_steps,
-                                            progress=progress)
-    report.table("Partitioners: measured cycles on the RTL beside the cost model's lower "
-                 "bound (utilization = mean CU busy / cycles; vs_round_robin = cycles / the "
-                 "round-robin baseline's)", part_rows)
-    report.table("Memory schemes (multilevel partitioner): weighted reference counting with "
-                 "partial free and virtual buffers, counter-based reference counting, "
-                 "reserve-and-copy allocation", mem_rows)
-    report.figure("fabric", f"{fabric['rows']}x{fabric['cols']}")
-    report.figure("simulator", args.sim)
-    bad = [r for r in part_rows + mem_rows if r["check"] != "ok"]
-    report.figure("failed_runs", len(bad))
-    report.finish(args.json)
-    return 1 if bad else 0
-
-
 def add_run_arguments(p):
     """The workload and compilation options of ``rdakit run`` (also used by benches)."""
-    from rdakit.cli.options import add_fabric_arguments
-    from rdakit.compiler.partition import STRATEGIES
-
     p.add_argument("--size", action="append", default=[], metavar="KEY=VALUE",
                    help="a size option of the workload builder, e.g. tokens=8 (repeatable)")
     p.add_argument("--partitioner", default="multilevel", choices=sorted(STRATEGIES),
@@ -301,10 +237,7 @@ def add_run_arguments(p):
     p.set_defaults(prog_len=RUN_PROG_LEN)
 
 
-def register(commands, verilog, bench):
-    from rdakit.cli.options import add_fabric_arguments
-    from rdakit.sim.flows.e2e import BACKENDS
-
+def register(commands):
     p = commands.add_parser(
         "run", help="compile a workload, run it on a simulated fabric and check it",
         description="Compile a workload (mlp, decoder, moe, switch, mixtral or a Python graph "
@@ -316,7 +249,7 @@ def register(commands, verilog, bench):
                     f"does not fit. CU program length defaults to {RUN_PROG_LEN} here.")
     p.add_argument("workload", metavar="WORKLOAD",
                    help="mlp, decoder, moe, switch, mixtral, or a Python file")
-    p.add_argument("--sim", choices=BACKENDS, default="amaranth",
+    p.add_argument("--sim", choices=e2e.BACKENDS, default="amaranth",
                    help="simulator: amaranth (built in, no tools), icarus or verilator "
                         "(default: %(default)s)")
     p.add_argument("--waves", metavar="FILE",
@@ -328,7 +261,6 @@ def register(commands, verilog, bench):
                         "the cost model, re-partition and reload")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     add_run_arguments(p)
-    from rdakit.compiler.partition.clusters import CLUSTER_STRATEGIES
 
     g = p.add_argument_group("a system of clusters (docs/clusters.md); --fabric is each "
                              "cluster's")
@@ -350,22 +282,3 @@ def register(commands, verilog, bench):
                    help="cycles cluster K is busy with other work before it starts; the "
                         "compiler is not told")
     p.set_defaults(func=_run)
-
-    b = bench.add_parser(
-        "e2e", help="workloads on the RTL fabric with every partitioner and memory scheme",
-        description="Compile MLP, decoder-with-KV-cache and MoE (their smallest sizes) with "
-                    "every partitioner and run them on one build of the fabric; then with "
-                    "counter-based reference counting and with reserve-and-copy allocation "
-                    "(one build each). Prints cycles, the cost model's lower bound, CU "
-                    "utilization, NoC flits, MU peak words, buffers allocated and freed, and "
-                    "the bit-exact check of every run (exit 1 if any failed).")
-    b.add_argument("--sim", choices=BACKENDS, default="verilator",
-                   help="simulator (default: %(default)s)")
-    b.add_argument("--workloads", metavar="LIST", help="subset of mlp,decoder,moe")
-    b.add_argument("--partitioners", metavar="LIST",
-                   help="comma-separated subset of the partitioners (default: all)")
-    b.add_argument("--place-steps", type=int, default=20000,
-                   help="annealing steps of the placement (default: %(default)s)")
-    b.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
-    add_fabric_arguments(b, default="4x4")
-    b.set_defaults(func=_bench, prog_len=RUN_PROG_LEN)

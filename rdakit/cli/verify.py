@@ -1,12 +1,15 @@
 """``rdakit verify``: run the formal proofs and print a table of their results."""
 
+from rdakit.errors import UserError
+from rdakit.sim.bench.report import Report
+from rdakit.sim.verify.formal import FormalError, sby_available
+from rdakit.sim.verify.formal_harness import PROPERTIES, get_property, prove
+
 __all__ = ["register", "run_properties"]
 
 
 def run_properties(props, *, faults=False, report=None):
     """Run ``props`` (and, with ``faults``, each broken variant); return the result rows."""
-    from rdakit.sim.verify.formal_harness import prove
-
     rows = []
     for prop in props:
         for fault in (None, *prop.faults) if faults else (None,):
@@ -22,11 +25,6 @@ def run_properties(props, *, faults=False, report=None):
 
 
 def _verify(args):
-    from rdakit.errors import UserError
-    from rdakit.sim.bench.report import Report
-    from rdakit.sim.verify.formal import FormalError, sby_available
-    from rdakit.sim.verify.formal_harness import PROPERTIES, get_property
-
     if args.list:
         for prop in PROPERTIES:
             print(f"{prop.name:23} {'ci ' if prop.ci else '   '}{prop.statement}")
@@ -53,7 +51,7 @@ def _verify(args):
     return 0 if all(r["ok"] for r in rows) else 1
 
 
-def register(commands, verilog, bench):
+def register(commands):
     p = commands.add_parser(
         "verify", help="run the formal proofs (SymbiYosys, k-induction)",
         description="Prove the properties of the memory unit and its free list with "

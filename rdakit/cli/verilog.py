@@ -1,67 +1,40 @@
-"""``rdakit verilog mu``: Verilog of the memory unit, with every parameter as an option."""
+"""``rdakit verilog COMPONENT``: the Verilog of a component with its parameters as options.
 
-import dataclasses
-import enum
+Components: ``mu`` (the memory unit), ``router`` (one NoC router), ``noc`` (an R x C mesh, or
+the request and response meshes side by side), ``fabric`` (a whole fabric with its host port)
+and ``system`` (clusters joined by bridges).
+"""
+
 import pathlib
 
-from rdakit.hdl.spec.params import PLASTICINE_MU, MUParams
+from rdakit.cli.options import (
+    add_fabric_arguments,
+    add_grid_argument,
+    add_mu_arguments,
+    add_system_arguments,
+    fabric_from_args,
+    mu_params_from_args,
+    parse_grid,
+    system_from_args,
+)
+from rdakit.errors import UserError
+from rdakit.hdl.cluster.system import System
+from rdakit.hdl.fabric.top import Fabric
+from rdakit.hdl.memory.unit import MemoryUnit
+from rdakit.hdl.noc.mesh import DualMesh, Mesh
+from rdakit.hdl.noc.router import Router
+from rdakit.hdl.spec.packets import mu_request_layout, mu_response_layout
+from rdakit.hdl.spec.params import MUParams
+from rdakit.sim.verify.runner import generate_verilog, lint_waiver_header
 
-__all__ = ["register", "add_params_arguments", "params_from_args", "write_verilog"]
+__all__ = ["register", "write_verilog", "add_output_arguments"]
 
-PRESETS = {"default": MUParams(), "plasticine": PLASTICINE_MU}
-
-
-def add_params_arguments(parser, cls=MUParams, *, presets=PRESETS):
-    """Add one ``--option`` per field of the parameter dataclass ``cls`` (and ``--preset``)."""
-    group = parser.add_argument_group(f"{cls.__name__} parameters (see docs/memory-unit.md)")
-    if presets:
-        group.add_argument("--preset", choices=sorted(presets), default="default",
-                           help="start from a named parameter set (default: %(default)s)")
-    for field in dataclasses.fields(cls):
-        default = field.default
-        kind = type(default) if default is not None else int
-        if isinstance(default, enum.Enum):
-            choices = [m.value for m in type(default)]
-            group.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name,
-                               choices=choices, default=None,
-                               help=f"default: {default.value}")
-        else:
-            group.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, type=kind,
-                               default=None, metavar="N",
-                               help=f"default: {'derived' if default is None else default}")
-
-
-def params_from_args(args, cls=MUParams, *, presets=PRESETS):
-    """Build the parameter set from parsed arguments, or raise UserError naming the problem."""
-    from rdakit.errors import UserError
-
-    base = presets[args.preset] if presets else cls()
-    changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-               if getattr(args, f.name, None) is not None}
-    try:
-        return base.replace(**changes)
-    except (TypeError, ValueError) as e:
-        raise UserError(str(e)) from None
-
-
-def _verilog_mu(args):
-    from rdakit.errors import UserError
-    from rdakit.hdl.memory.unit import MemoryUnit
-
-    params = params_from_args(args)
-    try:
-        mu = MemoryUnit(params, mu_id=args.mu_id)
-    except (TypeError, ValueError) as e:
-        raise UserError(str(e)) from None
-    return write_verilog(args, mu, f"{params.alloc_mode.value}, {params.refcount.value}, "
-                                   f"{params.words} words")
+PAYLOADS = ("mu-request", "mu-response")
 
 
 def write_verilog(args, component, what):
     """Write ``component``'s Verilog to ``args.output`` (``-``: standard output) as module
     ``args.name``, headed by the Verilator lint waivers with their reasons."""
-    from rdakit.sim.verify.runner import generate_verilog, lint_waiver_header
-
     text = lint_waiver_header() + generate_verilog(component, name=args.name)
     if args.output == "-":
         print(text, end="")
@@ -73,19 +46,164 @@ def write_verilog(args, component, what):
     return 0
 
 
-def add_output_arguments(parser, default_name="top"):
+def add_output_arguments(parser, default_name="top", *, name_help="name of the top module"):
     parser.add_argument("-o", "--output", required=True, metavar="FILE",
                         help="Verilog file to write ('-' for standard output)")
     parser.add_argument("--name", default=default_name,
-                        help="name of the top module (default: %(default)s)")
+                        help=f"{name_help} (default: %(default)s)")
 
 
-def register(commands, verilog, bench):
-    p = verilog.add_parser(
+# --- mu ---------------------------------------------------------------------------------------
+
+def _verilog_mu(args):
+    params = mu_params_from_args(args)
+    try:
+        mu = MemoryUnit(params, mu_id=args.mu_id)
+    except (TypeError, ValueError) as e:
+        raise UserError(str(e)) from None
+    return write_verilog(args, mu, f"{params.alloc_mode.value}, {params.refcount.value}, "
+                                   f"{params.words} words")
+
+
+# --- router and noc ---------------------------------------------------------------------------
+
+def _payload_shape(text):
+    """``mu-request``/``mu-response`` (the memory network's packets, default MU parameters) or
+    a width in bits."""
+    if text == "mu-request":
+        return mu_request_layout(MUParams())
+    if text == "mu-response":
+        return mu_response_layout(MUParams())
+    try:
+        return int(text)
+    except ValueError:
+        raise UserError(f"payload must be one of {', '.join(PAYLOADS)} or a width in bits, "
+                        f"not {text!r}") from None
+
+
+def _add_noc_arguments(p):
+    p.add_argument("--payload", default="mu-request", metavar="KIND",
+                   help=f"flit payload: {', '.join(PAYLOADS)} (default MU parameters) or a "
+                        f"width in bits (default: %(default)s)")
+    p.add_argument("--coord-bits", type=int, default=None, metavar="N",
+                   help="width of each coordinate (default: fewest that hold the mesh)")
+    p.add_argument("--depth", type=int, default=2, metavar="N",
+                   help="entries per input queue (default: %(default)s)")
+    p.add_argument("--queues", choices=("voq", "scan", "fifo"), default="voq",
+                   help="voq: a FIFO per (input, output) pair; scan: the same, and the oldest "
+                        "flit whose next queue has room leaves first; fifo: one FIFO per "
+                        "input (default: %(default)s)")
+    p.add_argument("--counter-bits", type=int, default=32, metavar="N",
+                   help="width of the per-router counters (default: %(default)s)")
+    add_output_arguments(p)
+
+
+def _verilog_router(args):
+    rows, cols = parse_grid(args.fabric)
+    try:
+        router = Router(payload_shape=_payload_shape(args.payload), x=args.x, y=args.y,
+                        rows=rows, cols=cols, coord_bits=args.coord_bits,
+                        depth=args.depth, queues=args.queues, counter_bits=args.counter_bits)
+    except (TypeError, ValueError) as e:
+        raise UserError(str(e)) from None
+    return write_verilog(args, router, f"router ({args.x}, {args.y}) of {rows}x{cols}, "
+                                       f"{args.queues} queues of {args.depth}, "
+                                       f"{router.flit.size}-bit flits")
+
+
+def _verilog_noc(args):
+    rows, cols = parse_grid(args.fabric)
+    kw = dict(rows=rows, cols=cols, coord_bits=args.coord_bits, depth=args.depth,
+              queues=args.queues, counter_bits=args.counter_bits)
+    try:
+        if args.dual:
+            if args.payload in PAYLOADS:
+                p = MUParams()
+                req, rsp = mu_request_layout(p), mu_response_layout(p)
+                if kw["coord_bits"] is None:
+                    kw["coord_bits"] = p.coord_bits
+            else:
+                req = rsp = _payload_shape(args.payload)
+            noc = DualMesh(request_shape=req, response_shape=rsp, **kw)
+            what = "request and response meshes"
+        else:
+            noc = Mesh(payload_shape=_payload_shape(args.payload), **kw)
+            what = f"mesh, {noc.flit.size}-bit flits"
+    except (TypeError, ValueError) as e:
+        raise UserError(str(e)) from None
+    return write_verilog(args, noc, f"{rows}x{cols} {what}, {args.queues} queues of "
+                                    f"{args.depth}")
+
+
+# --- fabric and system ------------------------------------------------------------------------
+
+def _verilog_fabric(args):
+    params = fabric_from_args(args)
+    try:
+        fabric = Fabric(params)
+    except (TypeError, ValueError) as e:
+        raise UserError(str(e)) from None
+    return write_verilog(args, fabric, f"{params.rows}x{params.cols} fabric")
+
+
+def _verilog_system(args):
+    sp = system_from_args(args)
+    fp = sp.fabric
+    return write_verilog(args, System(sp), f"{sp.clusters} clusters of {fp.rows}x{fp.cols}, "
+                                           f"links {sp.link_width} wires, "
+                                           f"{sp.link_latency} cycles")
+
+
+def register(commands):
+    verilog = commands.add_parser(
+        "verilog", help="generate Verilog for a component",
+        description="Generate Verilog for a component with its parameters.")
+    sub = verilog.add_subparsers(dest="component", metavar="COMPONENT", required=True)
+
+    p = sub.add_parser(
         "mu", help="the memory unit",
         description="Write the Verilog of a memory unit (ports: clk, rst, req__*, resp__*, "
                     "counters; see docs/memory-unit.md).")
-    add_params_arguments(p)
+    add_mu_arguments(p)
     p.add_argument("--mu-id", type=int, default=0, help="this MU's ID (default: 0)")
     add_output_arguments(p)
     p.set_defaults(func=_verilog_mu)
+
+    p = sub.add_parser(
+        "router", help="one NoC router",
+        description="Write the Verilog of one five-port XY router (see docs/noc.md). The "
+                    "defaults give the middle router of a 3x3 mesh, with all ports.")
+    p.add_argument("--x", type=int, default=1, help="column of the router (default: 1)")
+    p.add_argument("--y", type=int, default=1, help="row of the router (default: 1)")
+    add_grid_argument(p, default="3x3", help="mesh rows x columns")
+    _add_noc_arguments(p)
+    p.set_defaults(func=_verilog_router)
+
+    p = sub.add_parser(
+        "noc", help="an R x C mesh network-on-chip",
+        description="Write the Verilog of an R x C mesh of XY routers with one local port per "
+                    "tile (ports inject__T__*, eject__T__*, counters; tile T = y*cols + x), or "
+                    "with --dual the request and response networks side by side (req__*, "
+                    "rsp__*). See docs/noc.md.")
+    add_grid_argument(p, help="mesh rows x columns")
+    p.add_argument("--dual", action="store_true",
+                   help="two networks: MU requests and MU responses (or the --payload width)")
+    _add_noc_arguments(p)
+    p.set_defaults(func=_verilog_noc)
+
+    p = sub.add_parser("fabric", help="a whole fabric",
+                       description="Write the Verilog of an R x C fabric with its host "
+                                   "port (docs/fabric.md).")
+    add_fabric_arguments(p)
+    p.add_argument("-o", "--output", required=True, metavar="FILE")
+    p.add_argument("--name", default="top", help="top module name (default: %(default)s)")
+    p.set_defaults(func=_verilog_fabric)
+
+    p = sub.add_parser(
+        "system", help="a system of clusters joined by bridges",
+        description="Write the Verilog of N fabrics (clusters) sharing one MU address space "
+                    "through bridge tiles and inter-cluster links, with one host port per "
+                    "cluster (ports cmd__K__*, reply__K__*; docs/clusters.md).")
+    add_system_arguments(p)
+    add_output_arguments(p, name_help="top module name")
+    p.set_defaults(func=_verilog_system)

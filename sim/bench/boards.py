@@ -27,9 +27,12 @@ def _row(board, params, result):
     return row
 
 
-def bench_boards(boards, *, grids, mu_words=None, root, json_path=None, args=None):
-    from rdakit.cli.board import params_for
-
+def bench_boards(boards, *, grids, params_for, mu_words=None, root, json_path=None):
+    """Build ``grids`` (``(rows, cols)`` in order) on each of ``boards`` until one does not
+    fit, then larger MUs on the largest that fits (``mu_words``, default twice and four times
+    its own), under ``root``. ``params_for(board, grid, **changes)`` gives the
+    :class:`FabricParams` of a build (the board's preset and the options given). Prints the
+    tables, writes the figures to ``json_path`` if given; returns the exit status."""
     report = Report("boards")
     for board in boards:
         spec = board_spec(board)
@@ -45,7 +48,7 @@ def bench_boards(boards, *, grids, mu_words=None, root, json_path=None, args=Non
             return result
 
         for r, c in grids:
-            params = params_for(board, args, grid=(r, c))
+            params = params_for(board, (r, c))
             result = one(params, f"{r}x{c}")
             if not result.fits:
                 break
@@ -56,8 +59,7 @@ def bench_boards(boards, *, grids, mu_words=None, root, json_path=None, args=Non
             for words in sizes:
                 if words <= params.mu.words:
                     continue
-                bigger = params_for(board, args, grid=(params.rows, params.cols),
-                                    mu_words=words)
+                bigger = params_for(board, (params.rows, params.cols), mu_words=words)
                 res = one(bigger, f"{params.rows}x{params.cols}-mu{words}")
                 if not res.fits:
                     break

@@ -5,10 +5,10 @@ import json
 import pathlib
 import tempfile
 
-from rdakit.cli.options import add_fabric_arguments, fabric_dict, fabric_from_args
+from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.bench.report import Report
 
-__all__ = ["register_bench"]
+__all__ = ["bench_fabric"]
 
 
 def _cells(params):
@@ -35,23 +35,25 @@ def _req_shape(params):
     return mu_request_layout(params.mu)
 
 
-def bench_fabric(args):
+def bench_fabric(fabric, *, simulator="verilator", quick=False, json_path=None):
+    """``rdakit bench fabric`` on the fabric of ``fabric`` (keyword arguments of
+    :func:`fabric_params`, JSON-able: they cross into the cocotb process): print its tables
+    and, with ``json_path``, write the figures as JSON; returns the exit status."""
     from rdakit.hdl.fabric.top import Fabric
     from rdakit.sim.verify.runner import require_simulator_or_raise, run_cocotb
 
-    params = fabric_from_args(args)
+    params = fabric_params(**fabric)
     report = Report("fabric")
-    simulator = args.sim
     require_simulator_or_raise(simulator)
     jobs = [["matvec", {"m": 64, "k": 64}]]
-    if not args.quick:
+    if not quick:
         jobs.append(["matmul", {"m": 64, "k": 64, "n": 64}])
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "rows.json"
         run_cocotb(Fabric(params), simulator=simulator, test_module="fabric_tb",
                    test_dir=pathlib.Path(__file__).parent,
                    build_name=f"bench-fabric-{params.rows}x{params.cols}",
-                   config={"fabric": fabric_dict(args), "jobs": jobs, "out": str(out)})
+                   config={"fabric": fabric, "jobs": jobs, "out": str(out)})
         rows = json.loads(out.read_text())
     table = []
     for r in rows:
@@ -64,20 +66,5 @@ def bench_fabric(args):
     report.table(f"Kernels on a {params.rows}x{params.cols} fabric ({params.cu.lanes} lanes, "
                  f"{simulator}); lower bound = MACs / (lanes x CUs used)", table)
     report.table("Area per tile type (Yosys coarse synthesis)", _cells(params))
-    report.finish(args.json)
+    report.finish(json_path)
     return 0
-
-
-def register_bench(bench):
-    p = bench.add_parser(
-        "fabric", help="matrix kernels on a fabric's RTL beside the compute lower bound",
-        description="Run a 64x64 matrix-vector and a 64x64x64 matrix product spread over every "
-                    "CU of the fabric (Verilator by default), check them against numpy, and "
-                    "print cycles beside the lower bound MACs / (lanes x CUs), the "
-                    "configuration-load cycles and Yosys cell counts per tile type.")
-    add_fabric_arguments(p, default="4x4")
-    p.set_defaults(mu_words=2048)
-    p.add_argument("--sim", choices=["verilator", "icarus"], default="verilator")
-    p.add_argument("--quick", action="store_true", help="the matrix-vector product only")
-    p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
-    p.set_defaults(func=bench_fabric)

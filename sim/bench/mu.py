@@ -16,7 +16,7 @@ from rdakit.sim.bench.report import Report
 from rdakit.sim.models.mu import MUModel
 from rdakit.sim.verify.amaranth_sim import StreamDriver
 
-__all__ = ["register_bench", "run_requests", "kv_cache_trace", "moe_trace", "yosys_stat"]
+__all__ = ["bench_mu", "run_requests", "kv_cache_trace", "moe_trace", "yosys_stat"]
 
 
 class BenchMismatch(RuntimeError):
@@ -335,12 +335,10 @@ def _last_int(pattern, text):
 MODES = (AllocMode.VIRTUAL, AllocMode.RESERVE, AllocMode.SINGLE)
 
 
-def bench_mu(args):
-    from rdakit.cli.verilog import params_from_args
-
+def bench_mu(base, *, quick=False, json_path=None):
+    """``rdakit bench mu`` on the memory unit ``base`` (an :class:`MUParams`): print its
+    tables and, with ``json_path``, write the figures as JSON; returns the exit status."""
     report = Report("mu")
-    base = params_from_args(args)
-    quick = args.quick
     n = 256 if quick else 1024
     thr = throughput(base.replace(words=max(base.words, 2 * n)), n)
     report.table("Sustained throughput on mapped blocks (no back-pressure)", thr)
@@ -390,20 +388,5 @@ def bench_mu(args):
     report.figure("virtualization_extra_cells_vs_single", virt["cells"] - area[2]["cells"])
     report.figure("virtualization_extra_memory_bits_vs_single",
                   virt["memory_bits"] - area[2]["memory_bits"])
-    report.finish(args.json)
+    report.finish(json_path)
     return 0
-
-
-def register_bench(bench):
-    from rdakit.cli.verilog import add_params_arguments
-
-    p = bench.add_parser(
-        "mu", help="memory unit: throughput, latency, free cost, traces, area",
-        description="Measure the memory unit on its RTL (Amaranth's simulator, every response "
-                    "checked against the golden model): sustained READ/WRITE throughput, the "
-                    "latency of every operation, cycles to free N blocks, KV-cache and MoE "
-                    "traces in every allocation mode, and yosys cell counts.")
-    add_params_arguments(p)
-    p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
-    p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
-    p.set_defaults(func=bench_mu)

@@ -515,25 +515,17 @@ def router_area(router):
 # --------------------------------------------------------------------------------------------
 # The `rdakit bench noc` command.
 
-def parse_mesh(text):
-    """``"RxC"`` -> ``(rows, cols)``."""
-    try:
-        rows, cols = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"mesh must be ROWSxCOLS such as 4x4, not {text!r}") from None
-    return rows, cols
-
-
-def run_bench(*, mesh="4x4", patterns=("uniform",), structures=("voq",), depth=4,
+def run_bench(*, rows=4, cols=4, patterns=("uniform",), structures=("voq",), depth=4,
               simulator="verilator", warmup=1000, measure=3000, refine=3, rates=None,
               hotspot=None, hot_fraction=0.25, json_path=None, plot_path=None, area=True,
               console=None):
-    """Run the NoC benchmark and print/write its report; returns the :class:`Report`."""
+    """Run the NoC benchmark on a ``rows`` x ``cols`` mesh and print/write its report;
+    returns the :class:`Report`."""
     import time
 
     from rdakit.sim.bench.report import Report
 
-    rows, cols = parse_mesh(mesh)
+    mesh = f"{rows}x{cols}"
     report = Report("noc", console=console)
     start = time.monotonic()
 

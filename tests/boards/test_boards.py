@@ -104,7 +104,7 @@ def test_serial_port_moves_bytes_and_times_out():
     (["board", "build", "icebreaker", "--clock-mhz", "24"],
      "Clock of a iCEBreaker (iCE40 UP5K) build must be its 12 MHz oscillator"),
     (["board", "build", "icebreaker", "--fabric", "2by2"],
-     "--fabric must be ROWSxCOLS like 2x2, not '2by2'"),
+     "--fabric must be ROWSxCOLS like 4x4, not '2by2'"),
     (["board", "build", "ulx3s", "--lanes", "3"], "lanes must be a power of two, not 3"),
     (["board", "build", "ulx3s", "--baud", "30000000"],
      "Baud rate 30000000 is too fast for a 50 MHz clock"),
@@ -114,7 +114,7 @@ def test_serial_port_moves_bytes_and_times_out():
      "n must be at most local_words (16), not 99"),
     (["bench", "boards", "--boards", "icebreaker,nope"],
      "Board must be one of icebreaker, ulx3s, not 'nope'"),
-    (["bench", "boards", "--grids", "2x2,3"], "--grids must be ROWSxCOLS like 2x2, not '3'"),
+    (["bench", "boards", "--grids", "2x2,3"], "--grids must be ROWSxCOLS like 4x4, not '3'"),
     (["bench", "boards", "--mu-words", "1k"],
      "--mu-words must be numbers separated by commas, not '1k'"),
 ])

@@ -95,7 +95,7 @@ def test_bench_noc_command(tmp_path):
     require_simulator("verilator")
     out = tmp_path / "noc.json"
     plot = tmp_path / "noc.png"
-    code = main(["bench", "noc", "--mesh", "2x2", "--queues", "voq", "--depth", "2",
+    code = main(["bench", "noc", "--fabric", "2x2", "--queues", "voq", "--depth", "2",
                  "--warmup", "300", "--measure", "1000", "--refine", "1", "--no-area",
                  "--json", str(out), "--plot", str(plot)])
     assert code == 0
@@ -112,8 +112,8 @@ def test_bench_noc_command(tmp_path):
 
 
 def test_bench_noc_rejects_bad_arguments(capsys):
-    assert main(["bench", "noc", "--mesh", "3by3"]) == 2
-    assert "mesh must be ROWSxCOLS" in capsys.readouterr().err
+    assert main(["bench", "noc", "--fabric", "3by3"]) == 2
+    assert "--fabric must be ROWSxCOLS like 4x4, not '3by3'" in capsys.readouterr().err
     assert main(["bench", "noc", "--queues", "voq,vc"]) == 2
     assert "queues must be a comma-separated list" in capsys.readouterr().err
     assert main(["bench", "noc", "--hotspot", "9,9"]) == 2

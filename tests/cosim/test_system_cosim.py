@@ -53,7 +53,7 @@ def test_system_verilog_passes_verilator_lint_wall(tmp_path):
 
     info = require_simulator("verilator")
     out = tmp_path / "system.v"
-    assert main(["verilog", "system", "--clusters", "2", "--rows", "1", "--cols", "2",
+    assert main(["verilog", "system", "--clusters", "2", "--fabric", "1x2",
                  "--lanes", "1", "-o", str(out)]) == 0
     r = subprocess.run([info.path, "--lint-only", "-Wall", "--top-module", "top", str(out)],
                        capture_output=True, text=True, env={**os.environ, **info.env},

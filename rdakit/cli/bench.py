@@ -1,0 +1,411 @@
+"""``rdakit bench BENCH``: run a benchmark, print its tables and optionally write them as JSON.
+
+Every bench's options are parsed here and its measurements run by its own module under
+``sim/bench/`` (``rdakit.sim.bench.<name>``), which knows nothing of the command line.
+"""
+
+import pathlib
+import sys
+
+from rdakit.cli.board import check_board, params_for
+from rdakit.cli.options import (
+    add_fabric_arguments,
+    add_grid_argument,
+    add_mu_arguments,
+    add_system_arguments,
+    fabric_dict,
+    fabric_from_args,
+    mu_params_from_args,
+    parse_grid,
+    system_from_args,
+)
+from rdakit.cli.run import RUN_PROG_LEN, progress_bar
+from rdakit.compiler.partition.clusters import LinkModel
+from rdakit.compiler.workloads import WORKLOADS
+from rdakit.errors import UserError
+from rdakit.hdl.cluster.system import System
+from rdakit.hdl.noc.router import QUEUE_KINDS, check_mesh_params
+from rdakit.sim.bench import calibrate, clusters, e2e, partition, race
+from rdakit.sim.bench.boards import bench_boards
+from rdakit.sim.bench.fabric import bench_fabric
+from rdakit.sim.bench.mu import bench_mu
+from rdakit.sim.bench.report import Report
+from rdakit.sim.flows.e2e import BACKENDS
+from rdakit.sim.models.noc import PATTERNS
+from rdakit.sim.verify.runner import require_simulator_or_raise
+
+__all__ = ["register"]
+
+
+# --- mu and fabric ----------------------------------------------------------------------------
+
+def _bench_mu(args):
+    return bench_mu(mu_params_from_args(args), quick=args.quick, json_path=args.json)
+
+
+def _bench_fabric(args):
+    fabric_from_args(args)      # a UserError naming a bad option before anything runs
+    return bench_fabric(fabric_dict(args), simulator=args.sim, quick=args.quick,
+                        json_path=args.json)
+
+
+# --- noc --------------------------------------------------------------------------------------
+
+def _bench_noc(args):
+    try:
+        rows, cols = parse_grid(args.fabric)
+        check_mesh_params(rows=rows, cols=cols, coord_bits=None, depth=args.depth,
+                          queues="voq", counter_bits=32)
+        patterns = list(PATTERNS) if args.pattern == "all" else [args.pattern]
+        structures = tuple(q.strip() for q in args.queues.split(","))
+        for q in structures:
+            if q not in QUEUE_KINDS:
+                raise TypeError(f"queues must be a comma-separated list of "
+                                f"{', '.join(QUEUE_KINDS)}, not {args.queues!r}")
+        rates = None
+        if args.rates:
+            rates = [float(r) for r in args.rates.split(",")]
+            for r in rates:
+                if not 0 < r <= 1:
+                    raise ValueError(f"rates must be between 0 and 1 flits/node/cycle, "
+                                     f"not {r!r}")
+        hotspot = None
+        if args.hotspot:
+            hotspot = tuple(int(v) for v in args.hotspot.split(","))
+            if len(hotspot) != 2 or not (0 <= hotspot[0] < cols and 0 <= hotspot[1] < rows):
+                raise ValueError(f"hotspot must be X,Y inside the {rows}x{cols} mesh, "
+                                 f"not {args.hotspot!r}")
+        if not 0 <= args.hot_fraction <= 1:
+            raise ValueError(f"hot_fraction must be between 0 and 1, not {args.hot_fraction!r}")
+        for name in ("warmup", "measure"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"{name} must be at least 1 cycle, not {getattr(args, name)!r}")
+    except (TypeError, ValueError) as e:
+        raise UserError(str(e)) from None
+    require_simulator_or_raise(args.simulator)
+    # Deferred: the NoC bench module is also a cocotb test module and imports cocotb, an
+    # optional dependency (rdakit[test]) that the other commands do without.
+    from rdakit.sim.bench.noc import run_bench
+
+    report = run_bench(rows=rows, cols=cols, patterns=patterns, structures=structures,
+                       depth=args.depth, simulator=args.simulator, warmup=args.warmup,
+                       measure=args.measure, refine=args.refine, rates=rates, hotspot=hotspot,
+                       hot_fraction=args.hot_fraction, json_path=args.json,
+                       plot_path=args.plot, area=not args.no_area)
+    if report.figures["delivery_errors"]:
+        print(f"rdakit: error: {report.figures['delivery_errors']} packets misdelivered, out "
+              f"of order or lost during the benchmark", file=sys.stderr)
+        return 1
+    return 0
+
+
+# --- race -------------------------------------------------------------------------------------
+
+def _bench_race(args):
+    if args.scenarios < 1:
+        raise UserError(f"--scenarios must be at least 1, not {args.scenarios}")
+    schemes = tuple(args.schemes.split(",")) if args.schemes else race.SCHEMES
+    bad = [s for s in schemes if s not in race.SCHEMES]
+    if bad:
+        raise UserError(f"--schemes must be a comma-separated list of "
+                        f"{', '.join(race.SCHEMES)}, not {bad[0]!r}")
+    require_simulator_or_raise(args.sim)
+    rows = race.run_race(args.scenarios, simulator=args.sim, schemes=schemes, seed=args.seed,
+                         optimize=args.sim == "verilator")
+    report = Report("race")
+    table = race.summarize(rows)
+    report.table(
+        f"Race injection on a 2x2 fabric ({args.sim}, {args.scenarios} random scenarios a "
+        f"scheme, seed {args.seed}): premature frees, leaks, messages, last use -> free",
+        table,
+        notes="msgs_per_scenario: reference-counting requests to the MU (each answered) plus "
+              "gating tokens; extra_msgs_per_copy: the same beyond one release a holder; "
+              "latency: MU cycles from the last good READ to the free; cycles: START to done.")
+    by_topology = []
+    for scheme in schemes:
+        for topo in ("pair", "chain", "fanout"):
+            rs = [r for r in rows if r["scheme"] == scheme and r["topology"] == topo]
+            if rs:
+                by_topology.append({"scheme": scheme, "topology": topo, "scenarios": len(rs),
+                                    "premature_frees": sum(r["premature"] for r in rs)})
+    report.table("Premature frees by holder tree", by_topology)
+    for r in table:
+        for key in ("premature_frees", "leaks", "double_frees", "extra_msgs_per_copy",
+                    "latency_mean", "cycles_mean"):
+            report.figure(f"{r['scheme']}_{key}", r[key])
+    report.finish(args.json)
+    return 0
+
+
+# --- clusters ---------------------------------------------------------------------------------
+
+def _bench_clusters(args):
+    sp = system_from_args(args)
+    workloads = args.workloads.split(",")
+    for w in workloads:
+        if w not in WORKLOADS:
+            raise UserError(f"--workloads takes names of {', '.join(sorted(WORKLOADS))}, "
+                            f"not {w!r}")
+    fp = sp.fabric
+    report = Report("clusters")
+    link = f"{sp.link_width} wires, {sp.link_latency} cycles"
+    report.console.print(f"{sp.clusters} clusters of {fp.rows}x{fp.cols}, links of {link} "
+                         f"(Amaranth's simulator)")
+    system = System(sp)
+    access = clusters.measure_access(sp, system=system)
+    report.table("Remote against local access on the RTL: one CU of cluster 0 reading an MU "
+                 "of its own cluster, then of cluster 1 (16 blocking READs; a 64-word stream)",
+                 [{"link": link, "access": where, **access[where]}
+                  for where in ("local", "remote")])
+    matvec = clusters.measure_matvec(sp, system=system)
+    report.table("A matrix-vector product over every CU of every cluster on the RTL (x shared "
+                 "from cluster 0, read remotely and freed by its last holder)",
+                 [{"clusters": sp.clusters, **matvec}])
+    rows = clusters.partition_rows(workloads, (2, 4), LinkModel.of_system(sp))
+    report.table("The workloads partitioned across clusters (cost-model estimates; clusters = "
+                 "each cluster's available CUs, +L an injected load of L cycles)", rows)
+    measured = []
+    if args.rtl_workloads:
+        with progress_bar(report.console.is_terminal) as progress:
+            measured = clusters.measured_rows(workloads, (2, 4), progress=progress)
+        report.table("The workloads (smallest sizes) compiled across 2 and 4 clusters of 2x2 "
+                     "and run on the RTL (links of the default width, 20 cycles): measured "
+                     "cycles, the estimate, bytes the partition sends over links, packets "
+                     "that crossed them", measured)
+        report.figure("failed_runs", sum(r["check"] != "ok" for r in measured))
+    local, remote = access["local"], access["remote"]
+    report.figure("remote_latency_ratio",
+                  round(remote["latency_cycles"] / local["latency_cycles"], 3))
+    report.figure("remote_bandwidth_ratio",
+                  round(remote["words_per_cycle"] / local["words_per_cycle"], 3))
+    report.figure("matvec_exact", matvec["exact"])
+    report.finish(args.json)
+    ok = matvec["exact"] and matvec["x_freed"] and all(r["check"] == "ok" for r in measured)
+    return 0 if ok else 1
+
+
+# --- partition and calibrate ------------------------------------------------------------------
+
+def _bench_partition(args):
+    partition.run(quick=args.quick, json_path=args.json, seed=args.seed)
+    return 0
+
+
+def _bench_calibrate(args):
+    calibrate.run(quick=args.quick, rtl=not args.no_rtl, json_path=args.json)
+    return 0
+
+
+# --- e2e --------------------------------------------------------------------------------------
+
+def _bench_e2e(args):
+    fabric = fabric_dict(args)
+    names = args.partitioners.split(",") if args.partitioners else None
+    workloads = tuple(args.workloads.split(",")) if args.workloads else e2e.WORKLOADS
+    for w in workloads:
+        if w not in e2e.WORKLOADS:
+            raise UserError(f"--workloads takes a subset of {','.join(e2e.WORKLOADS)}, "
+                            f"not {w!r}")
+    known = e2e.partitioners()
+    for n in names or ():
+        if n not in known:
+            raise UserError(f"--partitioners takes a subset of {','.join(known)}, not {n!r}")
+    if args.sim != "amaranth":
+        require_simulator_or_raise(args.sim)
+    report = Report("e2e")
+    report.console.print(f"{','.join(workloads)} on a {fabric['rows']}x{fabric['cols']} fabric "
+                         f"with {args.sim}")
+    with progress_bar(report.console.is_terminal) as progress:
+        part_rows, mem_rows = e2e.run(fabric, sim=args.sim, workloads=workloads,
+                                      names=names, place_steps=args.place_steps,
+                                      progress=progress)
+    report.table("Partitioners: measured cycles on the RTL beside the cost model's lower "
+                 "bound (utilization = mean CU busy / cycles; vs_round_robin = cycles / the "
+                 "round-robin baseline's)", part_rows)
+    report.table("Memory schemes (multilevel partitioner): weighted reference counting with "
+                 "partial free and virtual buffers, counter-based reference counting, "
+                 "reserve-and-copy allocation", mem_rows)
+    report.figure("fabric", f"{fabric['rows']}x{fabric['cols']}")
+    report.figure("simulator", args.sim)
+    bad = [r for r in part_rows + mem_rows if r["check"] != "ok"]
+    report.figure("failed_runs", len(bad))
+    report.finish(args.json)
+    return 1 if bad else 0
+
+
+# --- boards -----------------------------------------------------------------------------------
+
+def _bench_boards(args):
+    boards = args.boards.split(",")
+    for b in boards:
+        check_board(b)
+    grids = [parse_grid(g, "--grids") for g in args.grids.split(",")]
+    try:
+        mu_words = ([int(w) for w in args.bench_mu_words.split(",")]
+                    if args.bench_mu_words else None)
+    except ValueError:
+        raise UserError(f"--mu-words must be numbers separated by commas, not "
+                        f"{args.bench_mu_words!r}") from None
+    return bench_boards(boards, grids=grids, mu_words=mu_words, root=pathlib.Path(args.root),
+                        json_path=args.json,
+                        params_for=lambda board, grid, **changes: params_for(
+                            board, args, grid=grid, **changes))
+
+
+# --- the parsers ------------------------------------------------------------------------------
+
+def register(commands):
+    bench = commands.add_parser(
+        "bench", help="run a benchmark and print measured figures",
+        description="Run a benchmark: prints tables of measured figures (simulated cycles "
+                    "first) and, with --json FILE, writes the same figures to a JSON file.")
+    sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
+
+    p = sub.add_parser(
+        "mu", help="memory unit: throughput, latency, free cost, traces, area",
+        description="Measure the memory unit on its RTL (Amaranth's simulator, every response "
+                    "checked against the golden model): sustained READ/WRITE throughput, the "
+                    "latency of every operation, cycles to free N blocks, KV-cache and MoE "
+                    "traces in every allocation mode, and yosys cell counts.")
+    add_mu_arguments(p)
+    p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+    p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    p.set_defaults(func=_bench_mu)
+
+    p = sub.add_parser(
+        "fabric", help="matrix kernels on a fabric's RTL beside the compute lower bound",
+        description="Run a 64x64 matrix-vector and a 64x64x64 matrix product spread over every "
+                    "CU of the fabric (Verilator by default), check them against numpy, and "
+                    "print cycles beside the lower bound MACs / (lanes x CUs), the "
+                    "configuration-load cycles and Yosys cell counts per tile type.")
+    add_fabric_arguments(p, default="4x4")
+    p.set_defaults(mu_words=2048)
+    p.add_argument("--sim", choices=["verilator", "icarus"], default="verilator")
+    p.add_argument("--quick", action="store_true", help="the matrix-vector product only")
+    p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    p.set_defaults(func=_bench_fabric)
+
+    p = sub.add_parser(
+        "noc", help="NoC latency-throughput curves, saturation, zero-load latency, area",
+        description="Sweep the injection rate of synthetic traffic on an R x C mesh (the RTL "
+                    "in Verilator, driven by a synthesizable traffic harness), print and plot "
+                    "the latency-throughput curve, the zero-load latency and the saturation "
+                    "throughput beside the XY-routing limit of the pattern, and the router "
+                    "area (yosys stat). See docs/noc.md for the methodology.")
+    add_grid_argument(p, default="4x4", help="mesh rows x columns")
+    p.add_argument("--pattern", choices=list(PATTERNS) + ["all"], default="uniform",
+                   help="traffic pattern (default: %(default)s)")
+    p.add_argument("--queues", default="voq", metavar="KIND[,KIND...]",
+                   help="router queue structures to measure, comma-separated: voq, fifo, scan "
+                        "(default: %(default)s)")
+    p.add_argument("--depth", type=int, default=4, help="entries per queue (default: 4)")
+    p.add_argument("--simulator", choices=("verilator", "icarus"), default="verilator",
+                   help="simulator (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=1000, help="warm-up cycles (default: 1000)")
+    p.add_argument("--measure", type=int, default=3000,
+                   help="measurement cycles per rate (default: 3000)")
+    p.add_argument("--refine", type=int, default=3,
+                   help="bisection steps around saturation (default: 3)")
+    p.add_argument("--rates", default=None, metavar="R,R,...",
+                   help="explicit injection rates in flits/node/cycle (default: fractions of "
+                        "the pattern's limit)")
+    p.add_argument("--hotspot", default=None, metavar="X,Y",
+                   help="hot tile of the hotspot pattern (default: the middle)")
+    p.add_argument("--hot-fraction", type=float, default=0.25,
+                   help="share of hotspot traffic to the hot tile (default: 0.25)")
+    p.add_argument("--no-area", action="store_true", help="skip the router area (yosys)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="latency-throughput plot (default: build/bench/noc-RxC-PATTERN.png)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the figures as JSON")
+    p.set_defaults(func=_bench_noc)
+
+    p = sub.add_parser(
+        "race", help="reference counting under random NoC delays: premature frees, messages",
+        description="Run random race scenarios (the seed paper's Figure 1(b)) on a 2x2 "
+                    "fabric's RTL whose links stall at random: counters without gating, "
+                    "counters with acknowledgement gating (copier or token), and partial-free "
+                    "with 2 to 4 weight bits. Prints per scheme the premature frees, leaks, "
+                    "double frees, reference-counting messages and the latency from the last "
+                    "use to the free.")
+    p.add_argument("--scenarios", type=int, default=1000, metavar="N",
+                   help="random scenarios per scheme (default: %(default)s)")
+    p.add_argument("--sim", choices=["verilator", "icarus"], default="verilator")
+    p.add_argument("--schemes", metavar="LIST",
+                   help="comma-separated subset of counter,gated,token,partial (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="scenario seed (default: 0)")
+    p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    p.set_defaults(func=_bench_race)
+
+    p = sub.add_parser(
+        "clusters", help="clusters: remote vs local access, cross-cluster partitioning",
+        description="On a system of clusters (Amaranth's simulator): the latency and bandwidth "
+                    "of remote against local MU access, and a matrix-vector product over "
+                    "every CU of every cluster checked against numpy; then the workloads "
+                    "partitioned across 2 and 4 clusters (also with one slower cluster) by "
+                    "the cross-cluster greedy beside round-robin and static, with the cost "
+                    "model's estimated cycles and the bytes that cross the links.")
+    add_system_arguments(p, default_fabric="1x2")
+    p.add_argument("--workloads", default="mlp,decoder,moe",
+                   help="comma-separated workloads of the partitioning table "
+                        "(default: %(default)s)")
+    p.add_argument("--rtl-workloads", action="store_true",
+                   help="also compile the workloads (smallest sizes) across 2 and 4 clusters "
+                        "of 2x2 with every cross-cluster partitioner and run them on the RTL "
+                        "(tens of minutes)")
+    p.add_argument("--json", metavar="FILE", help="write the figures to FILE")
+    p.set_defaults(func=_bench_clusters)
+
+    p = sub.add_parser(
+        "partition", help="partitioners: cut, balance, time and makespan",
+        description="Every partitioner (multilevel KL/FM, cost-based greedy, DQN, HEFT, "
+                    "round-robin, static, METIS, Mt-KaHyPar) on workloads, random layered "
+                    "DAGs and 2-D grids: cut, imbalance, seconds and estimated makespan.")
+    p.add_argument("--quick", action="store_true", help="small graphs only (smoke test)")
+    p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    p.add_argument("--seed", type=int, default=0, help="seed of the DQN training")
+    p.set_defaults(func=_bench_partition)
+
+    p = sub.add_parser(
+        "calibrate", help="the cost model against the interpreter and the RTL",
+        description="Compile workloads, run them on the functional interpreter (steps per "
+                    "lowered op) and one small job on the RTL in Amaranth's simulator "
+                    "(cycles), and report the cost model's relative error before and after "
+                    "fitting its two constants.")
+    p.add_argument("--quick", action="store_true", help="fewer workloads (smoke test)")
+    p.add_argument("--no-rtl", action="store_true", help="skip the RTL run")
+    p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    p.set_defaults(func=_bench_calibrate)
+
+    p = sub.add_parser(
+        "e2e", help="workloads on the RTL fabric with every partitioner and memory scheme",
+        description="Compile MLP, decoder-with-KV-cache and MoE (their smallest sizes) with "
+                    "every partitioner and run them on one build of the fabric; then with "
+                    "counter-based reference counting and with reserve-and-copy allocation "
+                    "(one build each). Prints cycles, the cost model's lower bound, CU "
+                    "utilization, NoC flits, MU peak words, buffers allocated and freed, and "
+                    "the bit-exact check of every run (exit 1 if any failed).")
+    p.add_argument("--sim", choices=BACKENDS, default="verilator",
+                   help="simulator (default: %(default)s)")
+    p.add_argument("--workloads", metavar="LIST", help="subset of mlp,decoder,moe")
+    p.add_argument("--partitioners", metavar="LIST",
+                   help="comma-separated subset of the partitioners (default: all)")
+    p.add_argument("--place-steps", type=int, default=20000,
+                   help="annealing steps of the placement (default: %(default)s)")
+    p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    add_fabric_arguments(p, default="4x4")
+    p.set_defaults(func=_bench_e2e, prog_len=RUN_PROG_LEN)
+
+    p = sub.add_parser(
+        "boards", help="largest fabric that fits each board, utilization and Fmax per size",
+        description="Build growing grids with each board's preset until one does not fit, "
+                    "then grow the MU of the largest grid that fits; records utilization and "
+                    "Fmax per build. Builds take minutes each.")
+    p.add_argument("--boards", default="icebreaker,ulx3s")
+    p.add_argument("--grids", default="1x2,2x2,2x3,3x3,3x4,4x4",
+                   help="grids to try in order (default: %(default)s)")
+    p.add_argument("--mu-words", dest="bench_mu_words",
+                   help="MU sizes to try on the largest grid, e.g. 512,1024,2048 (default: "
+                        "twice and four times the preset's)")
+    p.add_argument("--root", default="build/bench-boards", help="build folders under this")
+    p.add_argument("--json", metavar="FILE")
+    p.set_defaults(func=_bench_boards)
