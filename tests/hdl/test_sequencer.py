@@ -1,0 +1,163 @@
+"""The compute unit's sequencer alone in Amaranth's simulator: programs loaded over its
+configuration port, run from ``start`` to HALT, their registers, STATUS and cycle counts checked
+against what the ISA says; the testbench plays the stream engine (``stream_done``) and the
+network (tokens on ``msg_in``, messages taken from ``msg_out``).
+"""
+
+from conftest import run_checked, s32
+
+from rdakit.hdl.compute.sequencer import Sequencer
+from rdakit.hdl.spec.config import CU_MAP, decode_cu_status
+from rdakit.hdl.spec.isa import DMode, assemble, encode
+from rdakit.hdl.spec.packets import MsgKind
+from rdakit.hdl.spec.params import CUParams, FabricParams, MUParams
+
+LANES = 4
+MU_P = MUParams(words=256, block_words=16, max_buffers=4, max_buffer_words=128, buf_id_bits=4,
+                weight_bits=4, mu_id_bits=2, index_bits=8, data_bits=32 * LANES, tag_bits=4,
+                coord_bits=1)
+P = FabricParams(rows=2, cols=2, mu=MU_P, cu=CUParams(
+    lanes=LANES, prog_len=128, regs=8, local_words=16, outstanding=8, channels=4, mailbox=2))
+CU1_ID = P.mu_id(1, 1)
+
+
+def run(text, *, regs=None, on_cycle=None, limit=500):
+    """Load ``text`` and the initial ``regs`` into a fresh sequencer at (0, 0), start it and run
+    until ``done``; ``on_cycle(ctx, dut, cycle)`` drives the other inputs each cycle. Returns
+    ``(registers (signed), STATUS fields, cycles from start to done)``."""
+    dut = Sequencer(P, x=0, y=0)
+    out = {}
+
+    async def write(ctx, addr, value):
+        ctx.set(dut.cfg.sel, 1)
+        ctx.set(dut.cfg.we, 1)
+        ctx.set(dut.cfg.addr, addr)
+        ctx.set(dut.cfg.wdata, value & 0xffff_ffff)
+        await ctx.tick()
+        ctx.set(dut.cfg.we, 0)
+
+    async def read(ctx, addr):
+        ctx.set(dut.cfg.sel, 1)
+        ctx.set(dut.cfg.re, 1)
+        ctx.set(dut.cfg.addr, addr)
+        await ctx.tick()
+        ctx.set(dut.cfg.re, 0)
+        return ctx.get(dut.cfg.rdata)
+
+    async def tb(ctx):
+        for pc, word in enumerate(map(encode, assemble(text))):
+            await write(ctx, CU_MAP.PROGRAM + 2 * pc, word & 0xffff_ffff)
+            await write(ctx, CU_MAP.PROGRAM + 2 * pc + 1, word >> 32)
+        for r, value in (regs or {}).items():
+            await write(ctx, CU_MAP.REGS + r, value)
+        await write(ctx, CU_MAP.CONTROL, 1)
+        ctx.set(dut.msg_out.ready, 1)
+        ctx.set(dut.start, 1)
+        await ctx.tick()
+        ctx.set(dut.start, 0)
+        for cycle in range(limit):
+            if on_cycle is not None:
+                on_cycle(ctx, dut, cycle)
+            if ctx.get(dut.done):
+                out["cycles"] = cycle
+                break
+            await ctx.tick()
+        else:
+            raise AssertionError(f"The program must halt in {limit} cycles, but it did not")
+        out["regs"] = [s32(await read(ctx, CU_MAP.REGS + r)) for r in range(P.cu.regs)]
+        out["status"] = decode_cu_status(await read(ctx, CU_MAP.STATUS))
+
+    run_checked(dut, tb)
+    return out["regs"], out["status"], out["cycles"]
+
+
+def test_registers_and_branches_one_cycle_each():
+    """Taken and untaken branches, LOOP, ALU and ALUI: the registers as the ISA says, one cycle
+    an instruction (HALT included), STATUS pc at the HALT."""
+    regs, status, cycles = run("""
+            LI r1, 5
+            LI r2, 0
+        loop: ALU ADD, r2, r2, r1     # r2 = 5 + 4 + 3 + 2 + 1
+            LOOP r1, loop
+            LI r3, 7
+            BLT r3, r2, big           # 7 < 15: taken
+            LI r4, 111
+            HALT
+        big: ALUI MUL, r4, r3, -3
+            BNZ r1, 0                 # r1 is 0: not taken
+            BZ r1, done               # taken
+            LI r5, 1
+        done: SELF r6
+            HALT
+    """, regs={5: 42, 7: -9})
+    assert regs == [0, 0, 15, 7, -21, 42, 0, -9]
+    assert status == {"done": 1, "error": 0, "error_code": 0, "pc": 13}
+    assert cycles == 2 + 2 * 5 + 2 + 3 + 2
+
+
+def test_pc_out_of_range_and_bad_instruction_halt_with_their_codes():
+    _, status, _ = run("LI r1, 1\nJMP 127\n")
+    assert (status["error"], status["error_code"], status["pc"]) == (1, 3, 128)
+    _, status, _ = run("NOP\nSEND 4, r0, 1\nHALT")
+    assert (status["error"], status["error_code"], status["pc"]) == (1, 2, 1)
+
+
+def test_srun_waits_for_the_stream_and_writes_its_reduction():
+    """SRUN hands the fields to the stream engine and retires when ``stream_done``; with
+    D_MODE = ARGMAX, rd and rd + 1 get the engine's value and index."""
+    seen = {}
+
+    def engine(ctx, dut, cycle):
+        if ctx.get(dut.stream_start):
+            seen["start"] = cycle
+            seen["fields"] = ctx.get(dut.fields)
+            seen["fn"] = ctx.get(dut.fn)
+        active = ctx.get(dut.stream_active)
+        ctx.set(dut.stream_done, active and cycle >= seen.get("start", 0) + 10)
+        ctx.set(dut.stream_acc, 0xffff_fff0)
+        ctx.set(dut.stream_index, 77)
+
+    regs, status, cycles = run(f"""
+        SCFGI N, 3
+        SCFGI OUTER, 2
+        SCFGI A_REF, 1
+        SCFGI D_MODE, {DMode.ARGMAX.value}
+        SRUN MAX, r2
+        HALT
+    """, on_cycle=engine)
+    f = seen["fields"]
+    assert (f.n, f.outer, f.a_ref, f.d_mode) == (3, 2, 1, DMode.ARGMAX.value)
+    assert seen["start"] == 4
+    assert (regs[2], regs[3]) == (-16, 77)
+    assert status["error"] == 0
+    assert cycles == seen["start"] + 10 + 2
+
+
+def test_wait_counts_tokens_and_send_leaves_a_message():
+    """WAIT stalls until two tokens arrive on channel 1; SEND puts a token message for CU
+    (1, 1) on ``msg_out``; HALT retires once the message has left."""
+    sent = []
+
+    def network(ctx, dut, cycle):
+        token = cycle in (5, 9)
+        ctx.set(dut.msg_in.valid, token)
+        ctx.set(dut.msg_in.payload, {"payload": {"kind": MsgKind.TOKEN,
+                                                 "body": {"tag": 1, "data": 1}}})
+        if ctx.get(dut.msg_out.valid):
+            sent.append(ctx.get(dut.msg_out.payload))
+
+    regs, status, cycles = run(f"""
+        WAIT 1, 2
+        LI r1, {CU1_ID}
+        SEND 3, r1, 6
+        HALT
+    """, on_cycle=network)
+    assert status["error"] == 0
+    # WAIT retires in cycle 10 (the second token counted), LI and SEND take one cycle each;
+    # HALT waits one cycle for the message register to empty, then done rises.
+    assert cycles == 10 + 2 + 1 + 2
+    assert len(sent) == 1
+    msg = sent[0]
+    assert (msg.dst.x, msg.dst.y, msg.payload.kind) == (1, 1, MsgKind.TOKEN)
+    assert (msg.payload.body.tag, msg.payload.body.data) == (3, 6)
+    assert regs[1] == CU1_ID
