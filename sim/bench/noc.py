@@ -2,10 +2,11 @@
 
 The mesh is driven by the synthesizable :class:`rdakit.sim.verify.noc_harness.TrafficHarness`;
 Python only sets its inputs between phases and reads its counters, never every cycle. The
-harness runs either in a direct Verilator build with a small command-driven C++ main
-(:func:`build_direct`, the default: fast to build and to run) or under cocotb through
-:func:`rdakit.sim.verify.runner.run_cocotb` (the cocotb test :func:`noc_sweep` in this module; Icarus
-always). Both run the same :func:`sweep`. Methodology (the usual one of BookSim and the NoC
+harness runs either as the runner's Verilator harness executable
+(:func:`rdakit.sim.verify.runner.build_harness`, through :func:`build_direct`; the default:
+fast to build and to run) or under cocotb through
+:func:`rdakit.sim.verify.runner.run_cocotb` (the cocotb test :func:`noc_sweep` in this module;
+Icarus always). Both run the same :func:`sweep`. Methodology (the usual one of BookSim and the NoC
 literature), per injection rate:
 
 1. **warm-up**: traffic at the rate, nothing measured;
@@ -27,12 +28,10 @@ limit), to be compared with ``hops + 2`` from :func:`rdakit.sim.models.noc.zero_
 """
 
 import asyncio
-import hashlib
 import json
 import math
 import os
 import pathlib
-import re
 import subprocess
 import tempfile
 
@@ -40,15 +39,16 @@ import cocotb
 from cocotb.clock import Clock
 from cocotb.triggers import FallingEdge, Timer
 
+from rdakit.hdl.noc.router import check_mesh_params
 from rdakit.sim.models.noc import PATTERNS, theoretical_limit, zero_load_latency
 from rdakit.sim.verify.cocotb_utils import tb_config
 from rdakit.sim.verify.noc_harness import RATE_ONE, Pattern, TrafficHarness
 from rdakit.sim.verify.runner import (
     BUILD_ROOT,
-    cached_verilog,
+    HarnessProcess,
+    build_harness,
     find_yosys,
     run_cocotb,
-    simulator_info,
 )
 
 __all__ = ["run_harness", "sweep", "is_saturated", "summarize", "router_area", "build_direct",
@@ -88,8 +88,8 @@ def run_harness(*, rows, cols, queues="voq", depth=2, patterns=("uniform",), rat
     ``refine`` bisection steps locate saturation more precisely. ``patterns=None`` runs all.
 
     With ``simulator="verilator"`` and ``use_cocotb=False`` (the bench's default) the harness is
-    compiled by Verilator with a small command-driven C++ main (:func:`build_direct`); otherwise
-    it runs under cocotb through :func:`rdakit.sim.verify.runner.run_cocotb` (Icarus always does).
+    a Verilator harness executable (:func:`build_direct`); otherwise it runs under cocotb
+    through :func:`rdakit.sim.verify.runner.run_cocotb` (Icarus always does).
     Both run the same sweep code (:func:`sweep`).
     """
     patterns = list(PATTERNS if patterns is None else patterns)
@@ -98,8 +98,11 @@ def run_harness(*, rows, cols, queues="voq", depth=2, patterns=("uniform",), rat
             raise ValueError(f"pattern must be one of {', '.join(PATTERNS)}, not {p!r}")
     if hotspot is None:
         hotspot = (cols // 2, rows // 2)
-    harness = TrafficHarness(rows=rows, cols=cols, queues=queues, depth=depth,
-                             source_depth=source_depth)
+    # The harness itself is built only if its Verilog is not cached (see build_direct).
+    harness_kw = dict(rows=rows, cols=cols, queues=queues, depth=depth,
+                      source_depth=source_depth)
+    coord_bits = check_mesh_params(rows=rows, cols=cols, coord_bits=None, depth=depth,
+                                   queues=queues, counter_bits=32)
     per_pattern = {}
     for p in patterns:
         kw = dict(hotspot=hotspot, hot_fraction=hot_fraction) if p == "hotspot" else {}
@@ -110,11 +113,10 @@ def run_harness(*, rows, cols, queues="voq", depth=2, patterns=("uniform",), rat
                   order=patterns, rates=rates, fractions=list(fractions or DEFAULT_FRACTIONS),
                   refine=refine, warmup=warmup, measure=measure,
                   drain_limit=drain_limit or max(4000, 2 * measure), hotspot=list(hotspot),
-                  hot_fraction=hot_fraction, coord_bits=harness.coord_bits)
+                  hot_fraction=hot_fraction, coord_bits=coord_bits)
     build_name = build_name or f"noc-harness-{rows}x{cols}-{queues}-d{depth}"
     if simulator == "verilator" and not use_cocotb:
-        exe, ports = build_direct(harness, build_name)
-        with _ProcessDriver(exe, ports, rows * cols) as drv:
+        with _DirectDriver(build_direct(harness_kw, build_name), rows * cols) as drv:
             points = asyncio.run(sweep(drv, config, log or (lambda msg: None)))
         return {"config": config, "points": points}
     if result_file is None:
@@ -122,7 +124,7 @@ def run_harness(*, rows, cols, queues="voq", depth=2, patterns=("uniform",), rat
     result_file = pathlib.Path(result_file).resolve()
     result_file.parent.mkdir(parents=True, exist_ok=True)
     result_file.unlink(missing_ok=True)
-    run_cocotb(harness, simulator=simulator, test_module="noc", test_dir=HERE,
+    run_cocotb(TrafficHarness(**harness_kw), simulator=simulator, test_module="noc", test_dir=HERE,
                build_name=build_name, config={**config, "result_file": str(result_file)})
     return json.loads(result_file.read_text())
 
@@ -293,192 +295,28 @@ async def noc_sweep(dut):
 
 
 # --------------------------------------------------------------------------------------------
-# Direct Verilator build: no cocotb, no --public-flat-rw (which makes every one of the ~100k
-# wires of an 8x8 harness public, so Verilator can optimize nothing away: builds take ten
-# minutes and simulation runs at about 1k cycles/s; without it an 8x8 harness builds in a few
-# minutes and simulates more than ten times faster). The design is the same generated Verilog.
+# Direct Verilator build: the harness as a runner harness executable (no cocotb, no
+# --public-flat-rw; see rdakit.sim.verify.runner.build_harness).
 
-#: Verilator options of the direct build. Warnings are not errors here: the Verilog is the
-#: one the cocotb tests lint with the project's waivers (rdakit.sim.verify.runner).
-DIRECT_VERILATOR_ARGS = ["--cc", "--exe", "--build", "-j", "2", "-Wno-fatal", "-Wno-lint",
-                         "-Wno-style", "--x-assign", "fast", "--x-initial", "fast"]
-#: Make variables of the direct build: -O1 compiles Amaranth's netlists several times faster
-#: than the makefile's default -Os, and the result runs about as fast.
-DIRECT_MAKEFLAGS = "CFG_CXXFLAGS_PCH_I=-include OPT_FAST=-O1 OPT_SLOW=-O0 OPT_GLOBAL=-O1"
-
-
-def _verilator_name(name):
-    # Verilator encodes the second of two consecutive underscores as "__05F".
-    out, prev = [], ""
-    for c in name:
-        out.append("__05F" if c == "_" and prev == "_" else c)
-        prev = c
-    return "".join(out)
+def build_direct(harness_kw, build_name):
+    """Build ``TrafficHarness(**harness_kw)`` into a harness executable
+    (:func:`rdakit.sim.verify.runner.build_harness`); returns its
+    :class:`~rdakit.sim.verify.runner.HarnessBuild`. The key of the cached Verilog is the class
+    and its parameters, so a rerun neither converts nor constructs the harness (converting an
+    8x8 harness takes most of a minute)."""
+    key = f"TrafficHarness {json.dumps(harness_kw, sort_keys=True)}"
+    return build_harness(key, lambda: TrafficHarness(**harness_kw), build_name=build_name)
 
 
-def _top_ports(text, top="top"):
-    """``[(name, direction, width)]`` of module ``top`` in generated Verilog."""
-    body = re.search(rf"^module {top}\(.*?^endmodule", text, re.S | re.M).group(0)
-    ports = []
-    for m in re.finditer(r"^\s*(input|output)\s+(?:\[(\d+):0\]\s+)?(\w+);", body, re.M):
-        ports.append((m.group(3), m.group(1), int(m.group(2) or 0) + 1))
-    return ports
+class _DirectDriver(HarnessProcess):
+    """The driver interface on a harness executable: :class:`HarnessProcess` and ``total``."""
 
-
-def _direct_main(ports):
-    sets = "\n".join(f"    case {i}: top->{_verilator_name(n)} = v; break;"
-                      for i, (n, d, _w) in enumerate(ports) if d == "input")
-    gets = "\n".join(f"    case {i}: return top->{_verilator_name(n)};"
-                      for i, (n, _d, _w) in enumerate(ports))
-    return f"""// Generated by rdakit.sim.bench.noc: drives the harness from commands on stdin.
-// R n: run n clock cycles; S i v: set input i; G k i1..ik: print k values; Q: quit.
-#include <cstdio>
-#include <cstdint>
-#include "Vtop.h"
-#include "verilated.h"
-static Vtop* top;
-static void set(int i, unsigned long long v) {{
-  switch (i) {{
-{sets}
-  }}
-}}
-static unsigned long long get(int i) {{
-  switch (i) {{
-{gets}
-  }}
-  return 0;
-}}
-int main(int argc, char** argv) {{
-  Verilated::commandArgs(argc, argv);
-  top = new Vtop;
-  top->clk = 0;
-  top->eval();
-  char cmd[8];
-  while (std::scanf("%7s", cmd) == 1) {{
-    if (cmd[0] == 'R') {{
-      long n;
-      if (std::scanf("%ld", &n) != 1) break;
-      for (long k = 0; k < n; k++) {{
-        top->clk = 1; top->eval();
-        top->clk = 0; top->eval();
-      }}
-      std::printf("ok\\n");
-    }} else if (cmd[0] == 'S') {{
-      int i; unsigned long long v;
-      if (std::scanf("%d %llu", &i, &v) != 2) break;
-      set(i, v);
-      continue;
-    }} else if (cmd[0] == 'G') {{
-      int k;
-      if (std::scanf("%d", &k) != 1) break;
-      for (int j = 0; j < k; j++) {{
-        int i;
-        if (std::scanf("%d", &i) != 1) break;
-        std::printf("%llu ", get(i));
-      }}
-      std::printf("\\n");
-    }} else {{
-      break;
-    }}
-    std::fflush(stdout);
-  }}
-  top->final();
-  delete top;
-  return 0;
-}}
-"""
-
-
-def _design_key(component):
-    """What the generated Verilog of a NoC component depends on besides the HDL sources (which
-    :func:`~rdakit.sim.verify.runner.cached_verilog` hashes): its class and parameters. Converting an
-    8x8 harness takes most of a minute; the cache lets a rerun skip it."""
-    params = {k: repr(getattr(component, k, None))
-              for k in ("rows", "cols", "coord_bits", "counter_bits", "seq_bits", "ts_bits",
-                        "source_depth", "_mesh_kw", "payload")}
-    return f"{type(component).__qualname__} {json.dumps(params, sort_keys=True, default=repr)}"
-
-
-def build_direct(component, build_name):
-    """Compile ``component`` with Verilator and the command-driven main; returns the path of
-    the executable and the top-level ports. A build whose inputs are unchanged is reused."""
-    info = simulator_info("verilator")
-    if not info.ok:
-        raise RuntimeError(f"verilator unavailable: {info.problem}; install: {info.install}")
-    build_dir = BUILD_ROOT / "bench" / build_name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    text = cached_verilog(_design_key(component), lambda: component)
-    component._MustUse__used = True     # converted on an earlier run: not an unused design
-    (build_dir / "top.v").write_text(text)
-    ports = _top_ports(text)
-    main = _direct_main(ports)
-    key = hashlib.sha256("\0".join([text, main, *DIRECT_VERILATOR_ARGS, DIRECT_MAKEFLAGS,
-                                     info.version or ""]).encode()).hexdigest()
-    exe = build_dir / "obj_dir" / "harness"
-    stamp = build_dir / "build.key"
-    if exe.exists() and stamp.exists() and stamp.read_text() == key:
-        return exe, ports
-    (build_dir / "main.cpp").write_text(main)
-    env = {**os.environ, **info.env, "MAKEFLAGS": DIRECT_MAKEFLAGS}
-    cmd = [info.path, *DIRECT_VERILATOR_ARGS, "--top-module", "top", "-o", "harness",
-           "top.v", "main.cpp"]
-    with open(build_dir / "build.log", "w") as log:
-        res = subprocess.run(cmd, cwd=build_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
-    if res.returncode != 0 or not exe.exists():
-        raise RuntimeError(f"Verilator build failed; see {build_dir / 'build.log'}")
-    # Keep the executable only: the C++ and objects of an 8x8 harness take hundreds of MB.
-    for f in exe.parent.iterdir():
-        if f != exe and f.is_file():
-            f.unlink()
-    stamp.write_text(key)
-    return exe, ports
-
-
-class _ProcessDriver:
-    """The driver interface on a running direct-build executable."""
-
-    def __init__(self, exe, ports, n):
+    def __init__(self, build, n):
+        super().__init__(build)
         self.n = n
-        self.index = {name: i for i, (name, _d, _w) in enumerate(ports)}
-        self.proc = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, bufsize=1)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        try:
-            self.proc.stdin.write("Q\n")
-            self.proc.stdin.close()
-        except (BrokenPipeError, OSError):
-            pass
-        self.proc.wait(timeout=30)
-        self.proc.stdout.close()
-
-    def _line(self):
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"harness simulation exited with code {self.proc.poll()}")
-        return line
-
-    def set(self, name, value):
-        self.proc.stdin.write(f"S {self.index[name]} {int(value)}\n")
-
-    def get_many(self, names):
-        idx = " ".join(str(self.index[n]) for n in names)
-        self.proc.stdin.write(f"G {len(names)} {idx}\n")
-        return [int(v) for v in self._line().split()]
-
-    def get(self, name):
-        return self.get_many([name])[0]
 
     def total(self, name):
         return sum(self.get_many([f"{name}__{t}" for t in range(self.n)]))
-
-    async def run(self, n):
-        self.proc.stdin.write(f"R {int(n)}\n")
-        if self._line().strip() != "ok":
-            raise RuntimeError("harness simulation out of step")
 
 
 # --------------------------------------------------------------------------------------------

