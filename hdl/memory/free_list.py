@@ -1,15 +1,11 @@
 """A free list: a LIFO stack of released entries in front of entries never used since reset."""
 
-from amaranth.hdl import Mux, Signal, unsigned
+from amaranth.hdl import Module, Mux, Signal, unsigned
 from amaranth.lib import memory, wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import ceil_log2
 
-__all__ = ["FreeList", "FREE_LIST_FAULTS"]
-
-#: Deliberate bugs for the formal harnesses' self-test (``_fault=``), never for real designs:
-#: ``"pop_keeps"`` leaves a popped entry on the stack, so it is handed out twice.
-FREE_LIST_FAULTS = ("pop_keeps",)
+__all__ = ["FreeList"]
 
 
 class FreeList(wiring.Component):
@@ -56,13 +52,14 @@ class FreeList(wiring.Component):
 
     Notes
     -----
-    Two private, test-only arguments serve the formal proofs (``rdakit.sim.verify.formal_harness``):
-    ``_observe=True`` adds the members ``obs_stack`` (every stack entry, through combinational
-    read ports), ``obs_n`` (entries on the stack) and ``obs_taken`` (fresh entries handed out),
-    so that invariants can name the state; ``_fault`` injects one of :data:`FREE_LIST_FAULTS`.
+    The private, test-only argument ``_observe=True`` serves the formal proofs
+    (``rdakit.sim.verify.formal_harness``): it adds the members ``obs_stack`` (every stack
+    entry, through combinational read ports), ``obs_n`` (entries on the stack) and
+    ``obs_taken`` (fresh entries handed out), so that invariants can name the state. The
+    harnesses' broken variants are subclasses that override :meth:`_pop_stack`.
     """
 
-    def __init__(self, depth, *, width=None, fresh=True, _observe=False, _fault=None):
+    def __init__(self, depth, *, width=None, fresh=True, _observe=False):
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
             raise TypeError(f"Depth must be a positive integer, not {depth!r}")
         if width is None:
@@ -70,13 +67,9 @@ class FreeList(wiring.Component):
         if not isinstance(width, int) or width < 1 or (fresh and (depth - 1) >> width):
             raise TypeError(f"Width must be a positive integer that holds {depth - 1}, "
                             f"not {width!r}")
-        if _fault is not None and _fault not in FREE_LIST_FAULTS:
-            raise TypeError(f"Fault must be one of {', '.join(map(repr, FREE_LIST_FAULTS))}, "
-                            f"not {_fault!r}")
         self.depth = depth
         self.width = width
         self.fresh = fresh
-        self._fault = _fault
         self._observe = bool(_observe)
         if self._observe:
             self.obs_stack = [Signal(width, name=f"obs_stack_{k}") for k in range(depth)]
@@ -91,9 +84,12 @@ class FreeList(wiring.Component):
             "push_data": In(width),
         })
 
-    def elaborate(self, platform):
-        from amaranth.hdl import Module
+    def _pop_stack(self, m, n, n_next):
+        """Drive ``n_next``, the number of entries on the stack after a pop from it (and no
+        push) in a cycle with ``n`` entries."""
+        m.d.comb += n_next.eq(n - 1)
 
+    def elaborate(self, platform):
         m = Module()
         m.submodules.mem = mem = memory.Memory(shape=unsigned(self.width), depth=self.depth,
                                                init=[])
@@ -135,8 +131,7 @@ class FreeList(wiring.Component):
                     m.d.comb += taken_next.eq(taken + 1)
         with m.Elif(self.pop):
             with m.If(on_stack):
-                if self._fault != "pop_keeps":
-                    m.d.comb += n_next.eq(n - 1)
+                self._pop_stack(m, n, n_next)
             with m.Else():
                 m.d.comb += taken_next.eq(taken + 1)
         with m.Elif(self.push):

@@ -9,7 +9,7 @@ from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from rdakit.hdl.noc.jitter import RATE_BITS, SEED_BITS, add_stall, jitter_salt
-from rdakit.hdl.noc.router import Router, check_fault, check_mesh_params
+from rdakit.hdl.noc.router import Router, check_mesh_params
 from rdakit.hdl.spec.flit import DIRECTIONS, PORT_DELTA, Port, flit_layout
 from rdakit.hdl.spec.packets import mu_request_layout, mu_response_layout
 from rdakit.hdl.spec.params import MUParams
@@ -98,7 +98,7 @@ class Mesh(wiring.Component):
     """
 
     def __init__(self, *, rows, cols, payload_shape, coord_bits=None, depth=2, queues="voq",
-                 counter_bits=32, jitter=False, jitter_salt=0, _fault=None, _observe=False):
+                 counter_bits=32, jitter=False, jitter_salt=0, _observe=False):
         coord_bits = check_mesh_params(rows=rows, cols=cols, coord_bits=coord_bits, depth=depth,
                                        queues=queues, counter_bits=counter_bits)
         if not isinstance(jitter, bool):
@@ -110,14 +110,12 @@ class Mesh(wiring.Component):
         self.jitter, self.jitter_salt = jitter, jitter_salt
         super().__init__(mesh_signature(rows=rows, cols=cols, flit=self.flit,
                                         counter_bits=counter_bits, jitter=jitter))
-        # Checked before any router is built: a router whose construction fails would be
-        # collected later with an "UnusedElaboratable" warning pointing here.
-        check_fault(_fault)
-        # Test-only: every router built with the router's private `_fault`/`_observe`, and kept
-        # in `obs_routers` ({(x, y): router}) for the formal harnesses to name their queues.
-        self._fault, self._observe = _fault, _observe
+        # Test-only: every router built with the router's private `_observe`, and kept in
+        # `obs_routers` ({(x, y): router}) for the formal harnesses to name their queues (their
+        # broken variants override `router`).
+        self._observe = _observe
         self.obs_routers = None
-        if _fault is not None or _observe:
+        if _observe:
             self.obs_routers = {(x, y): self.router(x, y)
                                 for y in range(rows) for x in range(cols)}
 
@@ -143,12 +141,15 @@ class Mesh(wiring.Component):
     def n_tiles(self):
         return self.rows * self.cols
 
+    #: The class of the routers (the formal harnesses put broken variants here).
+    router_class = Router
+
     def router(self, x, y):
         """A new router for position ``(x, y)`` with this mesh's parameters."""
-        return Router(payload_shape=self.payload_shape, x=x, y=y, rows=self.rows,
-                      cols=self.cols, coord_bits=self.coord_bits, depth=self.depth,
-                      queues=self.queues, counter_bits=self.counter_bits,
-                      _fault=self._fault, _observe=self._observe)
+        return self.router_class(payload_shape=self.payload_shape, x=x, y=y, rows=self.rows,
+                                 cols=self.cols, coord_bits=self.coord_bits, depth=self.depth,
+                                 queues=self.queues, counter_bits=self.counter_bits,
+                                 _observe=self._observe)
 
     def elaborate(self, platform):
         m = Module()

@@ -37,25 +37,13 @@ from amaranth.utils import ceil_log2
 from rdakit.hdl.spec.flit import DIRECTIONS, PORT_DELTA, Port, check_coord_bits, flit_layout
 
 __all__ = ["Router", "ScanQueue", "link_signature", "QUEUE_KINDS", "reachable_outputs",
-           "port_exists", "check_mesh_params", "xy_route", "EJECT_DEPTH", "ROUTER_FAULTS"]
+           "port_exists", "check_mesh_params", "xy_route", "EJECT_DEPTH"]
 
 #: Queue structures a router can be built with.
 QUEUE_KINDS = ("voq", "fifo", "scan")
 
 #: Depth of the ejection buffer in front of each ``eject`` port.
 EJECT_DEPTH = 2
-
-#: Deliberate bugs for the formal harnesses' self-test (``_fault=``), never for real designs
-#: (``voq`` queues): ``"ignore_room"`` sends a flit on a link whether or not the receiver's queue
-#: has room; ``"grant_keeps"`` leaves a flit sent from the local input towards the east in its
-#: queue (it is sent again: a duplicate); ``"inject_ignores_room"`` accepts an injected flit
-#: whose queue is full (it is lost); ``"yx_local"`` routes injected flits in y first;
-#: ``"fixed_priority"`` grants each output to the first queue that can send instead of taking
-#: turns (a queue can wait for ever); ``"pointer_follows"`` moves each arbiter's pointer to
-#: every queue it grants, past a waiting queue that could not send (the round-robin of earlier
-#: versions, under which a queue can also wait for ever).
-ROUTER_FAULTS = ("ignore_room", "grant_keeps", "inject_ignores_room", "yx_local",
-                 "fixed_priority", "pointer_follows")
 
 _REACHABLE = {
     # Under XY routing a flit moves in x first, then in y, then leaves: it never turns back and
@@ -66,13 +54,6 @@ _REACHABLE = {
     Port.NORTH: (Port.SOUTH, Port.LOCAL),                         # arrived moving south
     Port.SOUTH: (Port.NORTH, Port.LOCAL),                         # arrived moving north
 }
-
-
-def check_fault(fault):
-    """Raise ``TypeError`` unless ``fault`` is ``None`` or one of :data:`ROUTER_FAULTS`."""
-    if fault is not None and fault not in ROUTER_FAULTS:
-        raise TypeError(f"Fault must be one of {', '.join(map(repr, ROUTER_FAULTS))}, "
-                        f"not {fault!r}")
 
 
 def reachable_outputs(inp):
@@ -145,16 +126,15 @@ def link_signature(flit_shape):
     })
 
 
-def xy_route(dst, x, y, *, y_first=False):
+def xy_route(dst, x, y):
     """Expression of the output port (a :class:`Port` value) that XY routing picks at the router
     ``(x, y)`` for the destination view ``dst``. Comparisons that are constant for these
     coordinates (``dst.x > x`` at the largest ``x`` the field holds, ``dst.x < 0``) are left out,
-    so simulators that warn about them stay quiet. ``y_first`` routes Y before X (only the
-    ``yx_local`` fault uses it)."""
+    so simulators that warn about them stay quiet."""
     top = (1 << len(dst.x)) - 1
     x_steps = [(dst.x > x, Port.EAST, x < top), (dst.x < x, Port.WEST, x > 0)]
     y_steps = [(dst.y > y, Port.SOUTH, y < top), (dst.y < y, Port.NORTH, y > 0)]
-    steps = y_steps + x_steps if y_first else x_steps + y_steps
+    steps = x_steps + y_steps
     result = Port.LOCAL
     for cond, port, useful in reversed(steps):
         if useful:
@@ -170,7 +150,7 @@ def _first(m, bits, name):
     return firsts
 
 
-def _round_robin(m, requests, name, *, waiting=None, fixed=False):
+def _round_robin(m, requests, name, *, waiting=None):
     """Grant one of ``requests`` this cycle: the first one after the pointer (wrapping around).
     Returns the list of grant signals (one-hot or all zero).
 
@@ -188,8 +168,6 @@ def _round_robin(m, requests, name, *, waiting=None, fixed=False):
     Built from masks and priority chains rather than a ``Switch`` on the pointer: Yosys
     writes such a switch as an overlapping ``casez`` that Verilator lints."""
     n = len(requests)
-    if fixed:   # the "fixed_priority" fault: the first request always wins
-        return _first(m, requests, f"{name}_grant")
     if n == 1:
         grant = Signal(name=f"{name}_grant_0")
         m.d.comb += grant.eq(requests[0])
@@ -382,8 +360,10 @@ class Router(wiring.Component):
 
     Notes
     -----
-    The private, test-only argument ``_fault`` injects one of :data:`ROUTER_FAULTS` for the
-    formal harnesses (``rdakit.sim.verify.formal_harness``). The private, test-only ``_observe=True``
+    The formal harnesses (``rdakit.sim.verify.formal_harness``) build their broken variants as
+    subclasses that override one of the small steps of :meth:`elaborate` (``_local_route``,
+    ``_can_send``, ``_inject_room``, ``_arbiter``, ``_dequeue``). The private, test-only
+    ``_observe=True``
     builds every ``SyncFIFO`` queue, and the ejection buffer, as an :class:`_ObservedQueue`
     (registers, same ports and timing as the ``SyncFIFO`` otherwise used) and lists the queues
     in ``obs_queues`` (``{(input, output): queue}``, output ``None`` for the one queue per
@@ -394,7 +374,7 @@ class Router(wiring.Component):
     """
 
     def __init__(self, *, payload_shape, x=1, y=1, rows=3, cols=3, coord_bits=None, depth=2,
-                 queues="voq", counter_bits=32, _fault=None, _observe=False):
+                 queues="voq", counter_bits=32, _observe=False):
         coord_bits = check_mesh_params(rows=rows, cols=cols, coord_bits=coord_bits, depth=depth,
                                        queues=queues, counter_bits=counter_bits)
         _check_int("x", x, minimum=0, maximum=255)
@@ -403,8 +383,6 @@ class Router(wiring.Component):
             raise ValueError(f"x must be less than cols ({cols}), not {x!r}")
         if y >= rows:
             raise ValueError(f"y must be less than rows ({rows}), not {y!r}")
-        check_fault(_fault)
-        self._fault = _fault
         self.flit = flit_layout(coord_bits, payload_shape)
         self.payload_shape = payload_shape
         self.x, self.y, self.rows, self.cols = x, y, rows, cols
@@ -480,9 +458,7 @@ class Router(wiring.Component):
             limits.append(dst.y >= self.rows)
         m.d.comb += outside.eq(Cat(*limits).any() if limits else Const(0))
         local_port = Signal(Port)
-        m.d.comb += local_port.eq(xy_route(dst, self.x, self.y))
-        if self._fault == "yx_local":
-            m.d.comb += local_port.eq(xy_route(dst, self.x, self.y, y_first=True))
+        m.d.comb += local_port.eq(self._local_route(dst))
         arrivals = {Port.LOCAL: (self.inject.valid & ~outside, self.inject.payload, local_port)}
         for d in DIRECTIONS:
             if self.has_port(d):
@@ -508,7 +484,7 @@ class Router(wiring.Component):
         # eligible, head entry, queue): a flit waits; the head (or, in scan queues, the oldest
         # flit whose next queue has room) is eligible when its next queue has room.
         cands = {o: [] for o in ports}
-        local_east = None
+        keys = {}   # id(queue): (input, output), output None for the one queue of `fifo` mode
         for i, (valid, flit, port) in arrivals.items():
             lname = i.name.lower()
             w = Signal(entry, name=f"{lname}_entry")
@@ -523,6 +499,7 @@ class Router(wiring.Component):
                 else:
                     q = fifo.SyncFIFO(width=entry.size, depth=self.depth)
                 m.submodules[f"q_{lname}"] = q
+                keys[id(q)] = (i, None)
                 m.d.comb += [q.w_data.eq(w), q.w_en.eq(valid)]
                 head = entry(q.r_data)
                 for o in outs:
@@ -543,22 +520,15 @@ class Router(wiring.Component):
                         else:
                             q = fifo.SyncFIFO(width=entry.size, depth=self.depth)
                         head, waiting = entry(q.r_data), q.r_rdy
-                        ok = waiting & room_vector(o).bit_select(head.next.as_value(), 1)
-                        if self._fault == "ignore_room" and o is not Port.LOCAL:
-                            ok = waiting
+                        ok = self._can_send(o, waiting,
+                                            room_vector(o).bit_select(head.next.as_value(), 1))
                     m.submodules[f"q_{lname}_{o.name.lower()}"] = q
-                    if (i, o) == (Port.LOCAL, Port.EAST):
-                        local_east = q
+                    keys[id(q)] = (i, o)
                     m.d.comb += [q.w_data.eq(w), q.w_en.eq(valid & (port == o))]
                     room[o] = q.w_rdy
                     cands[o].append((i, waiting, ok, head, q))
             if i is Port.LOCAL:
-                ready = Const(0)
-                for o, r in room.items():
-                    ready = Mux(port == o, r, ready)
-                if self._fault == "inject_ignores_room":
-                    ready = Const(1)
-                m.d.comb += self.inject.ready.eq(outside | ready)
+                m.d.comb += self.inject.ready.eq(outside | self._inject_room(port, room))
             else:
                 m.d.comb += self.link_in[i.value].ready.eq(
                     Cat(*(room.get(p, Const(0)) for p in Port)))
@@ -579,10 +549,7 @@ class Router(wiring.Component):
                 m.d.comb += [e.eq(ok), h.eq(wait)]
                 eligible.append(e)
                 holding.append(h)
-            if self._fault == "pointer_follows":
-                holding = None
-            grants = _round_robin(m, eligible, f"arb_{oname}", waiting=holding,
-                                  fixed=self._fault == "fixed_priority")
+            grants = self._arbiter(m, eligible, holding, f"arb_{oname}")
             sent = Signal(name=f"{oname}_sent")
             waiting = Signal(name=f"{oname}_waiting")
             m.d.comb += [sent.eq(Cat(*grants).any()),
@@ -604,7 +571,33 @@ class Router(wiring.Component):
             with m.Elif(waiting):
                 m.d.sync += self.blocked[o.value].eq(self.blocked[o.value] + 1)
         for q, grants in dequeue.values():
-            if self._fault == "grant_keeps" and q is local_east:
-                continue
-            m.d.comb += q.r_en.eq(Cat(*grants).any())
+            self._dequeue(m, keys[id(q)], q, Cat(*grants).any())
         return m
+
+    # Steps of `elaborate` that the formal harnesses' broken variants override.
+
+    def _local_route(self, dst):
+        """The output port here of a flit injected for ``dst``: XY routing."""
+        return xy_route(dst, self.x, self.y)
+
+    def _can_send(self, o, waiting, room):
+        """Whether the head of a ``voq`` queue for output ``o`` is eligible: a flit ``waiting``
+        whose next queue has ``room``."""
+        return waiting & room
+
+    def _inject_room(self, port, room):
+        """Whether an injected flit for output ``port`` fits: ``room[o]`` of its queue."""
+        ready = Const(0)
+        for o, r in room.items():
+            ready = Mux(port == o, r, ready)
+        return ready
+
+    def _arbiter(self, m, eligible, holding, name):
+        """The grants of one output's arbiter over the queues with an ``eligible`` flit for it,
+        given those ``holding`` one (see :func:`_round_robin`)."""
+        return _round_robin(m, eligible, name, waiting=holding)
+
+    def _dequeue(self, m, key, q, read):
+        """Drive the read enable of the queue ``q`` (``key``: its (input, output)) from
+        ``read``, the OR of the grants of the outputs it feeds."""
+        m.d.comb += q.r_en.eq(read)

@@ -5,12 +5,9 @@ runner's verdicts on a tiny counter (formal)."""
 import pytest
 from amaranth.hdl import Assert, Module, Signal
 
-from rdakit.hdl.memory.free_list import FreeList
-from rdakit.hdl.memory.unit import MemoryUnit
-from rdakit.hdl.noc.router import Router, check_fault
 from rdakit.sim.verify import formal_harness
 from rdakit.sim.verify.formal import run_sby, sby_available
-from rdakit.sim.verify.formal_harness import PROPERTIES, get_property, prove
+from rdakit.sim.verify.formal_harness import PROPERTIES, get_property, memory, prove, router
 
 
 def _counter(limit):
@@ -53,15 +50,24 @@ def test_unknown_fault_of_property():
 
 
 def test_fault_hooks_validate():
+    # The broken variants live in the harnesses; each harness refuses an unknown one before
+    # building anything.
     with pytest.raises(TypeError, match=r"Fault must be one of 'pop_keeps', not 'x'"):
-        FreeList(4, _fault="x")
+        formal_harness.free_list_exclusive("x")
     with pytest.raises(TypeError, match=r"Fault must be one of 'walk_keeps_entry', .*not 'x'"):
-        MemoryUnit(_fault="x")
+        formal_harness.mu_blocks("x")
     with pytest.raises(TypeError, match=r"Fault must be one of 'ignore_room', .*not 'x'"):
-        Router(payload_shape=2, _fault="x")
-    # Mesh checks its routers' fault before building any (no object is built here).
+        formal_harness.router_links("x")
     with pytest.raises(TypeError, match=r"Fault must be one of .*'pointer_follows', not 'x'"):
-        check_fault("x")
+        formal_harness.mesh_delivery("x")
+
+
+def test_every_broken_variant_is_a_subclass_of_the_design():
+    # A broken variant overrides a step of the product class; the product has no fault switch.
+    for variants in (memory.FREE_LIST_VARIANTS, memory.MU_VARIANTS, router.ROUTER_VARIANTS):
+        for fault, cls in variants.items():
+            assert fault is None or (cls is not variants[None]
+                                     and issubclass(cls, variants[None])), fault
 
 
 def test_property_list_is_consistent():
