@@ -1,16 +1,17 @@
 """The board's host bridge: frames over a UART to and from the fabric's host port.
 
-Format and rules in :mod:`rdakit.hdl.spec.frames` and ``docs/boards.md``. The receiver checks a frame
-completely (kind, length, CRC, no UART error, no gap longer than ``timeout`` cycles) before the
-command it carries reaches the fabric, so a corrupted frame is answered with an ``ERROR`` frame
-and changes nothing. One frame is handled at a time: the host sends the next frame after the
-answer to the last one.
+Format and rules in :mod:`rdakit.hdl.spec.frames` and ``docs/boards.md``. The receiver checks a
+frame completely (kind, length, CRC, no UART error, no gap longer than ``timeout`` cycles)
+before the command it carries reaches the fabric, so a corrupted frame is answered with an
+``ERROR`` frame and changes nothing. One frame is handled at a time: the host sends the next
+frame after the answer to the last one.
 """
 
 from amaranth.hdl import Cat, Const, Module, Mux, Signal
 from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
+from rdakit.hdl.fabric.top import Fabric
 from rdakit.hdl.host.uart import UARTRx, UARTTx, check_divisor
 from rdakit.hdl.spec.frames import (
     FRAME_CRC,
@@ -122,6 +123,24 @@ class HostBridge(wiring.Component):
             m.d.sync += [pend_error.eq(error), garbage.eq(1)]
             m.next = "REPORT"
 
+        # A byte without a UART error, in a state that takes one.
+        good = Signal()
+        m.d.comb += good.eq(got & ~uart_bad)
+
+        def take_byte(*, crc):
+            # What every state inside a frame does: take the byte (into the CRC if ``crc``),
+            # count the quiet cycles, and fail on a UART error or a gap of ``timeout`` cycles.
+            # The state's own action goes under ``m.If(good)``.
+            m.d.comb += urx.o.ready.eq(1)
+            m.d.sync += quiet.eq(quiet + 1)
+            with m.If(got):
+                m.d.sync += quiet.eq(0)
+                m.d.comb += rx_crc.valid.eq(crc)
+            with m.If(got & uart_bad):
+                fail(FrameError.UART)
+            with m.Elif(~got & (quiet == self.timeout)):
+                fail(FrameError.TRUNCATED)
+
         with m.FSM(name="rx"):
             with m.State("HUNT"):
                 m.d.comb += urx.o.ready.eq(1)
@@ -140,50 +159,49 @@ class HostBridge(wiring.Component):
                     with m.Elif(~garbage):
                         m.d.sync += seq.eq(0)
                         fail(FrameError.SYNC)
-            for state, nxt in (("SEQ", "KIND"), ("KIND", "LEN"), ("LEN", "PAYLOAD"),
-                               ("PAYLOAD", "CRC_HI"), ("CRC_HI", "CRC_LO"), ("CRC_LO", "CHECK")):
-                with m.State(state):
-                    m.d.comb += urx.o.ready.eq(1)
-                    m.d.sync += quiet.eq(quiet + 1)
-                    with m.If(got):
-                        m.d.sync += quiet.eq(0)
-                        m.d.comb += rx_crc.valid.eq(state in ("SEQ", "KIND", "LEN", "PAYLOAD"))
-                        with m.If(uart_bad):
-                            fail(FrameError.UART)
-                        with m.Else():
-                            if state == "SEQ":
-                                m.d.sync += seq.eq(byte)
-                                m.next = nxt
-                            elif state == "KIND":
-                                m.d.sync += kind.eq(byte)
-                                with m.If(kind_ok):
-                                    m.next = nxt
-                                with m.Else():
-                                    fail(FrameError.BAD_KIND)
-                            elif state == "LEN":
-                                m.d.sync += length.eq(byte)
-                                with m.If(byte > max_len):
-                                    fail(FrameError.BAD_LENGTH)
-                                with m.Elif(byte == 0):
-                                    m.next = "CRC_HI"
-                                with m.Else():
-                                    m.next = nxt
-                            elif state == "PAYLOAD":
-                                with m.Switch(index):
-                                    for i in range(n_cmd):
-                                        with m.Case(i):
-                                            m.d.sync += buf[8 * i:8 * i + 8].eq(byte)
-                                m.d.sync += index.eq(index + 1)
-                                with m.If(index + 1 == length):
-                                    m.next = nxt
-                            elif state == "CRC_HI":
-                                m.d.sync += crc_hi.eq(byte)
-                                m.next = nxt
-                            else:
-                                m.d.sync += crc_lo.eq(byte)
-                                m.next = nxt
-                    with m.Elif(quiet == self.timeout):
-                        fail(FrameError.TRUNCATED)
+            with m.State("SEQ"):
+                take_byte(crc=True)
+                with m.If(good):
+                    m.d.sync += seq.eq(byte)
+                    m.next = "KIND"
+            with m.State("KIND"):
+                take_byte(crc=True)
+                with m.If(good):
+                    m.d.sync += kind.eq(byte)
+                    with m.If(kind_ok):
+                        m.next = "LEN"
+                    with m.Else():
+                        fail(FrameError.BAD_KIND)
+            with m.State("LEN"):
+                take_byte(crc=True)
+                with m.If(good):
+                    m.d.sync += length.eq(byte)
+                    with m.If(byte > max_len):
+                        fail(FrameError.BAD_LENGTH)
+                    with m.Elif(byte == 0):
+                        m.next = "CRC_HI"
+                    with m.Else():
+                        m.next = "PAYLOAD"
+            with m.State("PAYLOAD"):
+                take_byte(crc=True)
+                with m.If(good):
+                    with m.Switch(index):
+                        for i in range(n_cmd):
+                            with m.Case(i):
+                                m.d.sync += buf[8 * i:8 * i + 8].eq(byte)
+                    m.d.sync += index.eq(index + 1)
+                    with m.If(index + 1 == length):
+                        m.next = "CRC_HI"
+            with m.State("CRC_HI"):
+                take_byte(crc=False)
+                with m.If(good):
+                    m.d.sync += crc_hi.eq(byte)
+                    m.next = "CRC_LO"
+            with m.State("CRC_LO"):
+                take_byte(crc=False)
+                with m.If(good):
+                    m.d.sync += crc_lo.eq(byte)
+                    m.next = "CHECK"
             with m.State("CHECK"):
                 with m.If(~ev_valid):
                     with m.If(rx_crc.crc == Cat(crc_lo, crc_hi)):
@@ -344,8 +362,6 @@ class BridgedFabric(wiring.Component):
     """
 
     def __init__(self, params, *, divisor, timeout=None):
-        from rdakit.hdl.fabric.top import Fabric
-
         self.bridge = HostBridge(params, divisor=divisor, timeout=timeout)
         self.fabric = Fabric(params)
         self.params = params
