@@ -21,16 +21,23 @@ to report the error a calibrated model would have.
 
 import collections
 import dataclasses
+import itertools
 import math
 import time
 
 import numpy as np
 
+from rdakit.compiler.compile import compile_workload
 from rdakit.compiler.cost import CostModel
-from rdakit.compiler.graph import MEMORY_KINDS
+from rdakit.compiler.graph import MEMORY_KINDS, OP_KINDS, TensorType
+from rdakit.hdl.fabric.top import Fabric
 from rdakit.hdl.spec.isa import Op
+from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.bench.report import Report
 from rdakit.sim.models.interp import Interpreter
-from rdakit.sim.runtime.job import prepare_interp
+from rdakit.sim.runtime.host import AmaranthTransport, HostDriver
+from rdakit.sim.runtime.job import prepare_interp, run_job
+from rdakit.sim.verify.amaranth_sim import simulate
 
 __all__ = ["ProfilingInterpreter", "profile", "op_groups", "run_types", "compare", "fit",
            "fit_categories", "CalibratedCostModel", "CATEGORIES", "rtl_cycles", "run",
@@ -122,8 +129,6 @@ CATEGORIES = {
 def run_types(graph, inputs):
     """The :class:`~rdakit.compiler.graph.TensorType` of every node at the sizes of one run
     (dynamic tensors get the rows they really have)."""
-    from rdakit.compiler.graph import OP_KINDS, TensorType
-
     values, types = {}, {}
     for n in graph.order():
         kind = graph.kind(n)
@@ -139,8 +144,6 @@ def run_types(graph, inputs):
 
 def run_work(graph, types, node):
     """Lane operations of ``node`` at the sizes of one run."""
-    from rdakit.compiler.graph import OP_KINDS
-
     data = graph.nx.nodes[node]
     return OP_KINDS[data["kind"]].work([types[i] for i in data["inputs"]], types[node],
                                        data["attrs"])
@@ -231,11 +234,6 @@ class CalibratedCostModel(CostModel):
 def rtl_cycles(job):
     """Run ``job`` on the RTL fabric in Amaranth's simulator; return the
     :class:`~rdakit.sim.runtime.job.JobResult` (checked against numpy)."""
-    from rdakit.hdl.fabric.top import Fabric
-    from rdakit.sim.runtime.host import AmaranthTransport, HostDriver
-    from rdakit.sim.runtime.job import run_job
-    from rdakit.sim.verify.amaranth_sim import simulate
-
     fabric = Fabric(job.params)
     out = {}
 
@@ -260,10 +258,6 @@ def run(*, quick=False, rtl=True, json_path=None, console=None):
     -------
     Report
     """
-    from rdakit.compiler.compile import compile_workload
-    from rdakit.hdl.spec.params import fabric_params
-    from rdakit.sim.bench.report import Report
-
     report = Report("calibrate", console=console)
     rows, totals = [], []
     workloads = WORKLOADS[:3] if quick else WORKLOADS
@@ -336,9 +330,6 @@ RTL_JOBS = [
 def _rtl_figures(report, quick=False):
     """Small jobs on a 2x2 fabric (CUs at (0, 0), (1, 0), (0, 1)) in Amaranth's simulator:
     every CU's busy cycles against the cost model and the interpreter's counts."""
-    from rdakit.compiler.compile import compile_workload
-    from rdakit.hdl.spec.params import fabric_params
-
     rows, jobs = [], []
     for name, sizes, prog_len in RTL_JOBS[:1] if quick else RTL_JOBS:
         params = fabric_params(2, 2, layout="CC/CM", mu_words=1024, prog_len=prog_len)
@@ -390,8 +381,6 @@ def _rtl_figures(report, quick=False):
 def _nonnegative_fit(x, y):
     """Least squares of the relative error with non-negative coefficients (every subset of
     the features tried; the best all-non-negative solution kept)."""
-    import itertools
-
     best, best_err = np.zeros(x.shape[1]), np.inf
     a = x / y[:, None]
     for k in range(1, x.shape[1] + 1):

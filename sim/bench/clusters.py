@@ -10,10 +10,19 @@ figures are cycles between the host's START and the CU's done, from the fabric's
 """
 
 import numpy as np
+from amaranth.utils import ceil_log2
 
+from rdakit.compiler.partition.clusters import CLUSTER_STRATEGIES, ClusterSpec, partition_system
+from rdakit.compiler.workloads import build
+from rdakit.hdl.cluster.system import System, SystemParams
 from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
 from rdakit.hdl.spec.isa import assemble
+from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.flows.e2e import SMALLEST, failure
+from rdakit.sim.flows.system import SystemRunSpec, run_system_session
 from rdakit.sim.runtime.clusters import run_system
+from rdakit.sim.runtime.host import AmaranthTransport, HostDriver
+from rdakit.sim.verify.amaranth_sim import simulate
 
 __all__ = ["measure_access", "measure_matvec", "partition_rows", "measured_rows", "SCENARIOS",
            "rtl_system"]
@@ -50,10 +59,6 @@ def measure_access(system_params, *, reads=16, words=64, system=None):
         included), ``stream_cycles`` (for ``words`` words), ``words_per_cycle`` and, for the
         remote run, ``link_packets`` (requests and responses that crossed the links).
     """
-    from rdakit.hdl.cluster.system import System
-    from rdakit.sim.runtime.host import AmaranthTransport, HostDriver
-    from rdakit.sim.verify.amaranth_sim import simulate
-
     fp = system_params.fabric
     system = System(system_params) if system is None else system
     cu = fp.tiles("C")[0]
@@ -99,10 +104,7 @@ def measure_matvec(system_params, *, m=16, k=32, system=None):
     Amaranth's simulator: y = W x with the rows of W split over every CU and x shared from
     cluster 0. Returns per-cluster run cycles, the packets over the links, whether y equals
     numpy's, and whether the shared x was freed (exactly once, by its last holder)."""
-    from rdakit.hdl.cluster.system import System
     from rdakit.sim.runtime.clusters import cluster_matvec, run_system_job
-    from rdakit.sim.runtime.host import AmaranthTransport, HostDriver
-    from rdakit.sim.verify.amaranth_sim import simulate
 
     fp = system_params.fabric
     system = System(system_params) if system is None else system
@@ -139,9 +141,6 @@ def partition_rows(workloads, cluster_counts, link, *, strategies=None):
     configuration of :data:`SCENARIOS` and strategy, the estimated makespan
     (:func:`~rdakit.compiler.partition.clusters.system_schedule`), the bytes that cross the links, the
     work per cluster, and the makespan over round-robin's."""
-    from rdakit.compiler.partition.clusters import CLUSTER_STRATEGIES, ClusterSpec, partition_system
-    from rdakit.compiler.workloads import build
-
     strategies = tuple(strategies or CLUSTER_STRATEGIES)
     rows = []
     for name in workloads:
@@ -165,10 +164,6 @@ def rtl_system(clusters, rows=2, cols=2):
     """The system the compiled workloads run on in :func:`measured_rows`: ``clusters``
     fabrics of ``rows x cols`` with compiled programs' length (2048), coordinates wide enough
     for the clusters side by side, links of the default width and 20 cycles."""
-    from amaranth.utils import ceil_log2
-
-    from rdakit.hdl.cluster.system import SystemParams
-    from rdakit.hdl.spec.params import fabric_params
 
     fp = fabric_params(rows, cols, prog_len=2048, cluster_bits=max(1, ceil_log2(clusters)),
                        coord_bits=max(1, ceil_log2(max(rows, clusters * cols))))
@@ -182,10 +177,6 @@ def measured_rows(workloads, cluster_counts, *, strategies=None, rows=2, cols=2,
     cross-cluster strategy and run on the RTL system in Amaranth's simulator: cycles (the
     last cluster's), the estimate, the bytes the partition sends over links, the packets that
     crossed them, the work per cluster, cycles over round-robin's, and the numpy check."""
-    from rdakit.compiler.partition.clusters import CLUSTER_STRATEGIES
-    from rdakit.sim.flows.e2e import SMALLEST, failure
-    from rdakit.sim.flows.system import SystemRunSpec, run_system_session
-
     strategies = tuple(strategies or CLUSTER_STRATEGIES)
     out = []
     for n in cluster_counts:

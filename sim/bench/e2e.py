@@ -16,6 +16,8 @@ Every run is checked bit for bit against numpy and the interpreter; a failed run
 in the ``check`` column and makes the command exit 1.
 """
 
+from rdakit.compiler.partition.external import mtkahypar_available
+from rdakit.sim.bench.partition import PARTITIONERS
 from rdakit.sim.flows.e2e import SMALLEST, RunSpec, failure, run_many
 
 __all__ = ["WORKLOADS", "MEMORY_SCHEMES", "specs", "run"]
@@ -32,9 +34,7 @@ MEMORY_SCHEMES = {
 
 
 def partitioners():
-    from rdakit.compiler.partition.external import mtkahypar_available
-    from rdakit.sim.bench.partition import PARTITIONERS
-
+    """The partitioners the benchmark compares (Mt-KaHyPar only when it is installed)."""
     return [p for p in PARTITIONERS if not (p == "mtkahypar" and mtkahypar_available())]
 
 

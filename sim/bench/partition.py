@@ -28,6 +28,7 @@ from rdakit.compiler.cost import CostModel
 from rdakit.compiler.partition import Targets, dqn, get_strategy, measure
 from rdakit.compiler.partition.external import mtkahypar_available
 from rdakit.compiler.partition.wgraph import WeightedGraph
+from rdakit.sim.bench.report import Report
 
 __all__ = ["run", "graphs", "PARTITIONERS"]
 
@@ -92,8 +93,6 @@ def run(*, quick=False, json_path=None, console=None, seed=0):
     -------
     Report
     """
-    from rdakit.sim.bench.report import Report
-
     report = Report("partition", console=console)
     cost = CostModel()
     episodes = 60 if quick else 800

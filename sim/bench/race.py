@@ -16,15 +16,22 @@ rate. :func:`race_job` turns it into a :class:`~rdakit.compiler.job.Job`;
 """
 
 import dataclasses
+import json
+import pathlib
 import random
+import tempfile
 
 import numpy as np
 
 from rdakit.compiler.job import HostBuffer, Job, Ref
-from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
+from rdakit.hdl.fabric.config_loader import LoadStatus
+from rdakit.hdl.fabric.top import Fabric
+from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig, write_bitstream
 from rdakit.hdl.spec.config import CU_MAP, CU_STATUS_BITS, MU_MAP, TILE_COUNTERS, decode_cu_status
 from rdakit.hdl.spec.isa import assemble
 from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.models.interp import DeadlockError
+from rdakit.sim.runtime.job import prepare_interp
 
 __all__ = ["SCHEMES", "TOPOLOGIES", "WEIGHT_BITS", "COUNTER_WEIGHT_BITS", "RACE_FABRIC",
            "Scenario", "make_scenario", "race_params", "race_job", "expected_messages",
@@ -254,9 +261,6 @@ def run_interp(sc, *, seed=0):
     """Run ``sc`` on the functional interpreter with a random schedule (no time: only the
     interleaving of the CUs varies). Returns ``(classify(...), interpreter)``; the MU stamps
     are not modelled (``last_read`` = ``last_free`` = 0)."""
-    from rdakit.sim.models.interp import DeadlockError
-    from rdakit.sim.runtime.job import prepare_interp
-
     params = race_params(*build_key(sc.scheme, sc.weight_bits))
     interp, _ = prepare_interp(race_job(params, sc), schedule="random", seed=seed)
     try:
@@ -275,9 +279,6 @@ async def run_scenario(dut, host, params, sc, *, reset, max_cycles=20_000):
     """Run ``sc`` on a race fabric's Verilog under cocotb (built with ``jitter`` and
     ``stamps``): reset (``reset()``), fill, load, start with the scenario's jitter, wait,
     and read the outcome. Returns the row of :func:`summarize`."""
-    from rdakit.hdl.fabric.config_loader import LoadStatus
-    from rdakit.hdl.spec.bitstream import write_bitstream
-
     job = race_job(params, sc)
     dut.jitter_rate.value = 0
     dut.jitter_seed.value = sc.jitter_seed
@@ -384,11 +385,7 @@ def run_race(n, *, simulator="verilator", schemes=SCHEMES, seed=0, weight_bits=N
     """Run ``n`` scenarios of every scheme in ``schemes`` on ``simulator`` (one build per
     refcount mode and weight bits; partial-free only on ``weight_bits`` if given); return the
     rows of every scenario."""
-    import json
-    import pathlib
-    import tempfile
 
-    from rdakit.hdl.fabric.top import Fabric
     from rdakit.sim.verify.runner import run_cocotb
 
     rows = []

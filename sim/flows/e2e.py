@@ -21,6 +21,7 @@ so that a report is always written; :func:`failed` tells whether any happened.
 """
 
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
@@ -31,8 +32,21 @@ import time
 
 import numpy as np
 
-__all__ = ["RunSpec", "run", "run_many", "run_session", "run_specs", "failed", "failure",
-           "BACKENDS",
+from rdakit.compiler.adapt import measured_cost
+from rdakit.compiler.compile import compile_workload
+from rdakit.compiler.cost import CostModel, lower_bound
+from rdakit.compiler.partition import as_weighted
+from rdakit.hdl.fabric.top import Fabric
+from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.models.interp import InterpreterError
+from rdakit.sim.runtime.counters import read_mu_counters, run_delta
+from rdakit.sim.runtime.host import AmaranthTransport, HostDriver
+from rdakit.sim.runtime.job import JobError, run_job, run_job_interp
+from rdakit.sim.verify.amaranth_sim import simulate
+from rdakit.sim.verify.runner import cached_verilog, run_cocotb
+
+__all__ = ["RunSpec", "TileRow", "tile_rows", "run", "run_many", "run_session", "run_specs",
+           "failed", "failure", "BACKENDS",
            "compute_bound", "plot_utilization", "SMALLEST"]
 
 #: The simulators ``rdakit run`` can use.
@@ -90,8 +104,6 @@ class RunSpec:
 
     @property
     def params(self):
-        from rdakit.hdl.spec.params import fabric_params
-
         return fabric_params(**self.fabric)
 
     def to_dict(self):
@@ -106,37 +118,23 @@ class RunSpec:
 
     def compile(self, cost=None):
         """``(CompiledJob, CompileSummary)`` of this spec (raises the compiler's errors)."""
-        from rdakit.compiler.compile import compile_workload
-
         return compile_workload(self.workload, sizes=self.sizes, params=self.params,
                                 partitioner=self.partitioner, seed=self.seed,
                                 place_steps=self.place_steps, cost=cost)
+
+
+#: The MU counters an iteration's row reports (``allocs``, ``frees``, ``leaked_buffers``,
+#: ``mu_peak_words``), read before the host fills the inputs and after it released them.
+_MU_ROW_COUNTERS = ("live_buffers", "allocs", "frees", "peak_held_words")
 
 
 def compute_bound(job):
     """A lower bound on the run's cycles: the critical path and the total work over the CUs,
     with every op costing ``ceil(work / lanes)`` cycles (one vector operation a cycle, no
     start-up, free communication)."""
-    from rdakit.compiler.cost import CostModel, lower_bound
-    from rdakit.compiler.partition import as_weighted
-
     params = job.params
     wg = as_weighted(job.graph, CostModel(lanes=params.cu.lanes, op_overhead=0))
     return lower_bound(wg, len(params.tiles("C")))
-
-
-def _mu_state(counters, params):
-    return {xy: c for xy, c in counters.items() if params.kind(*xy) == "M"}
-
-
-async def _mu_counters(host):
-    from rdakit.hdl.spec.config import MU_MAP
-
-    out = {}
-    for x, y in host.params.tiles("M"):
-        out[(x, y)] = {name: await host.cfg_read(x, y, getattr(MU_MAP, name.upper()))
-                       for name in ("live_buffers", "allocs", "frees", "peak_held_words")}
-    return out
 
 
 def _compare(outputs, want, what):
@@ -154,30 +152,78 @@ def _compare(outputs, want, what):
     return "ok"
 
 
-def _tile_rows(params, counters, cycles, mu_after):
+@dataclasses.dataclass(frozen=True)
+class TileRow:
+    """One tile's figures in an iteration's report (``tiles`` in ``docs/e2e.md``).
+
+    Members
+    -------
+    tile : tuple of int
+        ``(x, y)``; written ``"(x, y)"`` in the JSON (:meth:`as_json`, :meth:`from_json`).
+    kind : str
+        ``"CU"`` or ``"MU"``.
+    busy, stall : int
+        The tile's busy and stalled cycles in the run.
+    wait : int or None
+        A CU's cycles waiting in WAIT or RECV (``None`` for an MU).
+    utilization, active : float
+        ``busy / cycles`` and ``(busy - stall) / cycles``.
+    flits_out, flits_in : int
+        Flits the tile sent and received.
+    peak_words, allocs, frees, live_after : int or None
+        An MU's peak words held, buffers allocated and freed in the iteration (host's
+        included) and live buffers after it (``None`` for a CU).
+    """
+
+    tile: tuple
+    kind: str
+    busy: int
+    stall: int
+    wait: int | None
+    utilization: float
+    active: float
+    flits_out: int
+    flits_in: int
+    peak_words: int | None = None
+    allocs: int | None = None
+    frees: int | None = None
+    live_after: int | None = None
+
+    def as_json(self):
+        """The row as the report's JSON writes it (keys in the order of the table)."""
+        d = dataclasses.asdict(self)
+        d["tile"] = "({}, {})".format(*self.tile)
+        return d
+
+    @classmethod
+    def from_json(cls, d):
+        """The inverse of :meth:`as_json` (rows that crossed a cocotb process as JSON)."""
+        x, y = (int(v) for v in d["tile"].strip("()").split(","))
+        return cls(**{**d, "tile": (x, y)})
+
+
+def tile_rows(params, counters, cycles, mu_after):
+    """A :class:`TileRow` per tile of ``params`` from a run's counters (``{(x, y): {name:
+    value}}``), its cycles and its MUs' allocation counters ``mu_after``."""
     rows = []
     for (x, y) in params.tiles():
         c = counters.get((x, y), {})
-        kind = params.kind(x, y)
         busy, stall = c.get("busy_cycles", 0), c.get("stall_cycles", 0)
-        row = {"tile": f"({x}, {y})", "kind": "CU" if kind == "C" else "MU",
-               "busy": busy, "stall": stall, "wait": c.get("wait_cycles"),
-               "utilization": busy / cycles if cycles else 0.0,
-               "active": (busy - stall) / cycles if cycles else 0.0,
-               "flits_out": c.get("flits_out", 0), "flits_in": c.get("flits_in", 0)}
         m = mu_after.get((x, y), {})
-        row.update(peak_words=m.get("peak_held_words"), allocs=m.get("allocs"),
-                   frees=m.get("frees"), live_after=m.get("live_buffers"))
-        rows.append(row)
+        rows.append(TileRow(
+            tile=(x, y), kind="CU" if params.kind(x, y) == "C" else "MU",
+            busy=busy, stall=stall, wait=c.get("wait_cycles"),
+            utilization=busy / cycles if cycles else 0.0,
+            active=(busy - stall) / cycles if cycles else 0.0,
+            flits_out=c.get("flits_out", 0), flits_in=c.get("flits_in", 0),
+            peak_words=m.get("peak_held_words"), allocs=m.get("allocs"), frees=m.get("frees"),
+            live_after=m.get("live_buffers")))
     return rows
 
 
 async def run_iteration(host, job, summary, *, max_cycles, on_stage=None, on_poll=None):
     """Run ``job`` once on ``host``; return the iteration's row (see the module docstring) and
     the tiles' counters (``None`` after a hardware error)."""
-    from rdakit.sim.models.interp import InterpreterError
-    from rdakit.sim.runtime.job import JobError, run_job, run_job_interp
-
     stage = on_stage or (lambda name: None)
     params = job.params
     row = {"partitioner": summary.partitioner, "parts": summary.parts, "cut": summary.cut,
@@ -193,7 +239,7 @@ async def run_iteration(host, job, summary, *, max_cycles, on_stage=None, on_pol
         # own error status is what the run reports; the comparison names the model's error.
         interp_outputs, interp_error = None, f"the interpreter failed: {e}"
         row["interpreter_instructions"] = None
-    before = await _mu_counters(host)
+    before = await read_mu_counters(host, _MU_ROW_COUNTERS)
     try:
         result = await run_job(host, job, max_cycles=max_cycles, on_stage=stage,
                                on_poll=on_poll)
@@ -201,28 +247,24 @@ async def run_iteration(host, job, summary, *, max_cycles, on_stage=None, on_pol
         row.update(cycles=None, hw_error=str(e), numpy="not run", interpreter="not run",
                    leaked_buffers=None, tiles=[])
         return row, None
-    after = await _mu_counters(host)
-    delta = {xy: {k: after[xy][k] - before[xy][k] for k in ("allocs", "frees")} | {
-        "live_buffers": after[xy]["live_buffers"],
-        "peak_held_words": after[xy]["peak_held_words"]} for xy in after}
+    delta = run_delta(params, before, await read_mu_counters(host, _MU_ROW_COUNTERS))
     cycles = result.cycles
-    tiles = _tile_rows(params, result.counters, cycles, delta)
-    cu_rows = [t for t in tiles if t["kind"] == "CU"]
+    tiles = tile_rows(params, result.counters, cycles, delta)
+    cu_rows = [t for t in tiles if t.kind == "CU"]
     row.update(
         cycles=cycles, load_cycles=result.load_cycles, hw_error=None,
         numpy=_compare(result.outputs, job.expected, "numpy"),
         interpreter=interp_error or _compare(
             result.outputs, {n: interp_outputs[n] for n in job.outputs}, "the interpreter"),
-        utilization=float(np.mean([t["utilization"] for t in cu_rows])) if cu_rows else 0.0,
-        active=float(np.mean([t["active"] for t in cu_rows])) if cu_rows else 0.0,
-        noc_flits=int(sum(t["flits_out"] for t in tiles)),
-        mu_peak_words=int(max((t["peak_words"] for t in tiles if t["kind"] == "MU"),
-                              default=0)),
+        utilization=float(np.mean([t.utilization for t in cu_rows])) if cu_rows else 0.0,
+        active=float(np.mean([t.active for t in cu_rows])) if cu_rows else 0.0,
+        noc_flits=int(sum(t.flits_out for t in tiles)),
+        mu_peak_words=int(max((t.peak_words for t in tiles if t.kind == "MU"), default=0)),
         allocs=int(sum(d["allocs"] for d in delta.values())),
         frees=int(sum(d["frees"] for d in delta.values())),
         leaked_buffers=int(sum(d["live_buffers"] for d in delta.values())),
         misrouted=bool(result.status.get("misrouted")),
-        tiles=tiles)
+        tiles=[t.as_json() for t in tiles])
     return row, result.counters
 
 
@@ -232,9 +274,6 @@ async def run_session(host, spec, *, progress=None):
 
     ``progress(stage, done, total)`` is called as the work goes on (``total`` is the cost
     model's estimate of the cycles while the fabric runs, else ``None``)."""
-    from rdakit.compiler.adapt import measured_cost
-    from rdakit.compiler.cost import CostModel
-
     progress = progress or (lambda stage, done=None, total=None: None)
     params = spec.params
     cost = CostModel(lanes=params.cu.lanes)
@@ -323,10 +362,6 @@ async def run_specs(host, specs, *, progress=None):
 
 
 def _run_amaranth(specs, *, waves, progress):
-    from rdakit.hdl.fabric.top import Fabric
-    from rdakit.sim.runtime.host import AmaranthTransport, HostDriver
-    from rdakit.sim.verify.amaranth_sim import simulate
-
     params = specs[0].params
     fabric = Fabric(params)
     out = {}
@@ -341,17 +376,10 @@ def _run_amaranth(specs, *, waves, progress):
 
 def fabric_verilog(params):
     """The Verilog of ``Fabric(params)``, cached by its parameters."""
-    from rdakit.hdl.fabric.top import Fabric
-    from rdakit.sim.verify.runner import cached_verilog
-
     return cached_verilog(f"Fabric {params!r}", lambda: Fabric(params))
 
 
 def _run_cocotb(specs, sim, *, waves, progress):
-    import hashlib
-
-    from rdakit.sim.verify.runner import run_cocotb
-
     params = specs[0].params
     progress = progress or (lambda stage, done=None, total=None: None)
     progress(f"generating Verilog ({params.rows}x{params.cols} fabric)")
@@ -420,20 +448,20 @@ class FileProgress:
 def plot_utilization(params, tiles, path, *, title=None):
     """A PNG heatmap of the tiles' utilization (busy / cycles) on the grid; MU tiles show their
     peak occupancy in words."""
-    import matplotlib
+    import matplotlib  # deferred: matplotlib is optional and slow to import, only for --plot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     grid = np.full((params.rows, params.cols), np.nan)
     labels = {}
-    for t in tiles:
-        x, y = (int(v) for v in t["tile"].strip("()").split(","))
-        if t["kind"] == "CU":
-            grid[y, x] = t["utilization"]
-            labels[(x, y)] = f"CU\n{t['utilization']:.0%}"
+    for t in map(TileRow.from_json, tiles):
+        x, y = t.tile
+        if t.kind == "CU":
+            grid[y, x] = t.utilization
+            labels[(x, y)] = f"CU\n{t.utilization:.0%}"
         else:
-            labels[(x, y)] = f"MU\npeak {t['peak_words']}w"
+            labels[(x, y)] = f"MU\npeak {t.peak_words}w"
     fig, ax = plt.subplots(figsize=(1.4 * params.cols + 1.5, 1.4 * params.rows + 0.8))
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#dddddd")
     im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=1)

@@ -27,6 +27,14 @@ import dataclasses
 
 import numpy as np
 
+from rdakit.compiler.partition.clusters import ClusterSpec, observed_clusters
+from rdakit.compiler.system_compile import compile_system, system_view
+from rdakit.hdl.cluster.system import System
+from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
+from rdakit.hdl.spec.isa import Instr, Op, decode
+from rdakit.sim.runtime.host import AmaranthTransport, HostDriver
+from rdakit.sim.verify.amaranth_sim import simulate
+
 __all__ = ["SystemRunSpec", "run_system_session", "run_compiled", "check_outputs",
            "inject_load", "busy_times", "calibrated"]
 
@@ -80,21 +88,15 @@ class SystemRunSpec:
                                  f">= 0, not {d!r}")
         if self.cus is not None and len(self.cus) != n:
             raise ValueError(f"cus must give one number per cluster ({n}), not {self.cus!r}")
-        from rdakit.compiler.system_compile import system_view
-
         system_view(self.system)   # the compiler's view of the system must exist
 
     def compile(self, clusters):
         """:func:`~rdakit.compiler.system_compile.compile_system` for ``clusters``."""
-        from rdakit.compiler.system_compile import compile_system
-
         return compile_system(self.workload, self.system, sizes=self.sizes, clusters=clusters,
                               strategy=self.strategy, inner=self.inner, seed=self.seed,
                               place_steps=self.place_steps)
 
     def cluster_specs(self):
-        from rdakit.compiler.partition.clusters import ClusterSpec
-
         cus = self.cus or [len(self.system.fabric.tiles("C"))] * self.system.clusters
         return [ClusterSpec(int(k)) for k in cus]
 
@@ -116,9 +118,6 @@ def inject_load(config, cycles):
     ValueError
         If ``cycles`` is not a positive integer below 2**31 or a program has no room for the
         two instructions."""
-    from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
-    from rdakit.hdl.spec.isa import Instr, Op, decode
-
     if not isinstance(cycles, int) or not 0 < cycles < 1 << 31:
         raise ValueError(f"an injected load must be from 1 to 2**31 - 1 cycles, not {cycles!r}")
     prog_len = config.params.cu.prog_len
@@ -197,11 +196,6 @@ def run_system_session(spec, *, progress=None):
     ``busy``, ``work`` (the estimate of the work given), ``cus_used``, the cluster ``loads``
     the compiler assumed, ``estimated_cycles``, ``crossing_bytes``, ``cut_edges``,
     ``link_packets``, ``numpy`` (``ok`` or what differs), ``leaked_buffers`` and ``hw_error``."""
-    from rdakit.compiler.partition.clusters import observed_clusters
-    from rdakit.hdl.cluster.system import System
-    from rdakit.sim.runtime.host import AmaranthTransport, HostDriver
-    from rdakit.sim.verify.amaranth_sim import simulate
-
     progress = progress or (lambda stage, done=None, total=None: None)
     sp = spec.system
     n = sp.clusters

@@ -12,7 +12,7 @@ import struct
 import numpy as np
 
 from rdakit.hdl.fabric.config_loader import LoadStatus
-from rdakit.hdl.spec.config import CU_MAP, MU_MAP, STATUS_BITS, TILE_COUNTERS, decode_cu_status
+from rdakit.hdl.spec.config import STATUS_BITS
 from rdakit.hdl.spec.packets import (
     HostCmd,
     MUOp,
@@ -23,6 +23,7 @@ from rdakit.hdl.spec.packets import (
     unpack,
 )
 from rdakit.hdl.spec.vector import pack_vector, unpack_vector
+from rdakit.sim.runtime.counters import read_counters
 
 __all__ = ["HostDriver", "HostError", "AmaranthTransport", "CocotbTransport", "cocotb_host"]
 
@@ -149,19 +150,9 @@ class HostDriver:
         return (await self._command({"kind": HostCmd.CYCLES}))["word"]
 
     async def counters(self):
-        """Every tile's counters: ``{(x, y): {name: value}}`` (MUs add their occupancy)."""
-        out = {}
-        for x, y in self.params.tiles():
-            c = {name: await self.cfg_read(x, y, addr) for name, addr in TILE_COUNTERS.items()}
-            if self.params.kind(x, y) == "M":
-                for name in ("HELD_WORDS", "PEAK_HELD_WORDS", "LIVE_BUFFERS", "ALLOCS",
-                             "FREES", "COPY_CYCLES", "FREE_BLOCKS"):
-                    c[name.lower()] = await self.cfg_read(x, y, getattr(MU_MAP, name))
-            else:
-                c["wait_cycles"] = await self.cfg_read(x, y, CU_MAP.WAIT_CYCLES)
-                c.update(decode_cu_status(await self.cfg_read(x, y, CU_MAP.STATUS)))
-            out[(x, y)] = c
-        return out
+        """Every tile's counters: ``{(x, y): {name: value}}`` (MUs add their occupancy; see
+        :func:`~rdakit.sim.runtime.counters.read_counters`)."""
+        return await read_counters(self)
 
 
 class AmaranthTransport:

@@ -11,7 +11,9 @@ import numpy as np
 from rdakit.compiler.job import Ref
 from rdakit.hdl.fabric.config_loader import LoadStatus
 from rdakit.hdl.spec.bitstream import write_bitstream
-from rdakit.hdl.spec.config import CU_STATUS_BITS, TILE_COUNTERS
+from rdakit.hdl.spec.config import CU_STATUS_BITS
+from rdakit.sim.models.interp import Interpreter
+from rdakit.sim.runtime.counters import run_delta
 
 __all__ = ["JobError", "JobResult", "run_job", "run_job_interp", "prepare_interp",
            "CU_ERROR_NAMES"]
@@ -81,35 +83,17 @@ async def run_job(host, job, *, max_cycles=2_000_000, counters=True, on_stage=No
         raise JobError(f"{job.description}: CUs halted on errors (code, pc): {errors}", tiles)
     outputs = {name: await host.read_vectors(refs[name]) for name in job.outputs}
     result = JobResult(outputs, cycles, load_cycles, st,
-                       _since(job.params, at_start, await host.counters()) if counters else {})
+                       run_delta(job.params, at_start, await host.counters()) if counters else {})
     for b in job.buffers:         # the host's own weight: the job leaves no buffer behind
         if b.weight > b.cu_returns:
             await host.release(refs[b.name], b.weight - b.cu_returns)
     return result
 
 
-#: MU-tile counters that count from reset (the others are occupancy readings).
-_MU_CUMULATIVE = (*TILE_COUNTERS, "allocs", "frees", "copy_cycles")
-
-
-def _since(params, before, after):
-    """The counters of one run: a CU's restart at START; an MU tile's count from reset, so
-    their values at START are subtracted (occupancy and peak are kept as read)."""
-    out = {}
-    for xy, c in after.items():
-        if params.kind(*xy) == "C":
-            out[xy] = c
-        else:
-            out[xy] = {k: v - before[xy][k] if k in _MU_CUMULATIVE else v for k, v in c.items()}
-    return out
-
-
 def prepare_interp(job, *, interpreter=None, **kwargs):
     """An interpreter for ``job`` with its host buffers loaded and their references bound into
     the CUs' registers; ``kwargs`` go to :class:`~rdakit.sim.models.interp.Interpreter` (or the
     subclass ``interpreter``). Returns ``(interpreter, refs)``."""
-    from rdakit.sim.models.interp import Interpreter
-
     placeholders = {b.name: 0 for b in job.buffers}
     interp = (interpreter or Interpreter)(job.params, job.bind(placeholders), **kwargs)
     refs = {}

@@ -2,6 +2,8 @@
 interpreter, report, adapt; and the errors."""
 
 import json
+import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -54,6 +56,44 @@ def test_run_smallest_moe_on_the_builtin_simulator(tmp_path, capsys):
     rows = data["tables"]["iterations_full"]
     assert rows[0]["cycles"] == data["figures"]["cycles"] > 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    _check_documented_keys(data)
+
+
+def _documented_report_keys():
+    """The keys of docs/e2e.md's "Report keys" table (a row may name several: `a`, `b`)."""
+    text = (pathlib.Path(__file__).parents[2] / "docs" / "e2e.md").read_text()
+    section = text.split("## Report keys", 1)[1].split("\n## ", 1)[0]
+    keys = []
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            keys += re.findall(r"`(\w+)`", line.split("|")[1])
+    return keys
+
+
+#: The keys of a row of ``tiles`` (docs/e2e.md: kind, busy, stall, wait, flits in/out,
+#: utilization; for MUs allocs, frees, peak words), in the table's order.
+TILE_KEYS = ["tile", "kind", "busy", "stall", "wait", "utilization", "active", "flits_out",
+             "flits_in", "peak_words", "allocs", "frees", "live_after"]
+
+
+def _check_documented_keys(data):
+    documented = _documented_report_keys()
+    assert "tiles" in documented and "cycles" in documented
+    row = data["tables"]["iterations_full"][0]
+    assert set(documented) <= set(row), set(documented) - set(row)
+    assert set(documented) - {"tiles", "estimated_cycles"} <= set(data["figures"])
+    for t in row["tiles"]:
+        assert list(t) == TILE_KEYS
+        assert re.fullmatch(r"\(\d+, \d+\)", t["tile"])
+
+
+def test_tile_row_json_is_the_documented_row_and_reads_back():
+    t = e2e.TileRow(tile=(1, 0), kind="MU", busy=9, stall=2, wait=None, utilization=0.5,
+                    active=0.25, flits_out=3, flits_in=4, peak_words=8, allocs=1, frees=1,
+                    live_after=0)
+    d = t.as_json()
+    assert list(d) == TILE_KEYS and d["tile"] == "(1, 0)"
+    assert e2e.TileRow.from_json(json.loads(json.dumps(d))) == t
 
 
 def test_workload_too_large_for_the_fabric(capsys):
