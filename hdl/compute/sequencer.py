@@ -3,7 +3,7 @@
 The program memory has a synchronous read port: while instruction ``pc`` executes, the address
 of the next one (``pc + 1`` or a branch target, computed from the register file in the same
 cycle) is presented, so every non-blocking instruction, taken branches included, takes one
-cycle. A blocking MU instruction offers its request on ``req`` (the CU loads it into its request
+cycle. A blocking MU instruction offers its request on ``mu_req`` (the CU loads it into its request
 register) and waits for the response (tag 0), which is captured in a register and retired the
 cycle after it arrives. ``WAIT``/``RECV`` retire in the cycle the tokens or the reference are
 there; ``SEND``/``SENDREF`` retire when the message register is free. ``SRUN`` hands the stream
@@ -86,7 +86,7 @@ class Sequencer(wiring.Component):
         An instruction retires (or HALT halts) this cycle.
     waiting : Out(1)
         Stalled in WAIT or RECV on another CU's token or reference.
-    req : Out(stream.Signature(flit_layout(coord_bits, mu_request_layout(mu))))
+    mu_req : Out(stream.Signature(flit_layout(coord_bits, mu_request_layout(mu))))
         The blocking MU request of the instruction being executed (not registered: the CU's
         request register takes it); the sequencer waits for its response once it is taken.
     msg_out : Out(stream.Signature(flit_layout(coord_bits, msg_layout(mu))))
@@ -134,7 +134,7 @@ class Sequencer(wiring.Component):
             "error": Out(1),
             "retire": Out(1),
             "waiting": Out(1),
-            "req": Out(stream.Signature(req_flit)),
+            "mu_req": Out(stream.Signature(req_flit)),
             "msg_out": Out(stream.Signature(msg_flit)),
             "msg_in": In(stream.Signature(msg_flit)),
             "fields": Out(STREAM_FIELDS, init={"outer": 1}),
@@ -243,7 +243,7 @@ class Sequencer(wiring.Component):
             m.d.comb += seq_err.eq(codes[name])
 
         # Blocking request of the instruction on the read port.
-        bq = self.req.payload
+        bq = self.mu_req.payload
         bq_op = Signal(MUOp)
         bq_data = Signal(32 * L)
         with m.Switch(op):
@@ -266,7 +266,7 @@ class Sequencer(wiring.Component):
         request(m, bq, p, x=self.x, y=self.y, op=bq_op, tag=TAG_BLOCKING,
                 ref=Mux(op == Op.ALLOC, ra_v[:mp.mu_id_bits], ra_v),
                 index=Mux(indexed, rb_v, 0), data=bq_data)
-        m.d.comb += self.req.valid.eq(bq_go)
+        m.d.comb += self.mu_req.valid.eq(bq_go)
 
         # Messages of SEND / SENDREF.
         to = Mux(op == Op.SEND, ra_v, rd_v)
@@ -420,7 +420,7 @@ class Sequencer(wiring.Component):
                 fail("PC_OUT_OF_RANGE")
 
         # The CU's request register took the blocking request: wait for its response.
-        with m.If(self.req.valid & self.req.ready):
+        with m.If(self.mu_req.valid & self.mu_req.ready):
             m.d.sync += state.eq(_State.WAIT)
 
         # --- The stream engine: V for PACK_SUM, a refused read, SRUN retiring -----------------

@@ -1,7 +1,7 @@
 """The compute unit's stream engine: the SIMD datapath that runs one SRUN.
 
-An issue stage walks ``(o, i)`` and offers a READ (tag 1) on ``req`` each cycle while fewer than
-``outstanding`` reads are unconsumed (issued and not yet popped). Read responses go into a
+An issue stage walks ``(o, i)`` and offers a READ (tag 1) on ``mu_req`` each cycle while fewer
+than ``outstanding`` reads are unconsumed (issued and not yet popped). Read responses go into a
 response FIFO of ``outstanding + 1`` entries, so a response is always accepted. The execute
 pipeline has two stages: S0 pops the head of the FIFO and reads the local buffer (B operand and
 the LOCAL_ACC destination); S1 computes ``post(fn(a, b) >> SHIFT)`` in every lane and delivers
@@ -69,7 +69,7 @@ class StreamEngine(wiring.Component):
         writes are dropped and nothing is issued.
     clear : In(1)
         One-cycle pulse (the CU's start): forget outstanding reads and unacknowledged writes.
-    req : Out(stream.Signature(flit_layout(coord_bits, mu_request_layout(mu))))
+    mu_req : Out(stream.Signature(flit_layout(coord_bits, mu_request_layout(mu))))
         READ, WRITE and APPEND requests; ``valid`` does not depend on ``ready``.
     resp : In(stream.Signature(read_response_layout(fabric_params)))
         Responses to the engine's reads (tag 1), in order; ``ready`` is constant 1 (the
@@ -118,7 +118,7 @@ class StreamEngine(wiring.Component):
             "start": In(1),
             "active": In(1),
             "clear": In(1),
-            "req": Out(stream.Signature(req_flit)),
+            "mu_req": Out(stream.Signature(req_flit)),
             "resp": In(stream.Signature(read_response_layout(p))),
             "ack": In(1),
             "v": In(32 * L),
@@ -167,22 +167,22 @@ class StreamEngine(wiring.Component):
         n_val, outer_val = sf.n, sf.outer
         d_mode = sf.d_mode
 
-        wreq = Signal(self.req.payload.shape())
+        wreq = Signal(self.mu_req.payload.shape())
         wq_head = wq_layout(wq.r_data)
         request(m, wreq, p, x=self.x, y=self.y,
                 op=Mux(d_mode == DMode.WRITE.value, MUOp.WRITE, MUOp.APPEND),
                 tag=TAG_WRITE, ref=sf.d_ref, index=wq_head.index, data=wq_head.data)
-        rreq = Signal(self.req.payload.shape())
+        rreq = Signal(self.mu_req.payload.shape())
         request(m, rreq, p, x=self.x, y=self.y, op=MUOp.READ, tag=TAG_READ, ref=sf.a_ref,
                 index=iss_idx)
 
         # A queued write goes first; a read only when no write waits.
         m.d.comb += [
-            self.req.valid.eq(in_stream & Mux(wq.r_rdy, wr_pending != (1 << 16) - 1,
+            self.mu_req.valid.eq(in_stream & Mux(wq.r_rdy, wr_pending != (1 << 16) - 1,
                                               ~iss_done & (credits != cp.outstanding))),
-            self.req.payload.eq(Mux(wq.r_rdy, wreq, rreq)),
+            self.mu_req.payload.eq(Mux(wq.r_rdy, wreq, rreq)),
         ]
-        go = self.req.valid & self.req.ready
+        go = self.mu_req.valid & self.mu_req.ready
         wr_go = go & wq.r_rdy
         rd_go = go & ~wq.r_rdy
         # Results queued for an MU are dropped when no stream runs (after an error).

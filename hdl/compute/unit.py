@@ -180,11 +180,11 @@ class ComputeUnit(wiring.Component):
         rq = Signal(req_flit)
         rq_free = ~rq_valid | self.req.ready
         m.d.comb += [self.req.valid.eq(rq_valid), self.req.payload.eq(rq),
-                     seq.req.ready.eq(rq_free), eng.req.ready.eq(rq_free)]
-        with m.If(seq.req.valid & rq_free):
-            m.d.sync += [rq_valid.eq(1), rq.eq(seq.req.payload)]
-        with m.Elif(eng.req.valid & rq_free):
-            m.d.sync += [rq_valid.eq(1), rq.eq(eng.req.payload)]
+                     seq.mu_req.ready.eq(rq_free), eng.mu_req.ready.eq(rq_free)]
+        with m.If(seq.mu_req.valid & rq_free):
+            m.d.sync += [rq_valid.eq(1), rq.eq(seq.mu_req.payload)]
+        with m.Elif(eng.mu_req.valid & rq_free):
+            m.d.sync += [rq_valid.eq(1), rq.eq(eng.mu_req.payload)]
         with m.Elif(self.req.ready):
             m.d.sync += rq_valid.eq(0)
 

@@ -1,6 +1,6 @@
 """The compute unit's stream engine alone in Amaranth's simulator: a testbench plays the
 sequencer (fields, start, ``V``) and an MU (answers reads from a numpy array after a fixed
-latency, applies writes and appends), with and without back-pressure on ``req``; results are
+latency, applies writes and appends), with and without back-pressure on ``mu_req``; results are
 checked bit for bit against numpy.
 """
 
@@ -117,14 +117,14 @@ def run_stream(cfg, fn, a_mem, local, *, ready_pattern=(1,), refuse=None):
                                        "refused": head[3] if is_read else 0})
             ctx.set(dut.ack, head is not None and head[1] == TAG_WRITE)
             ctx.set(dut.v, v)
-            ctx.set(dut.req.ready, next(ready))
+            ctx.set(dut.mu_req.ready, next(ready))
             if ctx.get(dut.done) or ctx.get(dut.error):
                 seen["error"] = ctx.get(dut.error)
                 seen["acc"] = ctx.get(dut.acc.as_signed())
                 seen["index"] = ctx.get(dut.index)
                 break
-            if ctx.get(dut.req.valid) and ctx.get(dut.req.ready):
-                flit = ctx.get(dut.req.payload)
+            if ctx.get(dut.mu_req.valid) and ctx.get(dut.mu_req.ready):
+                flit = ctx.get(dut.mu_req.payload)
                 req = flit.payload
                 assert (flit.dst.x, flit.dst.y) == (1, 0)
                 if req.tag == TAG_READ:
