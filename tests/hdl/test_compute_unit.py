@@ -10,6 +10,7 @@ Most tests run one CU at (0, 0) of a 2x2 checkerboard (MUs at (1, 0) and (0, 1),
 
 import numpy as np
 import pytest
+from conftest import rand32, relu_shift, s32, wrap32
 
 from rdakit.hdl.compute.unit import ComputeUnit
 from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
@@ -32,27 +33,9 @@ CU1_ID = P.mu_id(*CU1)
 CODE = CU_STATUS_BITS
 
 
-def s32(v):
-    return v - (1 << 32) if v & (1 << 31) else v
-
-
-def wrap32(x):
-    """int32 of an integer array, modulo 2**32."""
-    return (np.asarray(x, dtype=np.int64) & 0xffff_ffff).astype(np.uint32).view(np.int32)
-
-
-def rand32(rng, shape):
-    return rng.integers(-(1 << 31), 1 << 31, size=shape, dtype=np.int64)
-
-
 def cfg(**fields):
     """SCFGI lines for stream fields given by name."""
     return "\n".join(f"SCFGI {name}, {int(getattr(v, 'value', v))}" for name, v in fields.items())
-
-
-def relu_shift(x, shift, post):
-    y = wrap32(x) >> shift
-    return np.maximum(y, 0) if post else y
 
 
 def run_one(text, *, regs=None, local=None, buffers=None, refs=None, params=P, **kw):

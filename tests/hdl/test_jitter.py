@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 from amaranth.back import verilog
-from amaranth.sim import Simulator
+from conftest import drive_mesh, run_checked
 
 from rdakit.hdl.fabric.top import Fabric
 from rdakit.hdl.noc.jitter import jitter_salt, stall_sequence, xorshift32
@@ -16,36 +16,6 @@ from rdakit.hdl.noc.mesh import DualMesh, Mesh
 from rdakit.hdl.spec.flit import pack_flit
 from rdakit.hdl.spec.params import FabricParams
 from rdakit.sim.models.noc import PATTERNS, Destinations, NocScoreboard, hops, tb_payload_layout
-
-
-async def drive(ctx, net, n, queues, *, ready_p, rng, on_eject, limit, until=None):
-    """Offer the head of ``queues[t]`` on ``net.inject[t]`` and drain ``net.eject[t]`` with
-    probability ``ready_p`` (as in ``test_mesh.py``); returns the cycles run and the
-    injections."""
-    injected = []
-    for cycle in range(limit):
-        if until is not None and until():
-            return cycle, injected
-        for t in range(n):
-            ctx.set(net.inject[t].valid, bool(queues[t]))
-            if queues[t]:
-                ctx.set(net.inject[t].payload.as_value(), queues[t][0])
-            ctx.set(net.eject[t].ready, rng.random() < ready_p)
-        for t in range(n):
-            if queues[t] and ctx.get(net.inject[t].ready):
-                injected.append((cycle, t, queues[t].pop(0)))
-            if ctx.get(net.eject[t].valid) and ctx.get(net.eject[t].ready):
-                on_eject(cycle, t, ctx.get(net.eject[t].payload.as_value()))
-        await ctx.tick()
-    return limit, injected
-
-
-def run(dut, testbench):
-    verilog.convert(dut, name="top", emit_src=False)      # the combinational-loop check
-    sim = Simulator(dut)
-    sim.add_clock(1e-6)
-    sim.add_testbench(testbench)
-    sim.run()
 
 
 @pytest.mark.parametrize("rows,cols,queues,rate", [(2, 3, "voq", 220), (3, 2, "fifo", 160),
@@ -70,7 +40,7 @@ def test_jittered_mesh_delivers_everything_once_in_order(rows, cols, queues, rat
         ctx.set(dut.jitter_seed, 0x1234_5678 + rate)
         await ctx.tick()
         ctx.set(dut.jitter_rate, rate)
-        cycles, _ = await drive(ctx, dut, n, queues_, ready_p=0.7, rng=rng,
+        cycles, _ = await drive_mesh(ctx, dut, n, queues_, ready_p=0.7, rng=rng,
                                 on_eject=lambda c, t, f: sb.eject(t, f), limit=20000,
                                 until=lambda: not any(queues_) and sb.outstanding == 0)
         sb.check_complete()
@@ -79,7 +49,7 @@ def test_jittered_mesh_delivers_everything_once_in_order(rows, cols, queues, rat
                               for t in range(n)])
         assert (forwarded == sb.forwarded).all()
 
-    run(dut, tb)
+    run_checked(dut, tb)
 
 
 def test_stall_bits_match_the_model():
@@ -107,7 +77,7 @@ def test_stall_bits_match_the_model():
             await ctx.tick()
         assert got == want
 
-    run(dut, tb)
+    run_checked(dut, tb)
 
 
 def test_model_generator_is_xorshift32():
@@ -136,7 +106,7 @@ def test_rate_zero_is_the_plain_mesh_and_stalls_delay(jitter):
                     got = []
                     q = [[] for _ in range(4)]
                     q[s].append(pack_flit(dut.flit, d, 0, 0x5A))
-                    _c, inj = await drive(ctx, dut, 4, q, ready_p=1, rng=rng, limit=400,
+                    _c, inj = await drive_mesh(ctx, dut, 4, q, ready_p=1, rng=rng, limit=400,
                                           on_eject=lambda c, t, f, got=got: got.append((c, t)))
                     assert len(got) == 1 and got[0][1] == d
                     lat.append(got[0][0] - inj[0][0] - (hops((s, 0), (d, 0)) + 2))
@@ -145,7 +115,7 @@ def test_rate_zero_is_the_plain_mesh_and_stalls_delay(jitter):
             else:
                 assert min(lat) >= 0 and sum(lat) > 3 * 16
 
-    run(dut, tb)
+    run_checked(dut, tb)
 
 
 def test_dual_mesh_and_fabric_have_jitter_ports_only_when_asked():

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 from amaranth.back import verilog
-from amaranth.sim import Simulator
+from conftest import drive_mesh, run_checked
 
 from rdakit.hdl.noc.mesh import DualMesh, Mesh, tile_coords, tile_index
 from rdakit.hdl.spec.flit import Port, pack_flit
@@ -26,38 +26,6 @@ from rdakit.sim.models.noc import (
     xy_path,
     zero_load_latency,
 )
-
-
-def run(dut, testbench):
-    # Every simulated configuration also converts to Verilog (the combinational-loop check).
-    verilog.convert(dut, name="top", emit_src=False)
-    sim = Simulator(dut)
-    sim.add_clock(1e-6)
-    sim.add_testbench(testbench)
-    sim.run()
-
-
-async def drive(ctx, net, n, queues, *, ready_p, rng, on_eject, limit, until=None):
-    """Offer the head of ``queues[t]`` on ``net.inject[t]`` and drain ``net.eject[t]`` with
-    probability ``ready_p``, for at most ``limit`` cycles or until ``until()``. Returns the
-    cycles run and the (cycle, tile) of every injection."""
-    injected = []
-    for cycle in range(limit):
-        if until is not None and until():
-            return cycle, injected
-        for t in range(n):
-            ctx.set(net.inject[t].valid, bool(queues[t]))
-            if queues[t]:
-                ctx.set(net.inject[t].payload.as_value(), queues[t][0])
-            ctx.set(net.eject[t].ready, rng.random() < ready_p)
-        for t in range(n):
-            if queues[t] and ctx.get(net.inject[t].ready):
-                injected.append((cycle, t, queues[t].pop(0)))
-            if ctx.get(net.eject[t].valid) and ctx.get(net.eject[t].ready):
-                on_eject(cycle, t, ctx.get(net.eject[t].payload.as_value()))
-        await ctx.tick()
-    return limit, injected
-
 
 MESHES = [(1, 1, "voq"), (1, 4, "voq"), (2, 2, "fifo"), (3, 2, "scan"), (2, 3, "voq")]
 
@@ -87,7 +55,7 @@ def test_mesh_delivers_everything_once_in_order(rows, cols, queues):
         queues_[s].append(sb.make(s, dst))
 
     async def tb(ctx):
-        await drive(ctx, dut, n, queues_, ready_p=0.6, rng=rng,
+        await drive_mesh(ctx, dut, n, queues_, ready_p=0.6, rng=rng,
                     on_eject=lambda c, t, f: sb.eject(t, f), limit=3000,
                     until=lambda: not any(queues_) and sb.outstanding == 0)
         sb.check_complete()
@@ -98,7 +66,7 @@ def test_mesh_delivers_everything_once_in_order(rows, cols, queues):
         for t in range(n):
             assert ctx.get(dut.rejected[t]) == sb.rejects[t]
 
-    run(dut, tb)
+    run_checked(dut, tb)
 
 
 def test_mesh_zero_load_latency():
@@ -113,12 +81,12 @@ def test_mesh_zero_load_latency():
                 got = []
                 q = [[] for _ in range(4)]
                 q[s].append(pack_flit(dut.flit, d, 0, 0x5A))
-                _c, inj = await drive(ctx, dut, 4, q, ready_p=1, rng=rng, limit=12,
+                _c, inj = await drive_mesh(ctx, dut, 4, q, ready_p=1, rng=rng, limit=12,
                                       on_eject=lambda c, t, f, got=got: got.append((c, t, f)))
                 assert len(got) == 1 and got[0][1] == d
                 assert got[0][0] - inj[0][0] == hops((s, 0), (d, 0)) + 2
 
-    run(dut, tb)
+    run_checked(dut, tb)
 
 
 def test_dual_mesh_responses_flow_while_requests_are_stuck():
@@ -165,7 +133,7 @@ def test_dual_mesh_responses_flow_while_requests_are_stuck():
         assert sorted(got) == [0, 1, 2, 3]
         assert ctx.get(dut.req.blocked[3][Port.LOCAL.value]) > 0
 
-    run(dut, tb)
+    run_checked(dut, tb)
 
 
 def test_tile_numbering():

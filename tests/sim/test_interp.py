@@ -7,6 +7,7 @@ compared bit for bit with numpy int32 arithmetic.
 
 import numpy as np
 import pytest
+from conftest import rand32, relu_shift, s32, wrap32
 
 from rdakit.hdl.spec.bitstream import (
     BitstreamError,
@@ -42,17 +43,6 @@ MOE = FabricParams(rows=2, cols=3, layout="CMC/CMC")
 PRODUCER, CONSUMERS = (0, 0), [(2, 0), (0, 1)]
 
 
-def s32(v):
-    """A register value as a signed integer."""
-    return v - (1 << 32) if v & (1 << 31) else v
-
-
-def wrap32(x):
-    """int32 of an integer array, modulo 2**32 (numpy's int64 arithmetic wraps modulo 2**64,
-    which keeps the low 32 bits exact)."""
-    return (np.asarray(x, dtype=np.int64) & 0xffff_ffff).astype(np.uint32).view(np.int32)
-
-
 def interp(tiles, params=P, **kw):
     """An interpreter of ``{(x, y): TileConfig or assembly text}``."""
     tiles = {xy: TileConfig(program=assemble(t)) if isinstance(t, str) else t
@@ -70,10 +60,6 @@ def run_one(text, *, regs=None, local=None, params=P, xy=(0, 0)):
 def stream_cfg(**fields):
     """SCFGI lines for stream fields given by name (enum members are written by value)."""
     return "\n".join(f"SCFGI {name}, {int(getattr(v, 'value', v))}" for name, v in fields.items())
-
-
-def rand32(rng, shape, bits=31):
-    return rng.integers(-(1 << bits), 1 << bits, size=shape, dtype=np.int64)
 
 
 # --- Scalar instructions ---------------------------------------------------------------------
@@ -413,11 +399,6 @@ def preload(it, xy, **buffers):
     for name, value in buffers.items():
         mu, array = value if isinstance(value, tuple) else (MU, value)
         it.set_register(xy, int(name[1:]), it.load_buffer(mu, array))
-
-
-def relu_shift(x, shift, post):
-    y = wrap32(x) >> shift
-    return np.maximum(y, 0) if post else y
 
 
 @pytest.mark.parametrize("dmode", [DMode.WRITE, DMode.APPEND], ids=lambda m: m.name)
