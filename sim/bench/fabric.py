@@ -5,18 +5,18 @@ import json
 import pathlib
 import tempfile
 
+from rdakit.hdl.compute.unit import ComputeUnit
+from rdakit.hdl.fabric.top import Fabric, MUTile
+from rdakit.hdl.noc.router import Router
+from rdakit.hdl.spec.packets import mu_request_layout
 from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.bench.mu import yosys_stat
 from rdakit.sim.bench.report import Report
 
 __all__ = ["bench_fabric"]
 
 
 def _cells(params):
-    from rdakit.hdl.compute.unit import ComputeUnit
-    from rdakit.hdl.fabric.top import MUTile
-    from rdakit.hdl.noc.router import Router
-    from rdakit.sim.bench.mu import yosys_stat
-
     cx, cy = params.tiles("C")[0]
     mx, my = params.tiles("M")[0]
     router = Router(payload_shape=_req_shape(params), x=1, y=1, rows=max(params.rows, 3),
@@ -30,8 +30,6 @@ def _cells(params):
 
 
 def _req_shape(params):
-    from rdakit.hdl.spec.packets import mu_request_layout
-
     return mu_request_layout(params.mu)
 
 
@@ -39,7 +37,6 @@ def bench_fabric(fabric, *, simulator="verilator", quick=False, json_path=None):
     """``rdakit bench fabric`` on the fabric of ``fabric`` (keyword arguments of
     :func:`fabric_params`, JSON-able: they cross into the cocotb process): print its tables
     and, with ``json_path``, write the figures as JSON; returns the exit status."""
-    from rdakit.hdl.fabric.top import Fabric
     from rdakit.sim.verify.runner import require_simulator_or_raise, run_cocotb
 
     params = fabric_params(**fabric)

