@@ -2,11 +2,12 @@
 
 The suite in three loops (README.md, "Tests"):
 
-* the inner loop, ``pytest -m "not cosim and not slow"`` (``scripts/run-tests.sh --quick``):
-  every module in Amaranth's simulator, the models and the compiler, in under two minutes on
-  two cores;
-* the default suite (``pytest``, what CI runs): the inner loop, plus co-simulation of the
-  small designs on Icarus and Verilator;
+* the inner loop, ``pytest -m "not cosim and not slow and not long and not formal"``
+  (``scripts/run-tests.sh --quick``): every module in Amaranth's simulator, the models and the
+  compiler;
+* the default suite (``pytest``, what CI runs): the inner loop, the ``long`` tests (a minute or
+  more each, listed in :data:`LONG`) and co-simulation of the small designs on Icarus and
+  Verilator;
 * ``-m slow``: board builds, 4x4 fabrics and meshes, long random streams. ``formal`` (the
   SymbiYosys proofs) runs on its own, ``-m formal``.
 
@@ -36,6 +37,29 @@ SLOW = {
 }
 
 
+#: Tests marked ``long`` (in the default suite and CI, out of the inner loop), by node id (all
+#: parametrizations), with their time in one run of the suite on a loaded 2-core machine
+#: (about twice what an idle one takes).
+LONG = {
+    "hdl/test_host_bridge.py::test_kernel_through_the_uart_is_bit_exact": "330 s (setup)",
+    "test_cli.py::test_bench_mu_quick_json": "170 s",
+    "test_cluster_cli.py::test_bench_clusters": "145 s",
+    "hdl/test_system.py::test_four_clusters_every_pair": "140 s",
+    "hdl/test_fabric.py::test_job_is_bit_exact_and_matches_the_interpreter": "130 s (setup)",
+    "hdl/test_jitter.py::test_dual_mesh_and_fabric_have_jitter_ports_only_when_asked": "110 s",
+    "hdl/test_jitter.py::test_rate_zero_is_the_plain_mesh_and_stalls_delay": "90 + 45 s",
+    "hdl/test_memory_unit.py::test_plasticine_sizing_elaborates_to_verilog": "85 s",
+    "test_cli.py::test_help_everywhere": "75 s",
+    "test_cluster_cli.py::test_verilog_system_writes_a_module": "65 s",
+    "hdl/test_jitter.py::test_jittered_mesh_delivers_everything_once_in_order": "3 x 40-65 s",
+    "hdl/test_system.py::test_tokens_and_references_cross_clusters": "65 s",
+    "hdl/test_system.py::test_remote_requests_match_the_golden_model": "47 s (setup)",
+    "sim/test_e2e.py::test_bench_e2e_json_has_the_figures_per_workload_and_configuration":
+        "45 s",
+    "sim/test_e2e.py::test_adaptation_runs_iterations_and_learns_costs": "35 s",
+}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = pathlib.Path(str(item.path)).resolve()
@@ -48,6 +72,8 @@ def pytest_collection_modifyitems(config, items):
         nodeid = f"{rel.as_posix()}::{item.name.split('[')[0]}"
         if nodeid in SLOW:
             item.add_marker(pytest.mark.slow)
+        if nodeid in LONG:
+            item.add_marker(pytest.mark.long)
 
 
 # --- Amaranth simulation --------------------------------------------------------------------
