@@ -14,7 +14,7 @@ import numpy as np
 
 from rdakit.hdl.spec.bitstream import FabricConfig
 
-__all__ = ["HostBuffer", "Job", "Ref"]
+__all__ = ["HostBuffer", "Job", "Ref", "SystemJob"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,3 +59,30 @@ class Job:
             regs = {r: refs[v.name] if isinstance(v, Ref) else v for r, v in tile.regs.items()}
             tiles[xy] = dataclasses.replace(tile, regs=regs)
         return FabricConfig(self.params, tiles)
+
+
+@dataclasses.dataclass
+class SystemJob:
+    """A job for a system of clusters: host buffers in any cluster's MUs (``HostBuffer.mu``
+    is ``(x, y, cluster)``), one :class:`~rdakit.hdl.spec.bitstream.FabricConfig` per
+    cluster whose registers may hold :class:`~rdakit.compiler.job.Ref` placeholders, the
+    outputs read back and their numpy expectation."""
+
+    configs: list
+    buffers: list
+    outputs: list
+    expected: dict
+    description: str = ""
+
+    def bind(self, refs):
+        """The configurations with every :class:`Ref` register replaced by ``refs[name]``."""
+        out = []
+        for config in self.configs:
+            if config is None:
+                out.append(None)
+                continue
+            tiles = {xy: dataclasses.replace(tile, regs={
+                r: refs[v.name] if isinstance(v, Ref) else v for r, v in tile.regs.items()})
+                for xy, tile in config.tiles.items()}
+            out.append(FabricConfig(config.params, tiles))
+        return out

@@ -17,7 +17,7 @@ CUs message each other across clusters too (``docs/clusters.md``). The compiler:
    between clusters becomes the same references and tokens (``SENDREF``, ``SEND``) as an edge
    inside one, crossing the bridges;
 4. splits the result into one bitstream configuration per cluster and host buffers named by
-   ``(x, y, cluster)`` (:class:`~rdakit.sim.runtime.clusters.SystemJob`).
+   ``(x, y, cluster)`` (:class:`~rdakit.compiler.job.SystemJob`).
 """
 
 import dataclasses
@@ -26,6 +26,7 @@ import numpy as np
 
 from rdakit.compiler.compile import load_workload, placement_fabric
 from rdakit.compiler.cost import CostModel
+from rdakit.compiler.job import SystemJob
 from rdakit.compiler.lower import lower
 from rdakit.compiler.partition.clusters import ClusterSpec, LinkModel, partition_system
 from rdakit.compiler.placement import place
@@ -179,11 +180,10 @@ def compile_system(workload, system_params, *, sizes=None, clusters=None, strate
 
 
 def split_job(job, system_params):
-    """The :class:`~rdakit.sim.runtime.clusters.SystemJob` of a job lowered on the
+    """The :class:`~rdakit.compiler.job.SystemJob` of a job lowered on the
     :class:`SystemView` of ``system_params``: each cluster's tiles in a configuration of its
     own, host buffers at ``(x, y, cluster)``."""
     from rdakit.hdl.spec.bitstream import FabricConfig
-    from rdakit.sim.runtime.clusters import SystemJob
 
     view = job.params
     fp = system_params.fabric

@@ -10,11 +10,10 @@ is passed once it reaches ``(r + 1) * n``, so it is reusable without a reset.
 The assembly builders below are used by the RTL tests on Amaranth's simulator and under cocotb.
 """
 
-import dataclasses
 
 import numpy as np
 
-from rdakit.compiler.job import HostBuffer, Ref
+from rdakit.compiler.job import HostBuffer, Ref, SystemJob
 from rdakit.hdl.fabric.config_loader import LoadStatus
 from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig, write_bitstream
 from rdakit.hdl.spec.isa import assemble
@@ -112,33 +111,6 @@ async def run_system(hosts, configs, *, max_cycles=1_000_000):
             raise RuntimeError(f"cluster {k}: status {st}; CUs halted on errors "
                                f"(code, pc): {errors}")
     return cycles
-
-
-@dataclasses.dataclass
-class SystemJob:
-    """A job for a system of clusters: host buffers in any cluster's MUs (``HostBuffer.mu``
-    is ``(x, y, cluster)``), one :class:`~rdakit.hdl.spec.bitstream.FabricConfig` per
-    cluster whose registers may hold :class:`~rdakit.compiler.job.Ref` placeholders, the
-    outputs read back and their numpy expectation."""
-
-    configs: list
-    buffers: list
-    outputs: list
-    expected: dict
-    description: str = ""
-
-    def bind(self, refs):
-        """The configurations with every :class:`Ref` register replaced by ``refs[name]``."""
-        out = []
-        for config in self.configs:
-            if config is None:
-                out.append(None)
-                continue
-            tiles = {xy: dataclasses.replace(tile, regs={
-                r: refs[v.name] if isinstance(v, Ref) else v for r, v in tile.regs.items()})
-                for xy, tile in config.tiles.items()}
-            out.append(FabricConfig(config.params, tiles))
-        return out
 
 
 async def setup_buffers(hosts, job):
