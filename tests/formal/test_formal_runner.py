@@ -2,8 +2,11 @@
 """The SymbiYosys runner and the property list: argument checks (fast, default suite), and the
 runner's verdicts on a tiny counter (formal)."""
 
+import gc
+import warnings
+
 import pytest
-from amaranth.hdl import Assert, Module, Signal
+from amaranth.hdl import Assert, Fragment, Module, Signal
 
 from rdakit.sim.verify import formal_harness
 from rdakit.sim.verify.formal import run_sby, sby_available
@@ -60,6 +63,22 @@ def test_fault_hooks_validate():
         formal_harness.router_links("x")
     with pytest.raises(TypeError, match=r"Fault must be one of .*'pointer_follows', not 'x'"):
         formal_harness.mesh_delivery("x")
+
+
+def test_refused_fault_leaves_no_unused_harness():
+    # A harness built before its fault was checked warned UnusedElaboratable when collected,
+    # which failed an unrelated test later in the run.
+    builders = [formal_harness.free_list_exclusive, formal_harness.mu_blocks,
+                formal_harness.router_links, formal_harness.router_delivery,
+                formal_harness.mesh_delivery]
+    Fragment.get(_counter(10), None)   # amaranth warns only once something was elaborated
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for build in builders:
+            with pytest.raises(TypeError, match="Fault must be one of"):
+                build("x")
+        gc.collect()
+    assert [str(w.message) for w in caught] == []
 
 
 def test_every_broken_variant_is_a_subclass_of_the_design():

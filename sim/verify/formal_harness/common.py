@@ -1,5 +1,7 @@
 """What the harnesses share: counting bits, a stream source, picking a broken variant."""
 
+import functools
+
 from amaranth.asserts import AnySeq
 from amaranth.hdl import Assume, Const, Signal
 
@@ -19,6 +21,19 @@ def variant(variants, fault):
         names = ", ".join(repr(k) for k in variants if k is not None)
         raise TypeError(f"Fault must be one of {names}, not {fault!r}")
     return variants[fault]
+
+
+def refuses_unknown(variants):
+    """Decorate a harness builder ``f(fault=None)`` so that an unknown ``fault`` is refused
+    before anything is built: a harness constructed and then dropped by the error would warn
+    ``UnusedElaboratable`` later, in whatever test the garbage collector happens to run."""
+    def decorate(build):
+        @functools.wraps(build)
+        def checked(fault=None):
+            variant(variants, fault)
+            return build(fault)
+        return checked
+    return decorate
 
 
 def popcount(bits):

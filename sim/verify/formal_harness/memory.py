@@ -13,7 +13,7 @@ from rdakit.hdl.memory.free_list import FreeList
 from rdakit.hdl.memory.unit import MU_STATES, MemoryUnit
 from rdakit.hdl.spec.packets import MUOp, MUStatus
 from rdakit.hdl.spec.params import MUParams
-from rdakit.sim.verify.formal_harness.common import popcount, variant
+from rdakit.sim.verify.formal_harness.common import popcount, refuses_unknown, variant
 
 __all__ = ["FREE_LIST_DEPTH", "FREE_LIST_VARIANTS", "MU_FORMAL", "MU_PARAMS_TEXT", "MU_VARIANTS",
            "MUHarness", "mu_state", "free_list_exclusive", "mu_blocks", "mu_responses",
@@ -102,6 +102,7 @@ MU_VARIANTS = {None: MemoryUnit, "walk_keeps_entry": _WalkKeepsEntry,
 FREE_LIST_DEPTH = 4
 
 
+@refuses_unknown(FREE_LIST_VARIANTS)
 def free_list_exclusive(fault=None):
     """The free list against an environment that pops when it is not empty and pushes back
     only entries it holds. ``held`` is the environment's set of entries."""
@@ -513,27 +514,32 @@ def exact_vbits(p):
     return exact_log2(p.max_vblocks)
 
 
+@refuses_unknown(MU_VARIANTS)
 def mu_blocks(fault=None):
     """Memory unit: blocks, slots and the block table are consistent (see the invariants)."""
     return MUHarness("blocks", fault)
 
 
+@refuses_unknown(MU_VARIANTS)
 def mu_responses(fault=None):
     """Memory unit: every request gets exactly one response, in order."""
     return MUHarness("responses", fault)
 
 
+@refuses_unknown(MU_VARIANTS)
 def mu_errors(fault=None):
     """Memory unit: a refused request changes nothing."""
     return MUHarness("errors", fault)
 
 
+@refuses_unknown(MU_VARIANTS)
 def mu_weights(fault=None):
     """Memory unit: weighted reference counting against holders of weight shares."""
     return MUHarness("weights", fault)
 
 
 
+@refuses_unknown(MU_VARIANTS)
 def mu_read_write(fault=None):
     """Memory unit: a read returns the last word written at that (buffer, index)."""
     return MUHarness("read_write", fault)

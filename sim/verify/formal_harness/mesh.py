@@ -4,7 +4,7 @@ from amaranth.asserts import AnySeq
 from amaranth.hdl import Assert, Assume, Cat, Elaboratable, Module, Signal
 
 from rdakit.hdl.noc.mesh import Mesh, tile_coords
-from rdakit.sim.verify.formal_harness.common import popcount, stream_source, variant
+from rdakit.sim.verify.formal_harness.common import popcount, refuses_unknown, stream_source, variant
 from rdakit.sim.verify.formal_harness.router import (
     ROUTER_VARIANTS,
     assert_links_into_room,
@@ -94,6 +94,7 @@ class _MeshTrackHarness(Elaboratable):
         return m
 
 
+@refuses_unknown(ROUTER_VARIANTS)
 def mesh_delivery(fault=None):
     """Mesh: one tracked flit is delivered exactly once, at its destination."""
     return _MeshTrackHarness(fault)

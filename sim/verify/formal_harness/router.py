@@ -21,7 +21,7 @@ from rdakit.hdl.noc.router import (
     xy_route,
 )
 from rdakit.hdl.spec.flit import DIRECTIONS, PORT_DELTA, Port
-from rdakit.sim.verify.formal_harness.common import popcount, stream_source, variant
+from rdakit.sim.verify.formal_harness.common import popcount, refuses_unknown, stream_source, variant
 
 __all__ = ["ROUTER_VARIANTS", "ROUTER_FORMAL", "ROUTER_PARAMS_TEXT", "ROUTER_DELIVERY_FORMAL",
            "ROUTER_DELIVERY_FIFO", "ROUTER_DELIVERY_SCAN", "ROUTER_STALL", "BoundedResponse",
@@ -183,6 +183,7 @@ class _RouterHarness(Elaboratable):
         return m
 
 
+@refuses_unknown(ROUTER_VARIANTS)
 def router_links(fault=None):
     """Router: valid/ready rules on every link, with receivers that stall at will."""
     return _RouterHarness(fault)
@@ -462,32 +463,38 @@ def router_observed_queue(fault=None):
     return _QueueEquivHarness(fault)
 
 
+@refuses_unknown(ROUTER_VARIANTS)
 def router_delivery(fault=None):
     """Router: one tracked flit is neither lost nor duplicated and leaves on its XY port."""
     return _RouterTrackHarness("delivery", fault)
 
 
+@refuses_unknown(ROUTER_VARIANTS)
 def router_delivery_fifo(fault=None):
     """Router delivery with ``fifo`` queues (one per input)."""
     return _RouterTrackHarness("delivery", fault, ROUTER_DELIVERY_FIFO)
 
 
+@refuses_unknown(ROUTER_VARIANTS)
 def router_delivery_scan(fault=None):
     """Router delivery with ``scan`` queues (the oldest flit whose next queue has room)."""
     return _RouterTrackHarness("delivery", fault, ROUTER_DELIVERY_SCAN)
 
 
+@refuses_unknown(ROUTER_VARIANTS)
 def router_bounded(fault=None):
     """Router: a tracked flit leaves within a bound, with receivers that stall boundedly
     (the corner router of a 2 × 2 mesh)."""
     return _RouterTrackHarness("bounded", fault, bounded=ROUTER_BOUNDED_CORNER)
 
 
+@refuses_unknown(ROUTER_VARIANTS)
 def router_bounded_middle(fault=None):
     """Router: bounded response at the middle router of a 3 × 3 mesh (all five ports)."""
     return _RouterTrackHarness("bounded", fault, bounded=ROUTER_BOUNDED_MIDDLE)
 
 
+@refuses_unknown(ROUTER_VARIANTS)
 def router_bounded_shared(fault=None):
     """Router: bounded response where three queues with different next queues share an
     output (the router (1, 0) of a 3 × 3 mesh)."""
