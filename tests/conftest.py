@@ -29,11 +29,16 @@ from amaranth.sim import Simulator
 
 HERE = pathlib.Path(__file__).resolve().parent
 
-#: Tests marked ``slow`` here rather than in their files, by node id under ``tests/``, with the
+#: Tests marked ``slow`` here rather than in their files, by node id under ``tests/`` (with a
+#: parametrization in brackets for that one only), with the
 #: time each took alone on a 2-core machine.
 SLOW = {
     "boards/test_build.py::test_icebreaker_1x2_build_says_it_does_not_fit":
         "Yosys and nextpnr on a 1x2 fabric: about 4 minutes",
+    # The two-cluster systems on Verilator: 90-100 s each from a clean checkout (the C++ build
+    # of a system of two 2x2 fabrics); the same tests on Icarus stay in the default suite.
+    "cosim/test_system_cosim.py::test_two_clusters[verilator]": "100 s",
+    "cosim/test_system_cosim.py::test_compiled_workload_across_two_clusters[verilator]": "90 s",
 }
 
 
@@ -70,7 +75,7 @@ def pytest_collection_modifyitems(config, items):
         if rel.parts[0] == "cosim":
             item.add_marker(pytest.mark.cosim)
         nodeid = f"{rel.as_posix()}::{item.name.split('[')[0]}"
-        if nodeid in SLOW:
+        if nodeid in SLOW or f"{rel.as_posix()}::{item.name}" in SLOW:
             item.add_marker(pytest.mark.slow)
         if nodeid in LONG:
             item.add_marker(pytest.mark.long)
