@@ -1,1 +1,2 @@
-"""Golden models: the memory unit's transaction-level model, the fabric interpreter and the NoC reference."""
+"""Golden models: the memory unit's transaction-level model, the fabric interpreter and the
+NoC reference."""

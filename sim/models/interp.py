@@ -62,23 +62,36 @@ Semantics chosen where ``docs/compute-unit.md`` leaves room (the RTL must make t
   ``PACK_SUM``, which starts from ``V = 0``, clears ``V`` after every append and so always
   leaves ``V = 0``. An MU error at step ``k`` halts with ``MU_ERROR`` with the writes of the
   steps before ``k`` applied (in hardware, which of them land is timing-dependent).
-* **Host requests** (:meth:`Interpreter.host_request`) go to the MU model of the named tile with
-  ``src`` = that tile and the host bit of ``tag`` set (:func:`~rdakit.hdl.spec.packets.host_tag_bit`)
-  unless the request says otherwise; they are not counted as CU operations.
+* **Host requests** (:meth:`Interpreter.host_request`) go to the MU model of the named tile
+  with ``src`` = that tile and the host bit of ``tag`` set
+  (:func:`~rdakit.hdl.spec.packets.host_tag_bit`) unless the request says otherwise; they are
+  not counted as CU operations.
 """
 
 import collections
-import dataclasses
 import random
 
 import numpy as np
 
-from rdakit.hdl.spec.bitstream import BitstreamError, FabricConfig
-from rdakit.hdl.spec.config import CU_STATUS_BITS, cu_status_word
-from rdakit.hdl.spec.isa import AssemblyError, BMode, DMode, Instr, Op, StreamField, alu, decode
+from rdakit.hdl.spec.bitstream import FabricConfig
+from rdakit.hdl.spec.config import CU_STATUS_BITS
+from rdakit.hdl.spec.isa import BMode, DMode, Op, StreamField, alu
 from rdakit.hdl.spec.packets import MUOp, MUStatus, host_tag_bit
 from rdakit.hdl.spec.params import FabricParams
 from rdakit.hdl.spec.vector import MASK32, pack_vector, unpack_vector, vector_lanes
+from rdakit.sim.models.cu_state import (
+    CUMachine,
+    CUState,
+    DeadlockError,
+    Halt,
+    HostError,
+    InterpreterError,
+    Message,
+    RunResult,
+    StepLimitError,
+    Transaction,
+    tile_id,
+)
 from rdakit.sim.models.mu import MUModel
 
 __all__ = [
@@ -100,7 +113,6 @@ _MAILBOX_OVERFLOW = CU_STATUS_BITS["MAILBOX_OVERFLOW"]
 _TOKEN_OVERFLOW = CU_STATUS_BITS["TOKEN_OVERFLOW"]
 _BAD_STREAM = CU_STATUS_BITS["BAD_STREAM"]
 _BAD_DESTINATION = CU_STATUS_BITS["BAD_DESTINATION"]
-_CODE_NAMES = {v: k for k, v in CU_STATUS_BITS.items()}
 
 # Request tags (docs/compute-unit.md, Messages).
 _TAG_BLOCKING, _TAG_STREAM_READ, _TAG_STREAM_WRITE = 0, 1, 2
@@ -108,296 +120,9 @@ _TAG_BLOCKING, _TAG_STREAM_READ, _TAG_STREAM_WRITE = 0, 1, 2
 _SF = StreamField
 
 
-def tile_id(params, x, y):
-    """The ID of the tile at ``(x, y)`` (of a CU or an MU): ``y << coord_bits | x``."""
-    return (y << params.coord_bits) | x
-
-
 def _signed(v):
     v &= MASK32
     return v - (1 << 32) if v & (1 << 31) else v
-
-
-class InterpreterError(Exception):
-    """Base class of the interpreter's errors."""
-
-
-class HostError(InterpreterError):
-    """A host helper got a response whose status is not OK.
-
-    Members
-    -------
-    response : dict
-        The response.
-    """
-
-    def __init__(self, message, response):
-        super().__init__(message)
-        self.response = response
-
-
-class DeadlockError(InterpreterError):
-    """Every CU still running is blocked in ``WAIT`` or ``RECV``.
-
-    Members
-    -------
-    blocked : dict
-        ``(x, y)`` of each blocked CU -> what it waits for.
-    result : RunResult
-        The state when the deadlock was found.
-    """
-
-    def __init__(self, blocked, result):
-        what = "; ".join(f"CU {xy} {why}" for xy, why in blocked.items())
-        super().__init__(f"Deadlock after {result.steps} steps: every running CU is blocked: "
-                         f"{what}")
-        self.blocked = blocked
-        self.result = result
-
-
-class StepLimitError(InterpreterError):
-    """The run took ``max_steps`` steps without every CU halting.
-
-    Members
-    -------
-    result : RunResult
-        The state after the last step.
-    """
-
-    def __init__(self, max_steps, result):
-        running = [xy for xy, s in result.cus.items() if not s.done]
-        super().__init__(f"Step limit of {max_steps} reached with CUs {running} still running")
-        self.result = result
-
-
-class _Halt(Exception):
-    """Raised inside an instruction to halt the CU executing it with an error code."""
-
-    def __init__(self, code):
-        super().__init__(code)
-        self.code = code
-
-
-@dataclasses.dataclass(frozen=True)
-class Message:
-    """A token or reference sent by a CU.
-
-    Members
-    -------
-    step : int
-        The interpreter step that sent it (1 for the first step).
-    src, dst : tuple of int
-        ``(x, y)`` of the sender and of the receiver.
-    kind : str
-        ``"token"`` or ``"ref"``.
-    tag : int
-        The channel (token) or the mailbox slot (reference).
-    ref : int
-        The reference (0 for a token).
-    data : int
-        The token count, or the weight sent with the reference.
-    """
-
-    step: int
-    src: tuple
-    dst: tuple
-    kind: str
-    tag: int
-    ref: int
-    data: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Transaction:
-    """One MU request of a CU and its response (recorded with ``trace=True``)."""
-
-    step: int
-    cu: tuple
-    mu: tuple
-    request: dict
-    response: dict
-
-
-@dataclasses.dataclass(eq=False)
-class CUState:
-    """The state of one CU (a snapshot).
-
-    Members
-    -------
-    x, y, id : int
-        Coordinates and ID (``y << coord_bits | x``).
-    enabled : bool
-        Whether the configuration enables it (a disabled CU is done at once).
-    done, error : bool
-        Halted; halted on an error.
-    code : int
-        The error code (:data:`~rdakit.hdl.spec.config.CU_STATUS_BITS`), 0 if none.
-    pc : int
-        The program counter (see the module docstring for its value after a halt).
-    regs : tuple of int
-        The registers, unsigned 32-bit.
-    V : numpy.ndarray
-        The staging vector, ``int32`` of shape ``(lanes,)``.
-    local : numpy.ndarray
-        The local buffer, ``int32`` of shape ``(local_words, lanes)``.
-    tokens : tuple of int
-        The token counters.
-    mailbox : tuple
-        Per slot, ``(ref, weight)`` or ``None``.
-    instructions, stream_steps, requests : int
-        Instructions completed, stream steps run, MU requests made.
-    tokens_sent, refs_sent : int
-        ``SEND`` and ``SENDREF`` messages sent.
-    """
-
-    x: int
-    y: int
-    id: int
-    enabled: bool
-    done: bool
-    error: bool
-    code: int
-    pc: int
-    regs: tuple
-    V: np.ndarray
-    local: np.ndarray
-    tokens: tuple
-    mailbox: tuple
-    instructions: int
-    stream_steps: int
-    requests: int
-    tokens_sent: int
-    refs_sent: int
-
-    @property
-    def code_name(self):
-        """The name of :attr:`code` in :data:`~rdakit.hdl.spec.config.CU_STATUS_BITS`."""
-        return _CODE_NAMES.get(self.code, str(self.code))
-
-    @property
-    def sregs(self):
-        """The registers as a ``numpy.int32`` array."""
-        return np.array(self.regs, dtype=np.uint32).view(np.int32)
-
-    @property
-    def status(self):
-        """The STATUS word (``CU_MAP.STATUS``, laid out as
-        :data:`~rdakit.hdl.spec.config.CU_STATUS`)."""
-        return cu_status_word(done=self.done, error=self.error, code=self.code, pc=self.pc)
-
-    def key(self):
-        """Everything as a tuple of plain values (comparable with ``==``)."""
-        return (self.x, self.y, self.enabled, self.done, self.error, self.code, self.pc,
-                self.regs, tuple(self.V.tolist()), tuple(map(tuple, self.local.tolist())),
-                self.tokens, self.mailbox, self.instructions, self.stream_steps,
-                self.requests, self.tokens_sent, self.refs_sent)
-
-    def __eq__(self, other):
-        if not isinstance(other, CUState):
-            return NotImplemented
-        return self.key() == other.key()
-
-    __hash__ = None
-
-
-@dataclasses.dataclass(eq=False)
-class RunResult:
-    """What :meth:`Interpreter.run` returns (also attached to its exceptions).
-
-    Members
-    -------
-    cus : dict
-        ``(x, y)`` -> :class:`CUState`, for every CU tile (disabled ones included).
-    mu_ops : dict
-        ``(x, y)`` of every MU -> ``collections.Counter`` of the :class:`MUOp` of the CU
-        requests it answered.
-    mu_errors : dict
-        ``(x, y)`` of every MU -> CU requests it answered with a status other than OK.
-    steps : int
-        Steps run since the interpreter was built.
-    finished : bool
-        Every CU has halted.
-    dropped : tuple of Message
-        Messages sent to a CU that had halted (or is disabled).
-    """
-
-    cus: dict
-    mu_ops: dict
-    mu_errors: dict
-    steps: int
-    finished: bool
-    dropped: tuple
-
-    def cu(self, x, y):
-        """The :class:`CUState` of the CU at ``(x, y)``."""
-        return self.cus[(x, y)]
-
-    @property
-    def errors(self):
-        """``(x, y)`` -> error name, for every CU that halted on an error."""
-        return {xy: s.code_name for xy, s in self.cus.items() if s.error}
-
-    @property
-    def ok(self):
-        """Every CU halted without error."""
-        return self.finished and not self.errors
-
-    @property
-    def instructions(self):
-        """``(x, y)`` -> instructions completed."""
-        return {xy: s.instructions for xy, s in self.cus.items()}
-
-    def check(self):
-        """Raise :class:`InterpreterError` naming every CU that halted on an error, with its
-        pc."""
-        if self.errors:
-            what = ", ".join(f"CU {xy}: {name} at pc {self.cus[xy].pc}"
-                             for xy, name in self.errors.items())
-            raise InterpreterError(f"CUs halted on errors: {what}")
-        return self
-
-    def key(self):
-        """Every CU's state and the MU operation counts as plain values (comparable)."""
-        return (tuple((xy, s.key()) for xy, s in sorted(self.cus.items())),
-                tuple((xy, tuple(sorted((op.value, n) for op, n in c.items())))
-                      for xy, c in sorted(self.mu_ops.items())))
-
-
-class _CU:
-    """The mutable state of one CU."""
-
-    def __init__(self, x, y, cu_id, params, tile):
-        cp = params.cu
-        self.x, self.y, self.xy, self.id = x, y, (x, y), cu_id
-        self.enabled = tile is not None and bool(tile.enabled)
-        self.program = [Instr(Op.NOP)] * cp.prog_len
-        self.regs = [0] * cp.regs
-        self.local = [[0] * cp.lanes for _ in range(cp.local_words)]
-        if tile is not None:
-            for pc, word in enumerate(tile.words()):
-                if not isinstance(word, int) or not 0 <= word < 1 << 64:
-                    raise BitstreamError(f"tile ({x}, {y}): instruction {pc} must be a 64-bit "
-                                         f"word or an Instr, not {word!r}")
-                try:
-                    self.program[pc] = decode(word)
-                except AssemblyError:
-                    self.program[pc] = None          # BAD_INSTRUCTION when fetched
-            for r, v in tile.regs.items():
-                self.regs[r] = int(v) & MASK32
-            for w, values in tile.local.items():
-                self.local[w] = [int(v) & MASK32 for v in values]
-        # What `start` sets.
-        self.pc = 0
-        self.V = [0] * cp.lanes
-        self.fields = [0] * len(StreamField)
-        self.fields[_SF.OUTER.value] = 1
-        self.tokens = [0] * cp.channels
-        self.mailbox = [None] * cp.mailbox
-        self.stream = None                           # the running SRUN (a generator)
-        self.halted = not self.enabled
-        self.code = _NONE
-        self.instructions = self.stream_steps = self.requests = 0
-        self.tokens_sent = self.refs_sent = 0
 
 
 class Interpreter:
@@ -473,7 +198,8 @@ class Interpreter:
         self._mus = {(x, y): MUModel(mp, params.mu_id(x, y)) for x, y in params.tiles("M")}
         self._mu_ops = {xy: collections.Counter() for xy in self._mus}
         self._mu_errors = dict.fromkeys(self._mus, 0)
-        self._cus = {(x, y): _CU(x, y, tile_id(params, x, y), params, config.tiles.get((x, y)))
+        self._cus = {(x, y): CUMachine(x, y, tile_id(params, x, y), params,
+                                       config.tiles.get((x, y)))
                      for x, y in params.tiles("C")}
         self._order = list(self._cus.values())       # row-major
         self._rr = 0
@@ -689,7 +415,7 @@ class Interpreter:
                 self._advance_stream(cu)
             else:
                 self._execute(cu)
-        except _Halt as h:
+        except Halt as h:
             self._halt(cu, h.code)
 
     def _halt(self, cu, code):
@@ -704,10 +430,10 @@ class Interpreter:
     def _execute(self, cu):
         pc = cu.pc
         if pc >= self._prog_len:
-            raise _Halt(_PC_OUT_OF_RANGE)
+            raise Halt(_PC_OUT_OF_RANGE)
         ins = cu.program[pc]
         if ins is None:
-            raise _Halt(_BAD_INSTRUCTION)
+            raise Halt(_BAD_INSTRUCTION)
         op = ins.op
         r = cu.regs
         rmask = self._regs - 1
@@ -781,23 +507,23 @@ class Interpreter:
             self._request(cu, MUOp.UNLOCK, r[ra], index=r[rb], data=r[rd])
         elif op is Op.SEND:
             if ins.aux >= len(cu.tokens):
-                raise _Halt(_BAD_INSTRUCTION)
+                raise Halt(_BAD_INSTRUCTION)
             self._check_cu_id(r[ra])
             send = (r[ra], "token", ins.aux, 0, imm)
         elif op is Op.WAIT:
             if ins.aux >= len(cu.tokens):
-                raise _Halt(_BAD_INSTRUCTION)
+                raise Halt(_BAD_INSTRUCTION)
             if cu.tokens[ins.aux] < imm:
                 return                                   # blocked (the scheduler skips it)
             cu.tokens[ins.aux] -= imm
         elif op is Op.SENDREF:
             if ins.aux >= len(cu.mailbox):
-                raise _Halt(_BAD_INSTRUCTION)
+                raise Halt(_BAD_INSTRUCTION)
             self._check_cu_id(r[rd])
             send = (r[rd], "ref", ins.aux, r[ra] & self._ref_mask, r[rb])
         elif op is Op.RECV:
             if ins.aux >= len(cu.mailbox):
-                raise _Halt(_BAD_INSTRUCTION)
+                raise Halt(_BAD_INSTRUCTION)
             slot = cu.mailbox[ins.aux]
             if slot is None:
                 return                                   # blocked
@@ -829,7 +555,7 @@ class Interpreter:
         x, y = self.params.mu_coords(mu_id)
         model = self._mus.get((x, y))
         if model is None:
-            raise _Halt(_BAD_DESTINATION)   # not an MU: the CU halts before sending
+            raise Halt(_BAD_DESTINATION)   # not an MU: the CU halts before sending
         req = {"op": op, "src": {"x": cu.x, "y": cu.y}, "tag": tag,
                "ref": {"mu": mu_id, "buf": (ref >> self._mu_bits) & self._buf_mask},
                "index": index & self._index_mask, "data": data}
@@ -840,7 +566,7 @@ class Interpreter:
             self.transactions.append(Transaction(self.steps, cu.xy, (x, y), req, resp))
         if resp["status"] is not MUStatus.OK:
             self._mu_errors[(x, y)] += 1
-            raise _Halt(_MU_ERROR)
+            raise Halt(_MU_ERROR)
         return resp
 
     def _names_mu(self, ref):
@@ -852,7 +578,7 @@ class Interpreter:
         x, y = self.params.mu_coords(dst_id & self._id_mask)
         if (x, y) not in self._cus and not (x < self.params.cols and y < self.params.rows
                                             and self.params.kind(x, y) == "C"):
-            raise _Halt(_BAD_DESTINATION)
+            raise Halt(_BAD_DESTINATION)
 
     def _describe(self, x, y):
         p = self.params
@@ -899,16 +625,16 @@ class Interpreter:
 
     def _stream(self, cu, fn, rd):
         """SRUN as a generator: each ``next`` runs one step ``(o, i)``; the last one finishes
-        the instruction. Raises _Halt on an error."""
+        the instruction. Raises Halt on an error."""
         f = list(cu.fields)
         n, outer = f[_SF.N.value], f[_SF.OUTER.value]
         if n == 0 or outer == 0:
-            raise _Halt(_BAD_STREAM)
+            raise Halt(_BAD_STREAM)
         try:
             bmode = BMode(f[_SF.B_MODE.value])
             dmode = DMode(f[_SF.D_MODE.value])
         except ValueError:
-            raise _Halt(_BAD_STREAM) from None
+            raise Halt(_BAD_STREAM) from None
         lanes = self._lanes
         local = cu.local
         lw = len(local)
@@ -922,7 +648,7 @@ class Interpreter:
         # Like the RTL, both destinations are checked before the first request is sent.
         if not self._names_mu(a_ref) or (dmode in (DMode.WRITE, DMode.APPEND, DMode.PACK_SUM)
                                          and not self._names_mu(d_ref)):
-            raise _Halt(_BAD_DESTINATION)
+            raise Halt(_BAD_DESTINATION)
         zero = [0] * lanes
         scalar = [b_val] * lanes
         total = 0                       # SUM
