@@ -29,6 +29,7 @@ import dataclasses
 import math
 import random
 
+import networkx as nx
 import numpy as np
 
 from rdakit.compiler.graph import MEMORY_KINDS, OP_KINDS
@@ -129,6 +130,33 @@ class Fabric:
         """MU tiles ``(x, y)``, row by row."""
         return tuple((x, y) for y in range(self.rows) for x in range(self.cols)
                      if self.layout[y][x] == "M")
+
+    def spread(self, tiles):
+        """Give each tile of ``tiles`` one MU to work from: no MU serves more than
+        ``ceil(len(tiles) / MUs)`` of them, and the total of distances plus ``k`` for the
+        ``k``-th tile an MU already serves is least (a minimum-cost flow): sharing an MU costs
+        as much as one more hop. Picking each tile's nearest MU alone sends several CUs to one
+        MU where distances tie (on a 4x4 checkerboard three of eight CUs to one MU, two MUs to
+        none) and that MU's one request a cycle then bounds them all. Returns ``{tile: mu}``;
+        deterministic."""
+        tiles, mus = list(dict.fromkeys(tiles)), self.mu_tiles
+        if not mus:
+            raise PlacementError(f"The {self} has no MU tile")
+        per = -(-len(tiles) // len(mus))
+        g = nx.DiGraph()
+        g.add_node("s", demand=-len(tiles))
+        g.add_node("t", demand=len(tiles))
+        for i, t in enumerate(tiles):
+            g.add_edge("s", ("tile", i), capacity=1, weight=0)
+            for m in mus:
+                g.add_edge(("tile", i), ("mu", m), capacity=1, weight=self.distance(t, m))
+        for m in mus:            # the k-th tile an MU serves costs k hops more: spread first
+            for k in range(per):
+                g.add_edge(("mu", m), ("load", m, k), capacity=1, weight=k)
+                g.add_edge(("load", m, k), "t", capacity=1, weight=0)
+        flow = nx.min_cost_flow(g)
+        return {t: next(m for m in mus if flow[("tile", i)][("mu", m)])
+                for i, t in enumerate(tiles)}
 
     def __str__(self):
         return f"{self.rows}x{self.cols} fabric"

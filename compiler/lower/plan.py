@@ -9,6 +9,7 @@ order.
 
 import collections
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -119,10 +120,21 @@ class Plan:
                                 f"did not put on a CU")
         return tuple(cu)
 
+    @functools.cached_property
+    def home_mu(self):
+        """Each used CU's own MU (:meth:`~rdakit.compiler.placement.Fabric.spread`): near it,
+        and no MU the home of more CUs than it must be."""
+        cus = sorted({tuple(c) for c in self.placement.cu_of.values()},
+                     key=lambda c: (c[1], c[0]))
+        return self.placement.fabric.spread(cus) if cus else {}
+
     def nearest_mus(self, xy):
-        """Every MU, nearest to tile ``xy`` first (ties: by row, then column)."""
+        """Every MU, nearest to tile ``xy`` first; among MUs at the same distance a CU's
+        :attr:`home_mu` first (several CUs that tie between the same MUs then work from
+        different ones), then by row, then column."""
         dist = self.placement.fabric.distance
-        return sorted(self.mus, key=lambda m: (dist(m, xy), m[1], m[0]))
+        home = self.home_mu.get(tuple(xy))
+        return sorted(self.mus, key=lambda m: (dist(m, xy), m != home, m[1], m[0]))
 
     def layout(self, name):
         """The :class:`TensorLayout` of tensor ``name``."""

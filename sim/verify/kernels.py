@@ -4,6 +4,7 @@ weights (:class:`~rdakit.compiler.job.Job` each, with its numpy expectation)."""
 
 import numpy as np
 
+from rdakit.compiler.compile import placement_fabric
 from rdakit.compiler.job import HostBuffer, Job, Ref
 from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
 from rdakit.hdl.spec.isa import assemble
@@ -57,6 +58,13 @@ def _nearest_mu(params, xy):
     return min(mus, key=lambda m: (abs(m[0] - xy[0]) + abs(m[1] - xy[1]), m[1], m[0]))
 
 
+def _spread_mus(params, cus):
+    """Each CU's own MU, near it and balanced (:meth:`Fabric.spread
+    <rdakit.compiler.placement.Fabric.spread>`): the nearest MU alone sends three of a 4x4's
+    eight CUs to one MU."""
+    return placement_fabric(params).spread(cus)
+
+
 def matvec(params, *, m=64, k=64, cus=None, seed=1, scale=100):
     """y = W x with W (m × k) and x (k) int32 (small values), rows split over ``cus`` in
     blocks of ``lanes`` rows; each CU streams its rows of W from the MU nearest to it with x
@@ -77,11 +85,12 @@ def matvec(params, *, m=64, k=64, cus=None, seed=1, scale=100):
     buffers, tiles, expected, outputs = [], {}, {}, []
     row = 0
     plan = []
+    mu_of = _spread_mus(params, [c for c, nb in zip(cus, per, strict=True) if nb])
     for i, (cu, nb) in enumerate(zip(cus, per, strict=True)):
         if nb == 0:
             continue
         rows = nb * lanes
-        mu = _nearest_mu(params, cu)
+        mu = mu_of[cu]
         if f"x{mu}" not in {b.name for b in buffers}:    # one copy of x per MU
             buffers.append(HostBuffer(f"x{mu}", mu, x.reshape(-1, lanes)))
         buffers += [HostBuffer(f"w{i}", mu, w[row:row + rows].reshape(-1, lanes)),
@@ -131,11 +140,12 @@ def matmul(params, *, m=64, k=64, n=64, cus=None, seed=2, scale=30):
     per = [blocks // len(cus) + (i < blocks % len(cus)) for i in range(len(cus))]
     buffers, tiles, expected, outputs, plan = [], {}, {}, [], []
     row = 0
+    mu_of = _spread_mus(params, [c for c, nb in zip(cus, per, strict=True) if nb])
     for i, (cu, nb) in enumerate(zip(cus, per, strict=True)):
         if nb == 0:
             continue
         rows = nb * lanes
-        mu = _nearest_mu(params, cu)
+        mu = mu_of[cu]
         if f"bt{mu}" not in {x.name for x in buffers}:   # one copy of Bᵀ per MU
             buffers.append(HostBuffer(f"bt{mu}", mu, b.T.copy().reshape(-1, lanes)))
         buffers += [HostBuffer(f"a{i}", mu, a[row:row + rows].reshape(-1, lanes)),

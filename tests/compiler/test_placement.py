@@ -1,5 +1,7 @@
 """Placement: inside the grid and the capacities, deterministic, and clear errors."""
 
+import itertools
+import math
 import os
 import re
 
@@ -159,3 +161,37 @@ def test_unsupported_op():
     with pytest.raises(PlacementError, match="^Node 'gate_topk' has op kind 'topk', which the "
                                              "CUs of the 2x2 fabric do not support"):
         place(wl.graph, np.zeros(len(wl.graph), dtype=np.int64), fabric)
+
+
+@pytest.mark.parametrize("rows,cols", [(2, 2), (3, 3), (4, 4), (2, 5), (8, 8)])
+def test_spread_balances_mus_at_least_distance(rows, cols):
+    # Every CU gets an MU, no MU serves more than its share, and no other assignment under
+    # that share is cheaper (checked by brute force where small, by the nearest bound else).
+    f = Fabric(rows, cols)
+    cus, mus = f.cu_tiles, f.mu_tiles
+    mu_of = f.spread(cus)
+    share = math.ceil(len(cus) / len(mus))
+    assert set(mu_of) == set(cus) and set(mu_of.values()) <= set(mus)
+    load = {m: list(mu_of.values()).count(m) for m in mus}
+    assert max(load.values()) <= share
+
+    def cost(assign):
+        n = {m: 0 for m in mus}
+        total = 0
+        for c, m in assign.items():
+            total += f.distance(c, m) + n[m]
+            n[m] += 1
+        return total
+    if len(cus) <= 5:
+        best = min(cost(dict(zip(cus, ms, strict=True)))
+                   for ms in itertools.product(mus, repeat=len(cus))
+                   if max(ms.count(m) for m in ms) <= share)
+        assert cost(mu_of) == best
+    if len(cus) == len(mus) and (rows * cols) % 2 == 0:   # checkerboard: a perfect matching
+        assert all(f.distance(c, m) == 1 for c, m in mu_of.items())
+        assert max(load.values()) == 1
+
+
+def test_spread_without_mus_is_refused():
+    with pytest.raises(PlacementError, match="has no MU tile"):
+        Fabric(1, 2, ("CC",)).spread([(0, 0)])
