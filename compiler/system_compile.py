@@ -30,6 +30,7 @@ from rdakit.compiler.job import SystemJob
 from rdakit.compiler.lower import lower
 from rdakit.compiler.partition.clusters import ClusterSpec, LinkModel, partition_system
 from rdakit.compiler.placement import place
+from rdakit.hdl.spec.bitstream import FabricConfig
 from rdakit.hdl.spec.params import FabricParams
 
 __all__ = ["SystemView", "system_view", "compile_system", "CompiledSystem"]
@@ -183,8 +184,6 @@ def split_job(job, system_params):
     """The :class:`~rdakit.compiler.job.SystemJob` of a job lowered on the
     :class:`SystemView` of ``system_params``: each cluster's tiles in a configuration of its
     own, host buffers at ``(x, y, cluster)``."""
-    from rdakit.hdl.spec.bitstream import FabricConfig
-
     view = job.params
     fp = system_params.fabric
     tiles = [{} for _ in range(system_params.clusters)]

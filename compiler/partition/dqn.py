@@ -33,6 +33,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from rdakit.compiler import workloads
 from rdakit.compiler.cost import CostModel, lower_bound
 from rdakit.compiler.partition import PartitionError, Targets
 from rdakit.compiler.partition.greedy import SubgraphScheduler, decompose
@@ -223,8 +224,6 @@ class _Replay:
 
 def _episode_graphs(rng, cost):
     """An endless stream of training graphs: random DAGs and small workloads."""
-    from rdakit.compiler import workloads
-
     wl = [workloads.mlp(batch=2, sizes=(32, 64, 32)),
           workloads.decoder_step(d_model=32, heads=4, d_ff=64, cache_len=4),
           workloads.moe(tokens=8, d_model=16, d_ff=32, experts=4, k=2)]

@@ -33,7 +33,7 @@ def metis_part_graph(nparts, indptr, adj, *, vweights=None, eweights=None, tpwgt
         If ``vweights`` does not have one entry per node, ``eweights`` one per adjacency entry,
         or ``tpwgts`` one per part.
     """
-    import pymetis
+    import pymetis  # deferred: a compiled extension only the metis strategy needs
 
     n = len(indptr) - 1
     if vweights is not None and len(vweights) != n:
@@ -130,7 +130,7 @@ _MTKAHYPAR = {}
 def mtkahypar_available():
     """``None`` if Mt-KaHyPar can be imported, else the reason it cannot."""
     try:
-        import mtkahypar  # noqa: F401
+        import mtkahypar  # noqa: F401  (deferred: it may not import; this probes it)
     except ImportError as e:
         return f"mtkahypar cannot be imported: {e}"
     return None
@@ -141,7 +141,7 @@ def _mtkahypar(threads):
     if reason is not None:
         raise PartitionError(f"The Mt-KaHyPar partitioner is unavailable: {reason} "
                              f"(install the 'mtkahypar' package)")
-    import mtkahypar
+    import mtkahypar  # deferred: it may not import (probed just above)
 
     if "init" not in _MTKAHYPAR:
         # Mt-KaHyPar's thread pool can be initialized once per process.

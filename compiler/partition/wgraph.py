@@ -17,6 +17,8 @@ import math
 
 import numpy as np
 
+from rdakit.compiler.cost import CostModel
+
 __all__ = ["WeightedGraph"]
 
 
@@ -249,7 +251,6 @@ class WeightedGraph:
         Nodes are numbered in :meth:`DataflowGraph.order`; edges that carry 0 bytes (an empty
         cache) weigh 1.
         """
-        from rdakit.compiler.cost import CostModel
         cost = CostModel() if cost is None else cost
         order = graph.validate().order()
         index = {n: i for i, n in enumerate(order)}

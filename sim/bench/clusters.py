@@ -20,7 +20,7 @@ from rdakit.hdl.spec.isa import assemble
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.flows.e2e import SMALLEST, failure
 from rdakit.sim.flows.system import SystemRunSpec, run_system_session
-from rdakit.sim.runtime.clusters import run_system
+from rdakit.sim.runtime.clusters import cluster_matvec, run_system, run_system_job
 from rdakit.sim.runtime.host import AmaranthTransport, HostDriver
 from rdakit.sim.verify.amaranth_sim import simulate
 
@@ -104,8 +104,6 @@ def measure_matvec(system_params, *, m=16, k=32, system=None):
     Amaranth's simulator: y = W x with the rows of W split over every CU and x shared from
     cluster 0. Returns per-cluster run cycles, the packets over the links, whether y equals
     numpy's, and whether the shared x was freed (exactly once, by its last holder)."""
-    from rdakit.sim.runtime.clusters import cluster_matvec, run_system_job
-
     fp = system_params.fabric
     system = System(system_params) if system is None else system
     job = cluster_matvec(fp, clusters=system_params.clusters, m=m, k=k)

@@ -12,6 +12,7 @@ from rdakit.hdl.spec.packets import mu_request_layout
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.bench.mu import yosys_stat
 from rdakit.sim.bench.report import Report
+from rdakit.sim.verify.runner import require_simulator_or_raise, run_cocotb
 
 __all__ = ["bench_fabric"]
 
@@ -37,8 +38,6 @@ def bench_fabric(fabric, *, simulator="verilator", quick=False, json_path=None):
     """``rdakit bench fabric`` on the fabric of ``fabric`` (keyword arguments of
     :func:`fabric_params`, JSON-able: they cross into the cocotb process): print its tables
     and, with ``json_path``, write the figures as JSON; returns the exit status."""
-    from rdakit.sim.verify.runner import require_simulator_or_raise, run_cocotb
-
     params = fabric_params(**fabric)
     report = Report("fabric")
     require_simulator_or_raise(simulator)

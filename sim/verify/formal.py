@@ -32,6 +32,9 @@ import sys
 import tempfile
 import time
 
+from amaranth.back import rtlil
+from amaranth.hdl import ClockDomain, Module
+
 __all__ = ["FormalResult", "FormalError", "run_sby", "sby_available", "SBY_COMMAND",
            "BUILD_ROOT", "ENGINES"]
 
@@ -150,9 +153,6 @@ def run_sby(harness, *, name, mode="prove", depth=10, workdir=None, timeout=None
     FormalError
         If the tools are missing or SymbiYosys fails to run.
     """
-    from amaranth.back import rtlil
-    from amaranth.hdl import ClockDomain, Module
-
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", name):
         raise TypeError(f"Name must be letters, digits, '_' and '-', not {name!r}")
     if mode not in MODES:

