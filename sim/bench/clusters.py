@@ -20,9 +20,10 @@ from rdakit.hdl.spec.isa import assemble
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.flows.e2e import SMALLEST, failure
 from rdakit.sim.flows.system import SystemRunSpec, run_system_session
-from rdakit.sim.runtime.clusters import cluster_matvec, run_system, run_system_job
+from rdakit.sim.runtime.clusters import run_system, run_system_job
 from rdakit.sim.runtime.host import AmaranthTransport, HostDriver
 from rdakit.sim.verify.amaranth_sim import simulate
+from rdakit.sim.verify.kernels import cluster_matvec
 
 __all__ = ["measure_access", "measure_matvec", "partition_rows", "measured_rows", "SCENARIOS",
            "rtl_system"]
@@ -100,7 +101,7 @@ def measure_access(system_params, *, reads=16, words=64, system=None):
 
 
 def measure_matvec(system_params, *, m=16, k=32, system=None):
-    """:func:`~rdakit.sim.runtime.clusters.cluster_matvec` over every cluster of a system, in
+    """:func:`~rdakit.sim.verify.kernels.cluster_matvec` over every cluster of a system, in
     Amaranth's simulator: y = W x with the rows of W split over every CU and x shared from
     cluster 0. Returns per-cluster run cycles, the packets over the links, whether y equals
     numpy's, and whether the shared x was freed (exactly once, by its last holder)."""
@@ -137,8 +138,8 @@ SCENARIOS = {
 def partition_rows(workloads, cluster_counts, link, *, strategies=None):
     """Rows of the cross-cluster partitioning table: per workload (default sizes), cluster
     configuration of :data:`SCENARIOS` and strategy, the estimated makespan
-    (:func:`~rdakit.compiler.partition.clusters.system_schedule`), the bytes that cross the links, the
-    work per cluster, and the makespan over round-robin's."""
+    (:func:`~rdakit.compiler.partition.clusters.system_schedule`), the bytes that cross the
+    links, the work per cluster, and the makespan over round-robin's."""
     strategies = tuple(strategies or CLUSTER_STRATEGIES)
     rows = []
     for name in workloads:

@@ -11,16 +11,13 @@ The assembly builders below are used by the RTL tests on Amaranth's simulator an
 """
 
 
-import numpy as np
 
-from rdakit.compiler.job import HostBuffer, Ref, SystemJob
+from rdakit.compiler.job import SystemJob
 from rdakit.hdl.fabric.config_loader import LoadStatus
-from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig, write_bitstream
-from rdakit.hdl.spec.isa import assemble
+from rdakit.hdl.spec.bitstream import write_bitstream
 
 __all__ = ["LOCKED_INCREMENT", "BARRIER_ROUNDS", "locked_increment", "barrier_rounds",
-           "run_system", "SystemJob", "run_system_job", "setup_buffers", "release_buffers",
-           "cluster_matvec"]
+           "run_system", "SystemJob", "run_system_job", "setup_buffers", "release_buffers"]
 
 #: Every CU runs this ``{n}`` times: take a ticket of the lock in buffer r1 (words 0 and 1),
 #: wait to be served, increment word 2 of r1 with a plain READ and VWRITE (a race without the
@@ -141,65 +138,3 @@ async def run_system_job(hosts, job, *, max_cycles=1_000_000):
     outputs = {name: await hosts[0].read_vectors(refs[name]) for name in job.outputs}
     await release_buffers(hosts, job, refs)
     return outputs, cycles, refs
-
-
-def cluster_matvec(params, *, clusters=2, m=16, k=32, seed=3, scale=100):
-    """y = W x over every CU of ``clusters`` clusters: the rows of W are split over the CUs
-    (in blocks of ``lanes``), each CU's rows in an MU of its own cluster, its part of y
-    appended there too; x is one buffer in cluster 0 shared by every CU (read remotely by the
-    other clusters), with a weight of one per CU: each CU returns it once x is in its local
-    buffer, so x is freed exactly once, by the last of them."""
-    lanes = params.cu.lanes
-    if k % lanes or m % lanes:
-        raise ValueError(f"m and k must be multiples of lanes ({lanes}), not {m} and {k}")
-    kw = k // lanes
-    if kw > params.cu.local_words:
-        raise ValueError(f"k / lanes must be at most local_words ({params.cu.local_words}), "
-                         f"not {kw}")
-    rng = np.random.default_rng(seed)
-    w = rng.integers(-scale, scale, size=(m, k), dtype=np.int64).astype(np.int32)
-    x = rng.integers(-scale, scale, size=(k,), dtype=np.int64).astype(np.int32)
-    cus = [(xy, c) for c in range(clusters) for xy in params.tiles("C")]
-    blocks = m // lanes
-    per = [blocks // len(cus) + (i < blocks % len(cus)) for i in range(len(cus))]
-    mus = params.tiles("M")
-    x_mu = (*mus[0], 0)
-    used = sum(1 for nb in per if nb)
-    buffers = [HostBuffer("x", x_mu, x.reshape(-1, lanes), weight=used, cu_returns=used)]
-    tiles = [{} for _ in range(clusters)]
-    expected, outputs = {}, []
-    row = 0
-    for i, ((xy, c), nb) in enumerate(zip(cus, per, strict=True)):
-        if nb == 0:
-            continue
-        rows = nb * lanes
-        mu = min(mus, key=lambda t: (abs(t[0] - xy[0]) + abs(t[1] - xy[1]), t[1], t[0]))
-        buffers += [HostBuffer(f"w{i}", (*mu, c), w[row:row + rows].reshape(-1, lanes)),
-                    HostBuffer(f"y{i}", (*mu, c))]
-        y = w[row:row + rows].astype(np.int64) @ x.astype(np.int64)
-        expected[f"y{i}"] = y.astype(np.int32).reshape(-1, lanes)
-        outputs.append(f"y{i}")
-        program = assemble(f"""
-            SCFG A_REF, r2
-            SCFGI A_STRIDE, 1
-            SCFGI N, {kw}
-            SCFGI D_MODE, 3          # LOCAL: x into the local buffer
-            SCFGI D_STRIDE, 1
-            SRUN PASS, r0
-            RETI r2, 1               # done with the shared x
-            SCFG A_REF, r1
-            SCFGI A_OSTRIDE, {kw}
-            SCFGI OUTER, {rows}
-            SCFGI B_MODE, 1          # LOCAL
-            SCFGI B_STRIDE, 1
-            SCFGI D_MODE, 8          # PACK_SUM
-            SCFG D_REF, r3
-            SRUN MUL, r0
-            HALT
-        """)
-        tiles[c][xy] = TileConfig(program=program,
-                                  regs={1: Ref(f"w{i}"), 2: Ref("x"), 3: Ref(f"y{i}")})
-        row += rows
-    configs = [FabricConfig(params, t) if t else None for t in tiles]
-    return SystemJob(configs, buffers, outputs, expected,
-                     description=f"{m}x{k} matrix-vector product over {clusters} clusters")

@@ -5,11 +5,11 @@ weights (:class:`~rdakit.compiler.job.Job` each, with its numpy expectation)."""
 import numpy as np
 
 from rdakit.compiler.compile import placement_fabric
-from rdakit.compiler.job import HostBuffer, Job, Ref
+from rdakit.compiler.job import HostBuffer, Job, Ref, SystemJob
 from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
 from rdakit.hdl.spec.isa import assemble
 
-__all__ = ["vector_add", "matvec", "matmul", "moe_fanout"]
+__all__ = ["vector_add", "matvec", "matmul", "moe_fanout", "cluster_matvec"]
 
 
 def _rng(seed):
@@ -65,12 +65,34 @@ def _spread_mus(params, cus):
     return placement_fabric(params).spread(cus)
 
 
-def matvec(params, *, m=64, k=64, cus=None, seed=1, scale=100):
-    """y = W x with W (m × k) and x (k) int32 (small values), rows split over ``cus`` in
-    blocks of ``lanes`` rows; each CU streams its rows of W from the MU nearest to it with x
-    in its local buffer, packing the dot products into y's vector words (PACK_SUM)."""
+def _matvec_program(kw, rows, *, return_x=False):
+    """A CU's part of y = W x: copy x (``kw`` vector words, reference in r2) to the local
+    buffer, optionally return the reference's share (``RETI``), then one PACK_SUM stream over
+    its ``rows`` rows of W (r1) into y (r3)."""
+    reti = "RETI r2, 1               # done with the shared x" if return_x else ""
+    return assemble(f"""
+        SCFG A_REF, r2
+        SCFGI A_STRIDE, 1
+        SCFGI N, {kw}
+        SCFGI D_MODE, 3          # LOCAL: x into the local buffer
+        SCFGI D_STRIDE, 1
+        SRUN PASS, r0
+        {reti}
+        SCFG A_REF, r1
+        SCFGI A_OSTRIDE, {kw}
+        SCFGI OUTER, {rows}
+        SCFGI B_MODE, 1          # LOCAL
+        SCFGI B_STRIDE, 1
+        SCFGI D_MODE, 8          # PACK_SUM
+        SCFG D_REF, r3
+        SRUN MUL, r0
+        HALT
+    """)
+
+
+def _matvec_operands(params, m, k, seed, scale):
+    """``(kw, W, x)`` of an m x k matrix-vector product, after checking the sizes fit."""
     lanes = params.cu.lanes
-    cus = cus or params.tiles("C")
     if k % lanes or m % lanes:
         raise ValueError(f"m and k must be multiples of lanes ({lanes}), not {m} and {k}")
     kw = k // lanes
@@ -80,8 +102,23 @@ def matvec(params, *, m=64, k=64, cus=None, seed=1, scale=100):
     rng = _rng(seed)
     w = rng.integers(-scale, scale, size=(m, k), dtype=np.int64).astype(np.int32)
     x = rng.integers(-scale, scale, size=(k,), dtype=np.int64).astype(np.int32)
+    return kw, w, x
+
+
+def _row_blocks(m, lanes, n):
+    """Blocks of ``lanes`` rows per unit when ``m`` rows are split over ``n`` units."""
     blocks = m // lanes
-    per = [blocks // len(cus) + (i < blocks % len(cus)) for i in range(len(cus))]
+    return [blocks // n + (i < blocks % n) for i in range(n)]
+
+
+def matvec(params, *, m=64, k=64, cus=None, seed=1, scale=100):
+    """y = W x with W (m × k) and x (k) int32 (small values), rows split over ``cus`` in
+    blocks of ``lanes`` rows; each CU streams its rows of W from the MU nearest to it with x
+    in its local buffer, packing the dot products into y's vector words (PACK_SUM)."""
+    lanes = params.cu.lanes
+    cus = cus or params.tiles("C")
+    kw, w, x = _matvec_operands(params, m, k, seed, scale)
+    per = _row_blocks(m, lanes, len(cus))
     buffers, tiles, expected, outputs = [], {}, {}, []
     row = 0
     plan = []
@@ -101,23 +138,7 @@ def matvec(params, *, m=64, k=64, cus=None, seed=1, scale=100):
         plan.append((i, cu, rows, mu))
         row += rows
     for i, cu, rows, mu in plan:
-        program = assemble(f"""
-            SCFG A_REF, r2
-            SCFGI A_STRIDE, 1
-            SCFGI N, {kw}
-            SCFGI D_MODE, 3          # LOCAL: x into the local buffer
-            SCFGI D_STRIDE, 1
-            SRUN PASS, r0
-            SCFG A_REF, r1
-            SCFGI A_OSTRIDE, {kw}
-            SCFGI OUTER, {rows}
-            SCFGI B_MODE, 1          # LOCAL
-            SCFGI B_STRIDE, 1
-            SCFGI D_MODE, 8          # PACK_SUM
-            SCFG D_REF, r3
-            SRUN MUL, r0
-            HALT
-        """)
+        program = _matvec_program(kw, rows)
         tiles[cu] = TileConfig(program=program,
                                regs={1: Ref(f"w{i}"), 2: Ref(f"x{mu}"), 3: Ref(f"y{i}")})
     return Job(FabricConfig(params, tiles), buffers, outputs, expected, macs=m * k,
@@ -246,3 +267,39 @@ def moe_fanout(params, *, n=8, producer=None, consumers=None, seed=3):
     return Job(FabricConfig(params, tiles), buffers, outputs, expected,
                cus_used=1 + len(consumers),
                description=f"MoE fan-out of {n} words to {len(consumers)} consumers")
+
+
+def cluster_matvec(params, *, clusters=2, m=16, k=32, seed=3, scale=100):
+    """y = W x over every CU of ``clusters`` clusters: the rows of W are split over the CUs
+    (in blocks of ``lanes``), each CU's rows in an MU of its own cluster, its part of y
+    appended there too; x is one buffer in cluster 0 shared by every CU (read remotely by the
+    other clusters), with a weight of one per CU: each CU returns it once x is in its local
+    buffer, so x is freed exactly once, by the last of them."""
+    lanes = params.cu.lanes
+    kw, w, x = _matvec_operands(params, m, k, seed, scale)
+    cus = [(xy, c) for c in range(clusters) for xy in params.tiles("C")]
+    per = _row_blocks(m, lanes, len(cus))
+    mus = params.tiles("M")
+    x_mu = (*mus[0], 0)
+    used = sum(1 for nb in per if nb)
+    buffers = [HostBuffer("x", x_mu, x.reshape(-1, lanes), weight=used, cu_returns=used)]
+    tiles = [{} for _ in range(clusters)]
+    expected, outputs = {}, []
+    row = 0
+    for i, ((xy, c), nb) in enumerate(zip(cus, per, strict=True)):
+        if nb == 0:
+            continue
+        rows = nb * lanes
+        mu = min(mus, key=lambda t: (abs(t[0] - xy[0]) + abs(t[1] - xy[1]), t[1], t[0]))
+        buffers += [HostBuffer(f"w{i}", (*mu, c), w[row:row + rows].reshape(-1, lanes)),
+                    HostBuffer(f"y{i}", (*mu, c))]
+        y = w[row:row + rows].astype(np.int64) @ x.astype(np.int64)
+        expected[f"y{i}"] = y.astype(np.int32).reshape(-1, lanes)
+        outputs.append(f"y{i}")
+        program = _matvec_program(kw, rows, return_x=True)
+        tiles[c][xy] = TileConfig(program=program,
+                                  regs={1: Ref(f"w{i}"), 2: Ref("x"), 3: Ref(f"y{i}")})
+        row += rows
+    configs = [FabricConfig(params, t) if t else None for t in tiles]
+    return SystemJob(configs, buffers, outputs, expected,
+                     description=f"{m}x{k} matrix-vector product over {clusters} clusters")

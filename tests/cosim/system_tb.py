@@ -13,9 +13,15 @@ from rdakit.hdl.spec.isa import assemble
 from rdakit.hdl.spec.packets import MUOp, MUStatus
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.models.mu import MUModel
-from rdakit.sim.runtime.clusters import barrier_rounds, locked_increment, run_system
+from rdakit.sim.runtime.clusters import (
+    barrier_rounds,
+    locked_increment,
+    run_system,
+    run_system_job,
+)
 from rdakit.sim.runtime.host import cocotb_host
 from rdakit.sim.verify.cocotb_utils import tb_config
+from rdakit.sim.verify.kernels import cluster_matvec
 
 
 async def setup(dut):
@@ -163,7 +169,6 @@ async def matvec_partitioned_across_clusters_bit_exact(dut):
     """y = W x with W's rows split over the 4 CUs of both clusters and x one buffer of
     cluster 0 shared by all (read remotely by cluster 1), bit-exact against numpy; x is
     freed by the last CU to return it."""
-    from rdakit.sim.runtime.clusters import cluster_matvec, run_system_job
 
     cfg, params, hosts = await setup(dut)
     job = cluster_matvec(params, clusters=2, m=cfg.get("m", 16), k=cfg.get("k", 32))
