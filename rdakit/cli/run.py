@@ -108,7 +108,8 @@ def _run(args):
         report.table(f"Tiles (iteration {last['iteration']}): utilization = busy / cycles, "
                      f"active = (busy - stall) / cycles", last["tiles"])
     best = min((r for r in rows if r["cycles"]), key=lambda r: r["cycles"], default=None)
-    for key in ("cycles", "load_cycles", "lower_bound", "utilization", "active", "noc_flits",
+    for key in ("cycles", "load_cycles", "lower_bound", "lanes_bound", "mu_bound",
+                "injection_bound", "cycles_over_bound", "utilization", "active", "noc_flits",
                 "mu_peak_words", "allocs", "frees", "leaked_buffers", "numpy", "interpreter",
                 "hw_error"):
         report.figure(key, last.get(key))

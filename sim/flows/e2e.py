@@ -137,6 +137,21 @@ def compute_bound(job):
     return lower_bound(wg, len(params.tiles("C")))
 
 
+def roofline(params, job, tiles, cycles, lower):
+    """The run's honest bounds from what it did (docs/e2e.md): ``lanes_bound``, its
+    multiply-accumulates over every lane of every CU of the fabric; ``mu_bound``, the requests
+    the busiest MU received, at one a cycle; ``injection_bound``, the flits the busiest CU
+    sent, at one a cycle; and ``cycles_over_bound``, the cycles over the largest of them and
+    ``lower`` (the run's ``lower_bound``)."""
+    lanes = params.cu.lanes * len(params.tiles("C"))
+    out = {"lanes_bound": job.macs / lanes,
+           "mu_bound": max((t.flits_in for t in tiles if t.kind == "MU"), default=0),
+           "injection_bound": max((t.flits_out for t in tiles if t.kind == "CU"), default=0)}
+    bound = max(lower, *out.values())
+    out["cycles_over_bound"] = cycles / bound if bound else None
+    return out
+
+
 def _compare(outputs, want, what):
     for name, w in want.items():
         got = outputs.get(name)
@@ -264,6 +279,7 @@ async def run_iteration(host, job, summary, *, max_cycles, on_stage=None, on_pol
         frees=int(sum(d["frees"] for d in delta.values())),
         leaked_buffers=int(sum(d["live_buffers"] for d in delta.values())),
         misrouted=bool(result.status.get("misrouted")),
+        **roofline(params, job, tiles, cycles, row["lower_bound"]),
         tiles=[t.as_json() for t in tiles])
     return row, result.counters
 

@@ -36,7 +36,15 @@ def _check_rows(rows, spec):
         assert r["cycles"] >= r["lower_bound"] > 0
         assert 0 < r["utilization"] <= 1 and r["noc_flits"] > 0 and r["mu_peak_words"] > 0
         assert not r["misrouted"]
+        # The rooflines: a CU's lanes do one MAC a cycle, an MU takes one request a cycle, a
+        # CU sends one flit a cycle; each bound is the figure of the busiest tile.
         cus = [t for t in r["tiles"] if t["kind"] == "CU"]
+        mus = [t for t in r["tiles"] if t["kind"] == "MU"]
+        assert r["mu_bound"] == max(t["flits_in"] for t in mus) > 0
+        assert r["injection_bound"] == max(t["flits_out"] for t in cus) > 0
+        assert r["cycles"] >= max(r["lanes_bound"], r["mu_bound"], r["injection_bound"])
+        assert r["cycles_over_bound"] == pytest.approx(r["cycles"] / max(
+            r["lower_bound"], r["lanes_bound"], r["mu_bound"], r["injection_bound"]))
         assert all(t["busy"] <= r["cycles"] and t["wait"] <= t["stall"] <= t["busy"]
                    for t in cus)
 
