@@ -59,9 +59,10 @@ def _row(spec, rows, scheme=None):
     else:
         out["partitioner"] = spec.partitioner
     check = next((why for why in map(failure, rows) if why), "ok")
-    out.update({k: r.get(k) for k in ("cycles", "lower_bound", "estimated_cycles",
-                                      "utilization", "noc_flits", "mu_peak_words", "allocs",
-                                      "frees", "parts", "cut")})
+    out.update({k: r.get(k) for k in ("cycles", "lower_bound", "lanes_bound", "mu_bound",
+                                      "cycles_over_bound", "estimated_cycles", "utilization",
+                                      "noc_flits", "mu_peak_words", "allocs", "frees", "parts",
+                                      "cut")})
     out["check"] = check
     return out
 

@@ -264,6 +264,8 @@ def test_bench_e2e_json_has_the_figures_per_workload_and_configuration(tmp_path,
     for r in parts + memory:
         assert r["check"] == "ok"
         assert r["cycles"] >= r["lower_bound"] > 0
+        assert r["cycles"] >= max(r["lanes_bound"], r["mu_bound"]) and r["mu_bound"] > 0
+        assert r["cycles_over_bound"] >= 1
         assert 0 < r["utilization"] <= 1
     # Reserve-and-copy holds whole buffers: never less MU memory than virtualization.
     assert memory[2]["mu_peak_words"] >= memory[0]["mu_peak_words"]
