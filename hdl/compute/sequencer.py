@@ -48,6 +48,13 @@ _MU_OP = {
 }
 
 
+#: The instructions that wait until every posted stream write is acknowledged before they
+#: act: what another CU or the host may observe after them (a token, a reference, a released
+#: lock or ticket, the CU's done) must not overtake the writes. Every other request goes to an
+#: MU over the same path as the writes to it and is served after them.
+FENCED = (Op.SEND, Op.SENDREF, Op.HALT, Op.FADD, Op.UNLOCK)
+
+
 def _tile_mask(params, kind):
     """Bit ``y << coord_bits | x`` set for every tile of ``kind`` ("C" or "M") of the grid."""
     return sum(1 << (y << params.coord_bits | x) for x, y in params.tiles(kind))
@@ -104,6 +111,8 @@ class Sequencer(wiring.Component):
         SRUN starts a stream (one cycle); a stream runs.
     stream_done, stream_error : In(1)
         The stream has finished (SRUN retires); a stream read was refused (MU_ERROR).
+    writes_pending : In(1)
+        A posted stream write is not yet acknowledged: the fences (:data:`FENCED`) wait.
     stream_acc, stream_index : In(32)
         The stream's reduction and ARGMAX index, written to ``rd`` (and ``rd + 1``) when
         SRUN retires.
@@ -144,6 +153,7 @@ class Sequencer(wiring.Component):
             "stream_active": Out(1),
             "stream_done": In(1),
             "stream_error": In(1),
+            "writes_pending": In(1),
             "stream_acc": In(32),
             "stream_index": In(32),
             "v_we": In(1),
@@ -306,7 +316,7 @@ class Sequencer(wiring.Component):
                 with m.Case(Op.NOP):
                     m.d.comb += adv.eq(1)
                 with m.Case(Op.HALT):
-                    m.d.comb += halt.eq(~out_valid)
+                    m.d.comb += halt.eq(~out_valid & ~self.writes_pending)
                 with m.Case(Op.LI):
                     write_a(rd_i, imm)
                     m.d.comb += adv.eq(1)
@@ -327,9 +337,10 @@ class Sequencer(wiring.Component):
                         m.d.comb += npc.eq(imm)
                     m.d.comb += adv.eq(1)
                 with m.Case(*_MU_OP):
+                    fence = ((op == Op.FADD) | (op == Op.UNLOCK)) & self.writes_pending
                     with m.If(~ra_is_mu):
                         fail("BAD_DESTINATION")
-                    with m.Else():
+                    with m.Elif(~fence):
                         m.d.comb += bq_go.eq(1)
                 with m.Case(Op.VSET):
                     if L == 1:
@@ -345,14 +356,14 @@ class Sequencer(wiring.Component):
                         fail("BAD_INSTRUCTION")
                     with m.Elif(~to_is_cu):
                         fail("BAD_DESTINATION")
-                    with m.Elif(out_free):
+                    with m.Elif(out_free & ~self.writes_pending):
                         m.d.comb += [out_load.eq(1), adv.eq(1)]
                 with m.Case(Op.SENDREF):
                     with m.If(~slot_ok):
                         fail("BAD_INSTRUCTION")
                     with m.Elif(~to_is_cu):
                         fail("BAD_DESTINATION")
-                    with m.Elif(out_free):
+                    with m.Elif(out_free & ~self.writes_pending):
                         m.d.comb += [out_load.eq(1), adv.eq(1)]
                 with m.Case(Op.WAIT):
                     with m.If(~channel_ok):

@@ -83,8 +83,12 @@ class StreamEngine(wiring.Component):
     step : Out(1)
         A step enters the pipeline this cycle (a response is popped).
     done : Out(1)
-        The stream has finished: every step ran and every write was acknowledged (while
-        ``active``; the sequencer retires SRUN in this cycle).
+        The stream has finished: every step ran and every write was issued (while ``active``;
+        the sequencer retires SRUN in this cycle). Writes are *posted*: their
+        acknowledgements may still be on their way.
+    writes_pending : Out(1)
+        Some write of this or an earlier stream is not yet acknowledged (the sequencer's
+        fences wait for it to fall).
     error : Out(1)
         A read was refused and the steps before it have completed (MU_ERROR).
     acc, index : Out(32)
@@ -126,6 +130,7 @@ class StreamEngine(wiring.Component):
             "v_next": Out(32 * L),
             "step": Out(1),
             "done": Out(1),
+            "writes_pending": Out(1),
             "error": Out(1),
             "acc": Out(32),
             "index": Out(32),
@@ -339,9 +344,10 @@ class StreamEngine(wiring.Component):
             with m.If(d_mode == DMode.PACK_SUM.value):
                 m.d.comb += [self.v_we.eq(1), self.v_next.eq(0)]
 
-        # Every step ran and every write was acknowledged.
-        m.d.comb += self.done.eq(in_stream & c_done & ~s1_valid & (wq.level == 0)
-                                 & (wr_pending == 0))
+        # Every step ran and every write was issued; the acknowledgements are counted on
+        # across streams (posted writes) and fenced by the sequencer.
+        m.d.comb += [self.done.eq(in_stream & c_done & ~s1_valid & (wq.level == 0)),
+                     self.writes_pending.eq(wr_pending != 0)]
 
         # Acknowledgements of the writes.
         with m.If(wr_go & ~self.ack):

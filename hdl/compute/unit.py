@@ -28,14 +28,19 @@ Stream engine (:class:`rdakit.hdl.compute.stream.StreamEngine`)
     transparent to its write port, so step ``k`` sees the write of step ``k - 1`` (the sequential
     semantics of the spec hold whatever the strides). MU writes and appends (tag 2) leave from the
     write queue with priority over reads, so a step that writes takes two request cycles; SRUN
-    retires when every step has been executed and every write acknowledged.
+    retires when every step has been executed and every write issued. Writes are posted: the
+    engine counts their acknowledgements across streams, and the instructions another CU or the
+    host could observe (SEND, SENDREF, HALT, FADD, UNLOCK: ``sequencer.FENCED``) wait until
+    every one is back. The CU's other requests reach an MU over the same path as its writes and
+    are served in order after them.
 Timing (measured with an MU attached directly, its latency 2 cycles)
     1 cycle for every non-blocking instruction, taken branches included; 5 cycles for a blocking
     MU instruction (load the request register, the MU's 2 cycles, capture, retire), 6 for ALLOC.
     SRUN takes ``N*OUTER + 8`` cycles when its results stay in the CU (one step a cycle once the
     first response is back; this needs ``outstanding`` >= 6, the round trip in reads) and
-    ``2*N*OUTER + 5`` when every result is written to an MU (two requests a step); PACK_SUM adds
-    one cycle an append and the last acknowledgement.
+    ``2*N*OUTER + 5`` when every result is written to an MU (two requests a step), of which the
+    last acknowledgement's round trip (3 cycles here) overlaps the instructions after SRUN
+    (posted writes; a fence or HALT waits for it); PACK_SUM adds one cycle an append.
 
 Readings of the spec (where it leaves a choice)
 -----------------------------------------------
@@ -65,8 +70,10 @@ Readings of the spec (where it leaves a choice)
   (writes of later stream steps may already have been applied). A refused stream read halts it
   in order: the steps before it complete, their writes acknowledged, then the CU halts at SRUN
   (as the interpreter does).
-* HALT retires once the message register is empty, so a CU that reports done has handed every
-  token and reference to the network.
+* HALT retires once the message register is empty and every posted write is acknowledged, so
+  a CU that reports done has handed every token and reference to the network and its writes
+  have landed. A refused posted write halts the CU when its acknowledgement arrives, at
+  whatever pc it has reached (compare only the code).
 * A read of ``REGS + r`` returns the current value of ``r`` (the initial value until start, the
   final value after a run); a write sets the initial value and, while the CU is not running, the
   register itself. Local-buffer writes over the bus are ignored in a cycle when a stream writes
@@ -168,6 +175,7 @@ class ComputeUnit(wiring.Component):
             eng.fields.eq(seq.fields), eng.fn.eq(seq.fn), eng.v.eq(seq.v),
             eng.start.eq(seq.stream_start), eng.active.eq(seq.stream_active),
             seq.stream_done.eq(eng.done), seq.stream_error.eq(eng.error),
+            seq.writes_pending.eq(eng.writes_pending),
             seq.stream_acc.eq(eng.acc), seq.stream_index.eq(eng.index),
             seq.v_we.eq(eng.v_we), seq.v_next.eq(eng.v_next),
         ]

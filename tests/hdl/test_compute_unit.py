@@ -688,6 +688,42 @@ def test_stream_writing_an_mu_runs_two_cycles_a_step():
     assert 2 * 32 <= long - short <= 2 * 32 + 4
 
 
+def _write_then(k_alus):
+    """Busy cycles of a 16-step stream written to an MU, then ``k_alus`` ALU instructions,
+    then HALT; and the words the MU holds when the CU is done."""
+    alus = "\n".join(["ALUI ADD, r5, r5, 1"] * k_alus)
+    program = assemble(f"""
+        SCFG A_REF, r1
+        SCFG D_REF, r2
+        {cfg(A_STRIDE=1, D_STRIDE=1, D_MODE=DMode.WRITE, N=16)}
+        SRUN ADD, r4
+        {alus}
+        HALT
+    """)
+
+    async def body(ctx, drv):
+        a = await drv.load_buffer(ctx, MU_A, np.arange(16 * LANES).reshape(-1, LANES))
+        d = await drv.load_buffer(ctx, MU_B, np.zeros((16, LANES)))
+        await drv.configure(ctx, CU0, TileConfig(program=program, regs={1: a, 2: d}))
+        await drv.run(ctx)
+        r = await drv.cu_result(ctx, CU0, read_local=False)
+        assert r.status == 1 | (7 + k_alus) << 16 and r.regs[5] == k_alus   # HALT, no error
+        return r.counters["busy_cycles"], await drv.read_buffer(ctx, MU_B, d)
+
+    return run_session(P, body, cus=[CU0])
+
+
+def test_stream_writes_are_posted_and_halt_waits_for_them():
+    # SRUN retires once its writes are issued: the instructions after it run while the
+    # acknowledgements come back (the MU's round trip), so six ALU instructions cost less
+    # than six cycles; HALT still waits for the last acknowledgement, so every word is in the
+    # MU when the CU reports done.
+    bare, written = _write_then(0)
+    six, _ = _write_then(6)
+    assert six - bare < 6, (bare, six)
+    np.testing.assert_array_equal(written, np.arange(16 * LANES).reshape(-1, LANES))
+
+
 # --- Tokens and references ------------------------------------------------------------------
 
 def test_tokens_ping_pong_between_two_cus():

@@ -122,6 +122,20 @@ def run_stream(cfg, fn, a_mem, local, *, ready_pattern=(1,), refuse=None):
                 seen["error"] = ctx.get(dut.error)
                 seen["acc"] = ctx.get(dut.acc.as_signed())
                 seen["index"] = ctx.get(dut.index)
+                # Posted writes: ``done`` may come before the acknowledgements; deliver the
+                # ones still owed and watch ``writes_pending`` until the last is back.
+                owed = [p for p in pending if p[1] == TAG_WRITE]
+                seen["owed_at_done"] = len(owed) + bool(head is not None
+                                                         and head[1] == TAG_WRITE)
+                seen["pending_trace"] = [ctx.get(dut.writes_pending)]
+                await ctx.tick()
+                ctx.set(dut.resp.valid, 0)
+                for _ in owed:
+                    seen["pending_trace"].append(ctx.get(dut.writes_pending))
+                    ctx.set(dut.ack, 1)
+                    await ctx.tick()
+                ctx.set(dut.ack, 0)
+                seen["pending_trace"].append(ctx.get(dut.writes_pending))
                 break
             if ctx.get(dut.mu_req.valid) and ctx.get(dut.mu_req.ready):
                 flit = ctx.get(dut.mu_req.payload)
@@ -230,3 +244,23 @@ def test_refused_read_raises_error_after_earlier_steps():
     seen = run_stream(cfg, fn, a_mem, local, refuse=2)
     assert seen["error"]
     assert sorted(seen["written"]) == [10, 13]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_writes_are_posted_and_counted_until_acknowledged(name):
+    """``done`` comes once every write is issued, not acknowledged: a stream that writes to an
+    MU finishes with acknowledgements still owed (the MU's latency is 2), ``writes_pending``
+    stays up until the last of them arrives and falls with it; a stream that keeps its
+    results in the CU owes none."""
+    cfg, fn = _config(name)
+    rng = np.random.default_rng(11)
+    seen = run_stream(cfg, fn, rand32(rng, (A_WORDS, LANES), bits=12),
+                      rand32(rng, (16, LANES), bits=12))
+    writes = cfg["d_mode"] in (DMode.WRITE.value, DMode.APPEND.value, DMode.PACK_SUM.value)
+    assert not seen["error"]
+    if writes:
+        assert seen["owed_at_done"] > 0
+        assert seen["pending_trace"][:-1] == [1] * (len(seen["pending_trace"]) - 1)
+    else:
+        assert seen["owed_at_done"] == 0
+    assert seen["pending_trace"][-1] == 0
