@@ -54,6 +54,11 @@ _MU_OP = {
 #: MU over the same path as the writes to it and is served after them.
 FENCED = (Op.SEND, Op.SENDREF, Op.HALT, Op.FADD, Op.UNLOCK)
 
+#: The MU instructions that are posted like stream writes: their result is only a status, so
+#: they retire once the request register takes them, with tag 2, and their acknowledgements are
+#: counted with the stream's (a refused one halts the CU with MU_ERROR when it comes back).
+POSTED = (Op.RET, Op.RETI, Op.DECREF, Op.VWRITE)
+
 
 def _tile_mask(params, kind):
     """Bit ``y << coord_bits | x`` set for every tile of ``kind`` ("C" or "M") of the grid."""
@@ -112,7 +117,10 @@ class Sequencer(wiring.Component):
     stream_done, stream_error : In(1)
         The stream has finished (SRUN retires); a stream read was refused (MU_ERROR).
     writes_pending : In(1)
-        A posted stream write is not yet acknowledged: the fences (:data:`FENCED`) wait.
+        A posted write is not yet acknowledged: the fences (:data:`FENCED`) wait.
+    posted : Out(1)
+        A posted instruction (:data:`POSTED`) handed its request over this cycle (the stream
+        engine counts its acknowledgement with the stream's writes).
     stream_acc, stream_index : In(32)
         The stream's reduction and ARGMAX index, written to ``rd`` (and ``rd + 1``) when
         SRUN retires.
@@ -154,6 +162,7 @@ class Sequencer(wiring.Component):
             "stream_done": In(1),
             "stream_error": In(1),
             "writes_pending": In(1),
+            "posted": Out(1),
             "stream_acc": In(32),
             "stream_index": In(32),
             "v_we": In(1),
@@ -273,7 +282,12 @@ class Sequencer(wiring.Component):
                 m.d.comb += bq_data.eq(rd_v)
         indexed = ((op == Op.READ) | (op == Op.VREAD) | (op == Op.VWRITE) | (op == Op.FADD)
                    | (op == Op.UNLOCK))
-        request(m, bq, p, x=self.x, y=self.y, op=bq_op, tag=TAG_BLOCKING,
+        is_posted = Signal()
+        with m.Switch(op):
+            with m.Case(*POSTED):
+                m.d.comb += is_posted.eq(1)
+        request(m, bq, p, x=self.x, y=self.y, op=bq_op,
+                tag=Mux(is_posted, TAG_WRITE, TAG_BLOCKING),
                 ref=Mux(op == Op.ALLOC, ra_v[:mp.mu_id_bits], ra_v),
                 index=Mux(indexed, rb_v, 0), data=bq_data)
         m.d.comb += self.mu_req.valid.eq(bq_go)
@@ -430,9 +444,13 @@ class Sequencer(wiring.Component):
             with m.Else():
                 fail("PC_OUT_OF_RANGE")
 
-        # The CU's request register took the blocking request: wait for its response.
+        # The CU's request register took the blocking request: wait for its response; a
+        # posted one retires at once.
         with m.If(self.mu_req.valid & self.mu_req.ready):
-            m.d.sync += state.eq(_State.WAIT)
+            with m.If(is_posted):
+                m.d.comb += [adv.eq(1), self.posted.eq(1)]
+            with m.Else():
+                m.d.sync += state.eq(_State.WAIT)
 
         # --- The stream engine: V for PACK_SUM, a refused read, SRUN retiring -----------------
         with m.If(self.v_we):

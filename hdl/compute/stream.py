@@ -87,8 +87,10 @@ class StreamEngine(wiring.Component):
         the sequencer retires SRUN in this cycle). Writes are *posted*: their
         acknowledgements may still be on their way.
     writes_pending : Out(1)
-        Some write of this or an earlier stream is not yet acknowledged (the sequencer's
-        fences wait for it to fall).
+        Some write of this or an earlier stream, or a posted request of the sequencer, is not
+        yet acknowledged (the sequencer's fences wait for it to fall).
+    posted : In(1)
+        The sequencer handed over a posted request this cycle: one more acknowledgement owed.
     error : Out(1)
         A read was refused and the steps before it have completed (MU_ERROR).
     acc, index : Out(32)
@@ -131,6 +133,7 @@ class StreamEngine(wiring.Component):
             "step": Out(1),
             "done": Out(1),
             "writes_pending": Out(1),
+            "posted": In(1),
             "error": Out(1),
             "acc": Out(32),
             "index": Out(32),
@@ -350,9 +353,12 @@ class StreamEngine(wiring.Component):
                      self.writes_pending.eq(wr_pending != 0)]
 
         # Acknowledgements of the writes.
-        with m.If(wr_go & ~self.ack):
+        # The sequencer's posted requests are counted too (they never share a cycle with a
+        # stream write: the CU's request register takes one request a cycle).
+        issued = wr_go | self.posted
+        with m.If(issued & ~self.ack):
             m.d.sync += wr_pending.eq(wr_pending + 1)
-        with m.Elif(self.ack & ~wr_go & (wr_pending != 0)):
+        with m.Elif(self.ack & ~issued & (wr_pending != 0)):
             m.d.sync += wr_pending.eq(wr_pending - 1)
 
         with m.If(self.clear):

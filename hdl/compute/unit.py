@@ -31,11 +31,13 @@ Stream engine (:class:`rdakit.hdl.compute.stream.StreamEngine`)
     retires when every step has been executed and every write issued. Writes are posted: the
     engine counts their acknowledgements across streams, and the instructions another CU or the
     host could observe (SEND, SENDREF, HALT, FADD, UNLOCK: ``sequencer.FENCED``) wait until
-    every one is back. The CU's other requests reach an MU over the same path as its writes and
-    are served in order after them.
+    every one is back. RET, RETI, DECREF and VWRITE are posted too (``sequencer.POSTED``). The
+    CU's other requests reach an MU over the same path as its writes and are served in order
+    after them.
 Timing (measured with an MU attached directly, its latency 2 cycles)
     1 cycle for every non-blocking instruction, taken branches included; 5 cycles for a blocking
-    MU instruction (load the request register, the MU's 2 cycles, capture, retire), 6 for ALLOC.
+    MU instruction (load the request register, the MU's 2 cycles, capture, retire), 6 for ALLOC,
+    1 for a posted one (RET, RETI, DECREF, VWRITE) while the request register is free.
     SRUN takes ``N*OUTER + 8`` cycles when its results stay in the CU (one step a cycle once the
     first response is back; this needs ``outstanding`` >= 6, the round trip in reads) and
     ``2*N*OUTER + 5`` when every result is written to an MU (two requests a step), of which the
@@ -175,7 +177,7 @@ class ComputeUnit(wiring.Component):
             eng.fields.eq(seq.fields), eng.fn.eq(seq.fn), eng.v.eq(seq.v),
             eng.start.eq(seq.stream_start), eng.active.eq(seq.stream_active),
             seq.stream_done.eq(eng.done), seq.stream_error.eq(eng.error),
-            seq.writes_pending.eq(eng.writes_pending),
+            seq.writes_pending.eq(eng.writes_pending), eng.posted.eq(seq.posted),
             seq.stream_acc.eq(eng.acc), seq.stream_index.eq(eng.index),
             seq.v_we.eq(eng.v_we), seq.v_next.eq(eng.v_next),
         ]

@@ -29,9 +29,11 @@ Semantics chosen where ``docs/compute-unit.md`` leaves room (the RTL must make t
   ``imm`` is compared) halts with ``PC_OUT_OF_RANGE``; an undefined opcode halts with
   ``BAD_INSTRUCTION`` when it is fetched, not when it is loaded.
 * **Reported pc**: after ``HALT``, the pc of the ``HALT``; after an error, the pc of the
-  instruction that failed (``SRUN`` for a stream), or the out-of-range pc. An overflow caused by
-  an arriving message halts the *receiver* at whatever pc it is (timing-dependent in hardware:
-  compare only the code).
+  instruction that failed (``SRUN`` for a stream), or the out-of-range pc. (The RTL posts stream
+  writes, ``RET``, ``RETI``, ``DECREF`` and ``VWRITE``: a refusal of one of them halts it at the
+  pc it has reached when the acknowledgement comes back, so compare only the code.) An
+  overflow caused by an arriving message halts the *receiver* at whatever pc it is
+  (timing-dependent in hardware: compare only the code).
 * **Register fields** are taken modulo ``regs`` (as ``r[rd+1]`` is); **lane fields** (``READ``,
   ``VSET``) modulo ``lanes``. A **channel** (``SEND``, ``WAIT``) at or past ``channels`` or a
   **mailbox slot** (``SENDREF``, ``RECV``) at or past ``mailbox`` halts the executing CU with

@@ -264,7 +264,8 @@ def test_counter_mode_incref_decref():
     ("LI r2, 1\nLI r3, 0\nVREAD r2, r3\nHALT", 2),             # slot 0 never allocated: BAD_REF
     ("ALLOC r2, r1, 1\nLI r3, 0\nREAD 0, r4, r2, r3\nHALT", 2),  # READ past the length
     ("ALLOC r2, r1, 0\nHALT", 0),                                # zero weight: BAD_REQUEST
-    ("ALLOC r2, r1, 1\nRETI r2, 2\nHALT", 1),                    # more than outstanding
+    ("ALLOC r2, r1, 1\nRETI r2, 2\nHALT", 2),                    # more than outstanding
+    # ^ RETI is posted: its refusal comes back while HALT waits for it (the pc reached)
     ("ALLOC r2, r1, 1\nRETI r2, 1\nLEN r3, r2\nHALT", 2),        # stale after the free
     ("ALLOC r2, r1, 1\nINCREF r2\nHALT", 1),                     # counter op in weighted mode
     ("ALLOC r2, r1, 1\nVAPPEND r3, r2\nLI r3, 0\nLI r5, 1\nUNLOCK r5, r2, r3\nHALT", 4),
@@ -722,6 +723,27 @@ def test_stream_writes_are_posted_and_halt_waits_for_them():
     six, _ = _write_then(6)
     assert six - bare < 6, (bare, six)
     np.testing.assert_array_equal(written, np.arange(16 * LANES).reshape(-1, LANES))
+
+
+def test_returns_are_posted():
+    # RETI retires once its request leaves (its response is only a status): four ALU
+    # instructions after it overlap the MU's round trip; the buffer is still freed by the time
+    # the CU is done (HALT waits for the acknowledgement).
+    async def body(ctx, drv):
+        busy = {}
+        for k in (0, 4, 0, 4):          # the first run of a session warms the network up
+            alus = "\n".join(["ALUI ADD, r5, r5, 1"] * k)
+            program = assemble(f"ALLOC r2, r1, 1\nRETI r2, 1\n{alus}\nHALT")
+            await drv.configure(ctx, CU0, TileConfig(program=program, regs={1: MU_A_ID}))
+            await drv.run(ctx)
+            r = await drv.cu_result(ctx, CU0, read_local=False)
+            assert r.status == 1 | (2 + k) << 16 and r.regs[5] == k
+            assert await drv.mu_buffers(ctx, MU_A) == {}
+            busy[k] = r.counters["busy_cycles"]
+        return busy
+
+    busy = run_session(P, body, cus=[CU0])
+    assert busy[4] - busy[0] < 4, busy
 
 
 # --- Tokens and references ------------------------------------------------------------------
