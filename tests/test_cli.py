@@ -54,7 +54,9 @@ def test_bench_mu_quick_json(tmp_path):
     assert data["bench"] == "mu"
     assert data["figures"]["read_throughput"] >= 0.99
     assert data["figures"]["write_throughput"] >= 0.99
-    traces = data["tables"][next(t for t in data["tables"] if t.startswith("Traces"))]
+    assert set(data["tables"]) == {"throughput", "latency", "free", "traces", "area", "figures"}
+    assert data["titles"]["traces"].startswith("Traces on a 4096-word MU")
+    traces = data["tables"]["traces"]
     virtual = {r["trace"]: r for r in traces if r["mode"] == "virtual"}
     single = {r["trace"]: r for r in traces if r["mode"] == "single"}
     for name in virtual:

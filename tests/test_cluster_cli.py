@@ -47,8 +47,8 @@ def test_bench_clusters(tmp_path):
     out = tmp_path / "clusters.json"
     assert main(["bench", "clusters", "--workloads", "mlp", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    tables = list(report["tables"].values())
-    access, matvec, parts = tables[0], tables[1][0], tables[2]
+    tables = report["tables"]
+    access, (matvec,), parts = tables["access"], tables["matvec"], tables["partitions"]
     local, remote = access
     assert remote["latency_cycles"] > local["latency_cycles"]
     assert remote["words_per_cycle"] < local["words_per_cycle"]

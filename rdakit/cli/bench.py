@@ -57,7 +57,8 @@ def _bench_noc(args):
         check_mesh_params(rows=rows, cols=cols, coord_bits=None, depth=args.depth,
                           queues="voq", counter_bits=32)
         patterns = list(PATTERNS) if args.pattern == "all" else [args.pattern]
-        structures = tuple(q.strip() for q in args.queues.split(","))
+        # Once each: every structure's tables are keyed by its name.
+        structures = tuple(dict.fromkeys(q.strip() for q in args.queues.split(",")))
         for q in structures:
             if q not in QUEUE_KINDS:
                 raise TypeError(f"queues must be a comma-separated list of "
@@ -117,7 +118,7 @@ def _bench_race(args):
     report.table(
         f"Race injection on a 2x2 fabric ({args.sim}, {args.scenarios} random scenarios a "
         f"scheme, seed {args.seed}): premature frees, leaks, messages, last use -> free",
-        table,
+        table, key="schemes",
         notes="msgs_per_scenario: reference-counting requests to the MU (each answered) plus "
               "gating tokens; extra_msgs_per_copy: the same beyond one release a holder; "
               "latency: MU cycles from the last good READ to the free; cycles: START to done.")
@@ -128,7 +129,7 @@ def _bench_race(args):
             if rs:
                 by_topology.append({"scheme": scheme, "topology": topo, "scenarios": len(rs),
                                     "premature_frees": sum(r["premature"] for r in rs)})
-    report.table("Premature frees by holder tree", by_topology)
+    report.table("Premature frees by holder tree", by_topology, key="topologies")
     for r in table:
         for key in ("premature_frees", "leaks", "double_frees", "extra_msgs_per_copy",
                     "latency_mean", "cycles_mean"):
@@ -156,14 +157,15 @@ def _bench_clusters(args):
     report.table("Remote against local access on the RTL: one CU of cluster 0 reading an MU "
                  "of its own cluster, then of cluster 1 (16 blocking READs; a 64-word stream)",
                  [{"link": link, "access": where, **access[where]}
-                  for where in ("local", "remote")])
+                  for where in ("local", "remote")], key="access")
     matvec = clusters.measure_matvec(sp, system=system)
     report.table("A matrix-vector product over every CU of every cluster on the RTL (x shared "
                  "from cluster 0, read remotely and freed by its last holder)",
-                 [{"clusters": sp.clusters, **matvec}])
+                 [{"clusters": sp.clusters, **matvec}], key="matvec")
     rows = clusters.partition_rows(workloads, (2, 4), LinkModel.of_system(sp))
     report.table("The workloads partitioned across clusters (cost-model estimates; clusters = "
-                 "each cluster's available CUs, +L an injected load of L cycles)", rows)
+                 "each cluster's available CUs, +L an injected load of L cycles)", rows,
+                 key="partitions")
     measured = []
     if args.rtl_workloads:
         with progress_bar(report.console.is_terminal) as progress:
@@ -171,7 +173,7 @@ def _bench_clusters(args):
         report.table("The workloads (smallest sizes) compiled across 2 and 4 clusters of 2x2 "
                      "and run on the RTL (links of the default width, 20 cycles): measured "
                      "cycles, the estimate, bytes the partition sends over links, packets "
-                     "that crossed them", measured)
+                     "that crossed them", measured, key="rtl_workloads")
         report.figure("failed_runs", sum(r["check"] != "ok" for r in measured))
     local, remote = access["local"], access["remote"]
     report.figure("remote_latency_ratio",
@@ -221,10 +223,10 @@ def _bench_e2e(args):
                                       progress=progress)
     report.table("Partitioners: measured cycles on the RTL beside the cost model's lower "
                  "bound (utilization = mean CU busy / cycles; vs_round_robin = cycles / the "
-                 "round-robin baseline's)", part_rows)
+                 "round-robin baseline's)", part_rows, key="partitioners")
     report.table("Memory schemes (multilevel partitioner): weighted reference counting with "
                  "partial free and virtual buffers, counter-based reference counting, "
-                 "reserve-and-copy allocation", mem_rows)
+                 "reserve-and-copy allocation", mem_rows, key="memory_schemes")
     report.figure("fabric", f"{fabric['rows']}x{fabric['cols']}")
     report.figure("simulator", args.sim)
     bad = [r for r in part_rows + mem_rows if r["check"] != "ok"]
@@ -236,7 +238,7 @@ def _bench_e2e(args):
 # --- boards -----------------------------------------------------------------------------------
 
 def _bench_boards(args):
-    boards = args.boards.split(",")
+    boards = list(dict.fromkeys(args.boards.split(",")))  # once each: tables keyed by board
     for b in boards:
         check_board(b)
     grids = [parse_grid(g, "--grids") for g in args.grids.split(",")]

@@ -50,7 +50,8 @@ def check_board(board):
 
 def _utilization_table(report, title, result, spec):
     rows = result.rows(spec.family)
-    report.table(title, rows, columns=["resource", "bel", "used", "available", "percent"])
+    report.table(title, rows, key="utilization",
+                 columns=["resource", "bel", "used", "available", "percent"])
 
 
 def _build(args):

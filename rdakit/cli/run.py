@@ -103,10 +103,10 @@ def _run(args):
                  [{k: r.get(k) for k in ("iteration", "cycles", "estimated_cycles",
                                          "lower_bound", "utilization", "parts", "cut",
                                          "noc_flits", "numpy", "interpreter")}
-                  for r in rows])
+                  for r in rows], key="iterations")
     if last["tiles"]:
         report.table(f"Tiles (iteration {last['iteration']}): utilization = busy / cycles, "
-                     f"active = (busy - stall) / cycles", last["tiles"])
+                     f"active = (busy - stall) / cycles", last["tiles"], key="tiles")
     best = min((r for r in rows if r["cycles"]), key=lambda r: r["cycles"], default=None)
     for key in ("cycles", "load_cycles", "lower_bound", "lanes_bound", "mu_bound",
                 "injection_bound", "cycles_over_bound", "utilization", "active", "noc_flits",
@@ -119,7 +119,7 @@ def _run(args):
     report.figure("workload", summary.graph)
     report.figure("fabric", f"{params.rows}x{params.cols}")
     report.figure("simulator", args.sim)
-    report.tables["iterations_full"] = rows
+    report.data("iterations_full", rows)
     report.finish(args.report)
     if args.plot and last["tiles"]:
         e2e.plot_utilization(params, last["tiles"], args.plot,
@@ -212,14 +212,14 @@ def _run_clusters(args):
     report.table("Iterations" + (" (adaptation: each cluster's measured busy time fed back "
                                  "as its load, re-partitioned and reloaded)"
                                  if spec.iterations > 1 else ""),
-                 [{k: r.get(k) for k in keys} for r in rows])
+                 [{k: r.get(k) for k in keys} for r in rows], key="iterations")
     last = rows[-1]
     for key in ("cycles", "crossing_bytes", "link_packets", "numpy", "leaked_buffers",
                 "hw_error"):
         report.figure(key, last.get(key))
     report.figure("workload", spec.workload)
     report.figure("system", f"{sp.clusters}x {fp.rows}x{fp.cols}")
-    report.tables["iterations_full"] = rows
+    report.data("iterations_full", rows)
     report.finish(args.report)
     return _verdict(report, rows, "outputs equal numpy's bit for bit on every iteration; "
                                   "every buffer of every cluster freed")

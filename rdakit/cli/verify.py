@@ -42,8 +42,9 @@ def _verify(args):
     except FormalError as e:
         raise UserError(str(e)) from None
     report = Report("verify")
-    report.table("formal proofs", rows, columns=["property", "variant", "status", "expected",
-                                                  "mode", "depth", "seconds", "failed"])
+    report.table("formal proofs", rows, key="proofs",
+                 columns=["property", "variant", "status", "expected", "mode", "depth",
+                          "seconds", "failed"])
     report.figure("properties", len(props))
     report.figure("all as expected", all(r["ok"] for r in rows))
     report.figure("seconds", round(sum(r["seconds"] for r in rows), 1))

@@ -64,7 +64,7 @@ def bench_boards(boards, *, grids, params_for, mu_words=None, root, json_path=No
                 if not res.fits:
                     break
                 largest = (bigger, res)
-        report.table(f"{spec.title}: builds", rows)
+        report.table(f"{spec.title}: builds", rows, key=f"{board}_builds")
         if largest is None:
             report.figure(f"{board}.largest_grid", None)
         else:

@@ -283,6 +283,7 @@ def run(*, quick=False, rtl=True, json_path=None, console=None):
                        "busiest_cu_steps": busiest, "interp_steps": result.steps,
                        "ratio": round(summary.estimated_cycles / busiest, 3)})
     report.table("cost model per op group: estimate (cycles) vs interpreter steps", rows,
+                 key="op_groups",
                  columns=["graph", "fabric", "op", "kinds", "work", "estimate_expected",
                           "estimate", "measured", "rel_error"],
                  notes="estimate: ceil(work / lanes) + op_overhead at the sizes of the run "
@@ -290,20 +291,22 @@ def run(*, quick=False, rtl=True, json_path=None, console=None):
                        "partitioner sees them); measured: instructions + stream steps the "
                        "interpreter ran in the op's code; rel_error = (estimate - measured) / "
                        "measured")
-    report.table("makespan: estimate vs the busiest CU's steps", totals)
+    report.table("makespan: estimate vs the busiest CU's steps", totals, key="makespan")
     a, b, fitted = fit(rows)
     coefficients, fitted_cat = fit_categories(rows)
     by_cat = collections.defaultdict(list)
     for row in rows:
         by_cat[row["category"]].append(row)
-    report.table("relative error by category (default model, then fitted per category)", [
+    categories = [
         {"category": k, "ops": len(v), "mean_abs_rel_error": round(_mape(v), 3),
          "mean_rel_error": round(float(np.mean([x["rel_error"] for x in v])), 3),
          "fitted_a": coefficients[k][0], "fitted_b": coefficients[k][1],
          "fitted_mean_abs_rel_error": round(float(np.mean(
              [abs(coefficients[k][0] * x["lanes_work"] + coefficients[k][1] * x["nodes"]
                   - x["measured"]) / x["measured"] for x in v])), 3)}
-        for k, v in sorted(by_cat.items())])
+        for k, v in sorted(by_cat.items())]
+    report.table("relative error by category (default model, then fitted per category)",
+                 categories, key="categories")
     report.figure("op_groups", len(rows))
     report.figure("mean_abs_rel_error", round(_mape(rows), 4))
     report.figure("mean_rel_error", round(float(np.mean([r["rel_error"] for r in rows])), 4))
@@ -364,11 +367,11 @@ def _rtl_figures(report, quick=False):
     coef = _nonnegative_fit(x, y)
     for r, pred in zip(rows, x @ coef, strict=True):
         r["fitted"] = int(round(pred))
-    report.table("RTL busy cycles per CU: cost model and interpreter counts", rows,
+    report.table("RTL busy cycles per CU: cost model and interpreter counts", rows, key="rtl_cus",
                  notes="fitted: a * instructions + b * stream_steps + c * round_trips "
                        "(non-negative least squares on relative error); busy cycles include "
                        "the time a CU waits for other CUs")
-    report.table("RTL runs", jobs)
+    report.table("RTL runs", jobs, key="rtl_runs")
     return {"jobs": jobs,
             "mean_abs_rel_error_vs_rtl_busy": round(float(np.mean(
                 [abs(r["rel_error"]) for r in rows])), 3),

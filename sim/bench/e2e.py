@@ -1,13 +1,13 @@
 """``rdakit bench e2e``: the workloads on the RTL fabric with every partitioner and every
 memory scheme, cycles beside the cost model's lower bound.
 
-Two tables:
+Two tables (their keys in the report JSON):
 
-* **partitioners**: MLP, decoder with KV cache and MoE on one fabric (one Verilog build), each
+* ``partitioners``: MLP, decoder with KV cache and MoE on one fabric (one Verilog build), each
   compiled by every partitioner (the seed's baselines round-robin and static, HEFT, and the
   graph partitioners), with the measured cycles, the cost model's lower bound
   (:func:`~rdakit.sim.flows.e2e.compute_bound`), CU utilization, NoC flits and MU peak memory;
-* **memory**: the same workloads compiled by the default partitioner on three fabrics that
+* ``memory_schemes``: the same workloads compiled by the default partitioner on three fabrics that
   differ only in the MU's memory scheme: weighted reference counting with partial free and
   virtualization (the default), counter-based reference counting, and reserve-and-copy
   allocation.

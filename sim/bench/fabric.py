@@ -60,7 +60,7 @@ def bench_fabric(fabric, *, simulator="verilator", quick=False, json_path=None):
         report.figure(f"{r['job']}_cus_used", r["cus_used"])
     report.figure("config_load_cycles", rows[0]["load_cycles"])
     report.table(f"Kernels on a {params.rows}x{params.cols} fabric ({params.cu.lanes} lanes, "
-                 f"{simulator}); lower bound = MACs / (lanes x CUs used)", table)
-    report.table("Area per tile type (Yosys coarse synthesis)", _cells(params))
+                 f"{simulator}); lower bound = MACs / (lanes x CUs used)", table, key="kernels")
+    report.table("Area per tile type (Yosys coarse synthesis)", _cells(params), key="area")
     report.finish(json_path)
     return 0

@@ -340,7 +340,8 @@ def bench_mu(base, *, quick=False, json_path=None):
     report = Report("mu")
     n = 256 if quick else 1024
     thr = throughput(base.replace(words=max(base.words, 2 * n)), n)
-    report.table("Sustained throughput on mapped blocks (no back-pressure)", thr)
+    report.table("Sustained throughput on mapped blocks (no back-pressure)", thr,
+                 key="throughput")
     report.figure("write_throughput", thr[0]["accepted_per_cycle"])
     report.figure("read_throughput", thr[1]["accepted_per_cycle"])
 
@@ -350,7 +351,8 @@ def bench_mu(base, *, quick=False, json_path=None):
             p = base.replace(alloc_mode=mode, refcount=rc)
             for row in latencies(p):
                 lat_rows.append({"mode": f"{mode.value}/{rc}", **row})
-    report.table("Latency of each operation (cycles from acceptance to response)", lat_rows)
+    report.table("Latency of each operation (cycles from acceptance to response)", lat_rows,
+                 key="latency")
 
     sizes = [0, 1, 2, 4, 8] if quick else [0, 1, 2, 4, 8, 16, 32, 64]
     free_rows = []
@@ -358,7 +360,8 @@ def bench_mu(base, *, quick=False, json_path=None):
         p = base.replace(alloc_mode=mode, words=max(base.words, 2 * max(sizes) *
                                                     base.block_words))
         free_rows += [{"mode": mode.value, **r} for r in free_cycles(p, sizes)]
-    report.table("Cycles to free a buffer of N blocks (latency of the last RETURN)", free_rows)
+    report.table("Cycles to free a buffer of N blocks (latency of the last RETURN)", free_rows,
+                 key="free")
 
     trace_params = base.replace(words=4096, max_buffers=64, buf_id_bits=10, weight_bits=8,
                                 max_buffer_words=None, reserve_words=base.block_words)
@@ -372,7 +375,8 @@ def bench_mu(base, *, quick=False, json_path=None):
         for mode in MODES:
             rows.append(trace_row(trace_params.replace(alloc_mode=mode), name, ops))
     report.table(f"Traces on a {trace_params.words}-word MU ({trace_params.block_words}-word "
-                 f"blocks; single mode: one MU per live buffer, run in parallel)", rows)
+                 f"blocks; single mode: one MU per live buffer, run in parallel)", rows,
+                 key="traces")
     for r in rows:
         report.figure(f"{r['trace']}_{r['mode']}_peak_utilization", r["peak_utilization"])
         report.figure(f"{r['trace']}_{r['mode']}_cycles", r["cycles"])
@@ -382,7 +386,7 @@ def bench_mu(base, *, quick=False, json_path=None):
         st = yosys_stat(MemoryUnit(base.replace(alloc_mode=mode)))
         area.append({"mode": mode.value, **st})
     report.table(f"Area (yosys coarse synthesis, {base.words} words of {base.data_bits} bits)",
-                 area)
+                 area, key="area")
     virt = area[0]
     report.figure("virtualization_extra_cells_vs_single", virt["cells"] - area[2]["cells"])
     report.figure("virtualization_extra_memory_bits_vs_single",

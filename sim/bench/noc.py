@@ -383,18 +383,20 @@ def run_bench(*, rows=4, cols=4, patterns=("uniform",), structures=("voq",), dep
                       "latency_max": p["latency_max"], "saturated": p["saturated"]}
                      for p in out["points"] if p["pattern"] == pattern]
             report.table(f"{mesh} {pattern}, {queues} queues (depth {depth}): latency (cycles) "
-                         f"vs throughput (flits/node/cycle)", rows_)
+                         f"vs throughput (flits/node/cycle)", rows_,
+                         key=f"latency_{pattern}_{queues}")
             s = summarize(out["points"], pattern)
             s["queues"] = queues
             summaries.append(s)
-    report.table(f"{mesh} summary", [
+    summary_rows = [
         {"pattern": s["pattern"], "queues": s["queues"], "limit": s["theoretical_limit"],
          "saturation": s["saturation_throughput"], "ratio": s["saturation_ratio"],
          "peak accepted": s["peak_accepted"], "zero-load latency": s["zero_load_latency"],
-         "hops+2": s["zero_load_theory"]} for s in summaries],
-        notes="saturation: accepted throughput of the highest stable rate (latency under 3x "
-              "zero-load, offered load accepted, no source overflow, measured packets "
-              "drained); limit: most loaded channel under XY routing")
+         "hops+2": s["zero_load_theory"]} for s in summaries]
+    report.table(f"{mesh} summary", summary_rows, key="summary",
+                 notes="saturation: accepted throughput of the highest stable rate (latency "
+                       "under 3x zero-load, offered load accepted, no source overflow, "
+                       "measured packets drained); limit: most loaded channel under XY routing")
     primary = next((s for s in summaries if s["queues"] == structures[0]), summaries[0])
     report.figure("mesh", mesh)
     report.figure("pattern", primary["pattern"])
@@ -423,7 +425,8 @@ def run_bench(*, rows=4, cols=4, patterns=("uniform",), structures=("voq",), dep
                 a = router_area(r)
                 area_rows.append({"queues": queues, "depth": depth, "payload": name,
                                   "flit bits": r.flit.size, **a})
-        report.table("router area (5 ports, yosys synth -flatten; stat)", area_rows)
+        report.table("router area (5 ports, yosys synth -flatten; stat)", area_rows,
+                     key="router_area")
         for row in area_rows:
             if row["payload"] == "bench":
                 report.figure(f"router_cells_{row['queues']}", row["cells"])

@@ -141,8 +141,9 @@ def run(*, quick=False, json_path=None, console=None, seed=0):
     notes = (f"balance tolerance {EPS} for multilevel, METIS and Mt-KaHyPar; the schedulers "
              f"(greedy, dqn, heft) and baselines do not target balance"
              + (f"; Mt-KaHyPar skipped: {skip}" if skip else ""))
-    report.table("partition: cut, balance and time", rows, columns=columns, notes=notes)
-    report.table("makespan on workloads (cycles, cost model)", span_rows,
+    report.table("partition: cut, balance and time", rows, key="partition", columns=columns,
+                 notes=notes)
+    report.table("makespan on workloads (cycles, cost model)", span_rows, key="makespan",
                  notes="dqn_vs_best: DQN over the best of greedy, HEFT, round-robin, static")
     if ratios:
         report.figure("multilevel_vs_metis_geomean",

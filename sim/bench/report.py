@@ -3,6 +3,7 @@
 import json
 import math
 import pathlib
+import re
 
 from rich.console import Console
 from rich.table import Table
@@ -10,26 +11,34 @@ from rich.table import Table
 __all__ = ["Report"]
 
 
+#: What a table key may be: a short snake_case identifier.
+_KEY = re.compile(r"[a-z][a-z0-9_]*")
+
+
 class Report:
-    """Collects titled tables, prints them with rich, and writes them all as one JSON file.
+    """Collects tables, prints them with rich, and writes them all as one JSON file.
 
     A bench builds one ``Report``, adds tables (each a list of row dicts with the same keys) and
-    scalar figures, and calls :meth:`finish`. The JSON holds ``{"bench": name, "figures":
-    {...}, "tables": {title: [row, ...]}}``; the keys of ``figures`` are documented per bench in
-    ``docs/benchmarks.md``.
+    scalar figures, and calls :meth:`finish`. Every table has a *key*, a snake_case identifier
+    that stays the same whatever the run (its printed *title* is prose and may name the run's
+    sizes). The JSON holds ``{"bench": name, "figures": {...}, "tables": {key: [row, ...]},
+    "titles": {key: title}}``; the keys of ``figures`` and ``tables`` are documented per bench
+    in ``docs/benchmarks.md``.
     """
 
     def __init__(self, bench, *, console=None):
         self.bench = bench
         self.figures = {}
         self.tables = {}
+        self.titles = {}
         # Wide enough for the benches' tables when the output is not a terminal.
         self.console = console or Console(width=None if Console().is_terminal else 160)
 
-    def table(self, title, rows, *, columns=None, notes=None):
-        """Print ``rows`` (a list of dicts) as a table and keep them for the JSON file."""
-        rows = [dict(r) for r in rows]
-        self.tables[title] = rows
+    def table(self, title, rows, *, key, columns=None, notes=None):
+        """Print ``rows`` (a list of dicts) as a table titled ``title`` and keep them for the
+        JSON file under ``key`` (a snake_case identifier, unique within the report)."""
+        rows = self.data(key, rows)
+        self.titles[key] = title
         columns = columns or (list(rows[0]) if rows else [])
         table = Table(title=title, title_justify="left", caption=notes, caption_justify="left")
         for c in columns:
@@ -38,6 +47,20 @@ class Report:
             table.add_row(*(_fmt(r.get(c)) for c in columns))
         self.console.print(table)
 
+    def data(self, key, rows):
+        """Keep ``rows`` (a list of dicts) for the JSON file under ``key`` without printing
+        them (a table too wide to print, e.g. every column of every iteration); returns the
+        copy kept. ``key`` is checked as :meth:`table` checks it; such a table has no title."""
+        if not isinstance(key, str) or not _KEY.fullmatch(key):
+            raise ValueError(f"table key must be a snake_case identifier ([a-z][a-z0-9_]*), "
+                             f"not {key!r}")
+        if key in self.tables:
+            raise ValueError(f"table key must be unique within the report, not {key!r} "
+                             f"(already a table of the {self.bench} report)")
+        rows = [dict(r) for r in rows]
+        self.tables[key] = rows
+        return rows
+
     def figure(self, key, value):
         """Record a headline figure (printed at :meth:`finish`)."""
         self.figures[key] = value
@@ -45,13 +68,14 @@ class Report:
     def finish(self, json_path=None):
         """Print the headline figures and write the JSON file if asked."""
         if self.figures:
-            self.table("figures", [{"figure": k, "value": v} for k, v in self.figures.items()])
+            self.table("figures", [{"figure": k, "value": v} for k, v in self.figures.items()],
+                       key="figures")
         if json_path is not None:
             path = pathlib.Path(json_path)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"bench": self.bench, "figures": self.figures,
-                                        "tables": self.tables}, indent=2, default=_jsonable)
-                            + "\n")
+                                        "tables": self.tables, "titles": self.titles},
+                                       indent=2, default=_jsonable) + "\n")
             self.console.print(f"wrote {path}")
 
 

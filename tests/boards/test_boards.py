@@ -165,6 +165,7 @@ def test_bench_search_stops_at_the_first_misfit_and_grows_the_mu(monkeypatch, tm
     data = json.loads(out.read_text())
     assert data["figures"] == {"ulx3s.largest_grid": "2x2", "ulx3s.largest_mu_words": 2048,
                                "ulx3s.fmax_mhz": 60.0, "ulx3s.meets_clock": True}
-    rows = data["tables"]["ULX3S (ECP5 85F): builds"]
+    rows = data["tables"]["ulx3s_builds"]
+    assert data["titles"]["ulx3s_builds"] == "ULX3S (ECP5 85F): builds"
     assert [r["fits"] for r in rows] == [True, True, False, True, False]
     assert rows[2]["problem"] == "does not fit: needs more"

@@ -18,7 +18,7 @@ def test_icebreaker_1x2_build_says_it_does_not_fit(tmp_path, capsys):
     assert "1x2 fabric on the iCEBreaker (iCE40 UP5K): does not fit: needs " in err
     assert "logic cells (ICESTORM_LC) of 5,280" in err
     data = json.loads(out.read_text())
-    rows = {r["bel"]: r for r in next(iter(data["tables"].values()))}
+    rows = {r["bel"]: r for r in data["tables"]["utilization"]}
     assert rows["ICESTORM_LC"]["used"] > rows["ICESTORM_LC"]["available"] == 5280
     assert rows["ICESTORM_RAM"]["available"] == 30 and rows["ICESTORM_DSP"]["available"] == 8
     assert rows["ICESTORM_SPRAM"]["available"] == 4
@@ -31,7 +31,7 @@ def test_ulx3s_1x2_build_fits_with_fmax(tmp_path):
     assert main(["board", "build", "ulx3s", "--fabric", "1x2",
                  "--build-dir", str(tmp_path / "build"), "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    rows = {r["bel"]: r for r in next(iter(data["tables"].values()))}
+    rows = {r["bel"]: r for r in data["tables"]["utilization"]}
     assert 0 < rows["TRELLIS_COMB"]["used"] < rows["TRELLIS_COMB"]["available"]
     assert rows["DP16KD"]["used"] > 0
     fig = data["figures"]

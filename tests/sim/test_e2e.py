@@ -256,8 +256,7 @@ def test_bench_e2e_json_has_the_figures_per_workload_and_configuration(tmp_path,
                "--json", str(path)])
     assert rc == 0
     data = json.loads(path.read_text())
-    tables = list(data["tables"].values())
-    parts, memory = tables[0], tables[1]
+    parts, memory = data["tables"]["partitioners"], data["tables"]["memory_schemes"]
     assert [r["partitioner"] for r in parts] == ["multilevel", "round_robin"]
     assert [r["scheme"] for r in memory] == ["weighted+virtual", "counter+virtual",
                                              "weighted+reserve"]
