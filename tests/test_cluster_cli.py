@@ -165,3 +165,10 @@ def test_measured_workloads_across_clusters():
     assert by["greedy"]["crossing_bytes"] < by["round_robin"]["crossing_bytes"]
     assert by["round_robin"]["link_packets"] > 0 and by["round_robin"]["vs_round_robin"] == 1
     assert by["greedy"]["cycles"] < by["round_robin"]["cycles"]
+
+
+@pytest.mark.parametrize("option", [["--plot", "x.png"], ["--profile"], ["--waves", "x.vcd"]])
+def test_single_fabric_outputs_are_refused_with_clusters(option, capsys):
+    assert main(["run", *MLP, "--clusters", "2", *option]) == 2
+    assert capsys.readouterr().err == ("rdakit: error: --waves, --plot and --profile are for a "
+                                       "single fabric, not with --clusters\n")

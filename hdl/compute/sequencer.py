@@ -98,6 +98,10 @@ class Sequencer(wiring.Component):
         An instruction retires (or HALT halts) this cycle.
     waiting : Out(1)
         Stalled in WAIT or RECV on another CU's token or reference.
+    fenced : Out(1)
+        A fence (:data:`FENCED`) stalled on posted writes not yet acknowledged.
+    mu_waiting : Out(1)
+        A blocking MU instruction waits for its response.
     mu_req : Out(stream.Signature(flit_layout(coord_bits, mu_request_layout(mu))))
         The blocking MU request of the instruction being executed (not registered: the CU's
         request register takes it); the sequencer waits for its response once it is taken.
@@ -151,6 +155,8 @@ class Sequencer(wiring.Component):
             "error": Out(1),
             "retire": Out(1),
             "waiting": Out(1),
+            "fenced": Out(1),
+            "mu_waiting": Out(1),
             "mu_req": Out(stream.Signature(req_flit)),
             "msg_out": Out(stream.Signature(msg_flit)),
             "msg_in": In(stream.Signature(msg_flit)),
@@ -330,7 +336,8 @@ class Sequencer(wiring.Component):
                 with m.Case(Op.NOP):
                     m.d.comb += adv.eq(1)
                 with m.Case(Op.HALT):
-                    m.d.comb += halt.eq(~out_valid & ~self.writes_pending)
+                    m.d.comb += [halt.eq(~out_valid & ~self.writes_pending),
+                                 self.fenced.eq(self.writes_pending)]
                 with m.Case(Op.LI):
                     write_a(rd_i, imm)
                     m.d.comb += adv.eq(1)
@@ -356,6 +363,8 @@ class Sequencer(wiring.Component):
                         fail("BAD_DESTINATION")
                     with m.Elif(~fence):
                         m.d.comb += bq_go.eq(1)
+                    with m.Else():
+                        m.d.comb += self.fenced.eq(1)
                 with m.Case(Op.VSET):
                     if L == 1:
                         m.d.sync += V.eq(ra_v)
@@ -372,6 +381,8 @@ class Sequencer(wiring.Component):
                         fail("BAD_DESTINATION")
                     with m.Elif(out_free & ~self.writes_pending):
                         m.d.comb += [out_load.eq(1), adv.eq(1)]
+                    with m.Elif(self.writes_pending):
+                        m.d.comb += self.fenced.eq(1)
                 with m.Case(Op.SENDREF):
                     with m.If(~slot_ok):
                         fail("BAD_INSTRUCTION")
@@ -379,6 +390,8 @@ class Sequencer(wiring.Component):
                         fail("BAD_DESTINATION")
                     with m.Elif(out_free & ~self.writes_pending):
                         m.d.comb += [out_load.eq(1), adv.eq(1)]
+                    with m.Elif(self.writes_pending):
+                        m.d.comb += self.fenced.eq(1)
                 with m.Case(Op.WAIT):
                     with m.If(~channel_ok):
                         fail("BAD_INSTRUCTION")
@@ -422,6 +435,7 @@ class Sequencer(wiring.Component):
         r0_valid = Signal()
         r0_data = Signal(32 * L)
         r0_ref = Signal(refw)
+        m.d.comb += self.mu_waiting.eq(state == _State.WAIT)
         with m.If(state == _State.WAIT):
             with m.If(r0_valid):
                 m.d.sync += r0_valid.eq(0)

@@ -82,14 +82,14 @@ Readings of the spec (where it leaves a choice)
   the local buffer. Start the CU only when the network holds no response to it.
 """
 
-from amaranth.hdl import Module, Signal
+from amaranth.hdl import Const, Module, Signal
 from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from rdakit.hdl.compute.common import TAG_BLOCKING, TAG_READ, TAG_WRITE, check_cu_tile
 from rdakit.hdl.compute.sequencer import Sequencer
 from rdakit.hdl.compute.stream import StreamEngine
-from rdakit.hdl.spec.config import CU_MAP, TILE_COUNTERS, config_bus_signature
+from rdakit.hdl.spec.config import CU_PROFILE, TILE_COUNTERS, config_bus_signature
 from rdakit.hdl.spec.flit import flit_layout
 from rdakit.hdl.spec.packets import MsgKind, MUStatus, msg_layout, mu_request_layout
 
@@ -119,16 +119,20 @@ class ComputeUnit(wiring.Component):
     msg_in : In(stream.Signature(flit_layout(coord_bits, msg_layout(mu))))
         MU responses, tokens and references; ``ready`` is constant 1.
     cfg : In(config_bus_signature())
-        Configuration space (``CU_MAP`` and ``TILE_COUNTERS``); ``rdata`` the cycle after ``re``.
+        Configuration space (``CU_MAP``, ``TILE_COUNTERS`` and ``CU_PROFILE``); ``rdata`` the
+        cycle after ``re``.
     start : In(1)
         One-cycle pulse: load the initial registers, clear tokens, mailbox, ``V`` and the stream
         fields (``OUTER`` = 1), the counters and the status, and run from pc 0 if enabled.
     done, error : Out(1)
         Not running (halted, failed or disabled); halted on an error (code in STATUS).
-    busy_cycles, stall_cycles, flits_out, flits_in, wait_cycles : Out(32)
+    busy_cycles, stall_cycles, flits_out, flits_in : Out(32)
         Cycles running; running cycles in which no instruction retired and no stream step was
-        executed; flits sent on ``req`` and ``msg_out``; flits received; stalled cycles spent
-        in WAIT or RECV (waiting for another CU). Reset by ``start``.
+        executed; flits sent on ``req`` and ``msg_out``; flits received. Reset by ``start``.
+    step_cycles, wait_cycles, fence_cycles, mu_cycles, stream_idle_cycles, instr_cycles : Out(32)
+        The profile (:data:`~rdakit.hdl.spec.config.CU_PROFILE`): each running cycle in the
+        first of these categories that applies; ``busy_cycles`` minus their sum is the rest
+        (a full message or request register). Reset by ``start``.
 
     Raises
     ------
@@ -161,7 +165,7 @@ class ComputeUnit(wiring.Component):
             "stall_cycles": Out(COUNTER_WIDTH),
             "flits_out": Out(COUNTER_WIDTH),
             "flits_in": Out(COUNTER_WIDTH),
-            "wait_cycles": Out(COUNTER_WIDTH),
+            **{name: Out(COUNTER_WIDTH) for name in CU_PROFILE},
         })
         #: The staging vector ``V`` (not a port; for testbenches).
         self.v = Signal(p.cu.data_bits, name="v")
@@ -216,14 +220,28 @@ class ComputeUnit(wiring.Component):
         m.d.sync += [
             self.busy_cycles.eq(self.busy_cycles + running),
             self.stall_cycles.eq(self.stall_cycles + (running & ~seq.retire & ~eng.step)),
-            self.wait_cycles.eq(self.wait_cycles + (running & seq.waiting)),
             self.flits_out.eq(self.flits_out + sent),
             self.flits_in.eq(self.flits_in + self.msg_in.valid),
         ]
+        # The profile (CU_PROFILE): each running cycle in the first category that applies.
+        category = {
+            "step_cycles": eng.step,
+            "wait_cycles": seq.waiting,
+            "fence_cycles": seq.fenced,
+            "mu_cycles": seq.mu_waiting,
+            "stream_idle_cycles": seq.stream_active,
+            "instr_cycles": seq.retire,
+        }
+        assert list(category) == list(CU_PROFILE)
+        taken = Const(0)
+        for name, cond in category.items():
+            counter = getattr(self, name)
+            m.d.sync += counter.eq(counter + (running & cond & ~taken))
+            taken = taken | cond
         with m.If(self.start):
             m.d.sync += [
-                self.busy_cycles.eq(0), self.stall_cycles.eq(0), self.wait_cycles.eq(0),
-                self.flits_out.eq(0), self.flits_in.eq(0),
+                self.busy_cycles.eq(0), self.stall_cycles.eq(0), self.flits_out.eq(0),
+                self.flits_in.eq(0), *(getattr(self, n).eq(0) for n in CU_PROFILE),
             ]
 
         # --- Configuration space: each part answers its addresses, 0 for the others ----------
@@ -232,11 +250,10 @@ class ComputeUnit(wiring.Component):
             m.d.comb += [part.sel.eq(cfg.sel), part.we.eq(cfg.we), part.re.eq(cfg.re),
                          part.addr.eq(cfg.addr), part.wdata.eq(cfg.wdata)]
         count = Signal(32)
-        with m.If(cfg.addr == CU_MAP.WAIT_CYCLES):
-            m.d.comb += count.eq(self.wait_cycles)
-        for name, where in TILE_COUNTERS.items():
-            with m.Elif(cfg.addr == where):
-                m.d.comb += count.eq(getattr(self, name))
+        with m.Switch(cfg.addr):
+            for name, where in {**TILE_COUNTERS, **CU_PROFILE}.items():
+                with m.Case(where):
+                    m.d.comb += count.eq(getattr(self, name))
         r_count = Signal(32)
         with m.If(cfg.sel & cfg.re):
             m.d.sync += r_count.eq(count)

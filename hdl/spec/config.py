@@ -9,8 +9,8 @@ cycle. The bitstream writer, the loader, the host driver and the docs use the ad
 from amaranth.lib import data, wiring
 from amaranth.lib.wiring import In, Out
 
-__all__ = ["config_bus_signature", "CU_MAP", "MU_MAP", "TILE_COUNTERS", "CU_STATUS_BITS",
-           "CU_STATUS", "cu_status_word", "decode_cu_status", "STATUS_BITS"]
+__all__ = ["config_bus_signature", "CU_MAP", "MU_MAP", "TILE_COUNTERS", "CU_PROFILE",
+           "CU_STATUS_BITS", "CU_STATUS", "cu_status_word", "decode_cu_status", "STATUS_BITS"]
 
 
 def config_bus_signature():
@@ -69,6 +69,29 @@ TILE_COUNTERS = {
     "stall_cycles": 0x3003,
     "flits_out": 0x3004,
     "flits_in": 0x3005,
+}
+
+#: A CU's cycle-accounting counters (read-only, reset by start), with their addresses: every
+#: cycle the CU runs is counted in exactly one category, the first that applies in this order
+#: (``docs/compute-unit.md``, Profile):
+#:
+#: ``step_cycles``: the stream engine executed a step (useful work);
+#: ``wait_cycles``: WAIT or RECV, waiting for another CU's token or reference
+#: (``CU_MAP.WAIT_CYCLES``);
+#: ``fence_cycles``: a fence (SEND, SENDREF, HALT, FADD, UNLOCK) waiting for posted writes;
+#: ``mu_cycles``: a blocking MU instruction waiting for its response;
+#: ``stream_idle_cycles``: a stream runs but executes no step (start-up, the first round trip,
+#: starvation, the tail);
+#: ``instr_cycles``: an instruction retired (scalar, SCFG, branch, message, posted request);
+#: and ``other_cycles``, what is left of ``busy_cycles`` (the message or request register
+#: busy), which the host computes.
+CU_PROFILE = {
+    "step_cycles": 0x3007,
+    "wait_cycles": CU_MAP.WAIT_CYCLES,
+    "fence_cycles": 0x3008,
+    "mu_cycles": 0x3009,
+    "stream_idle_cycles": 0x300a,
+    "instr_cycles": 0x300b,
 }
 
 #: Error codes a CU reports in STATUS bits 15:8.

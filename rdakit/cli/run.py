@@ -107,6 +107,9 @@ def _run(args):
     if last["tiles"]:
         report.table(f"Tiles (iteration {last['iteration']}): utilization = busy / cycles, "
                      f"active = (busy - stall) / cycles", last["tiles"], key="tiles")
+    if args.profile and last.get("profile"):
+        report.table(f"Profile (iteration {last['iteration']}): each CU's cycles by what it "
+                     f"was doing (docs/e2e.md)", last["profile"], key="profile")
     best = min((r for r in rows if r["cycles"]), key=lambda r: r["cycles"], default=None)
     for key in ("cycles", "load_cycles", "lower_bound", "lanes_bound", "mu_bound",
                 "injection_bound", "cycles_over_bound", "utilization", "active", "noc_flits",
@@ -125,6 +128,10 @@ def _run(args):
         e2e.plot_utilization(params, last["tiles"], args.plot,
                              title=f"{summary.graph}, {last['cycles']} cycles ({args.sim})")
         report.console.print(f"wrote {args.plot}")
+    if isinstance(args.profile, str) and last.get("profile"):
+        e2e.plot_profile(last["profile"], args.profile,
+                         title=f"{summary.graph}, {last['cycles']} cycles ({args.sim})")
+        report.console.print(f"wrote {args.profile}")
     if args.waves:
         report.console.print(f"wrote {args.waves}")
     return _verdict(report, rows, "outputs equal numpy's and the interpreter's bit for bit; "
@@ -152,8 +159,9 @@ def system_spec_from_args(args):
         raise UserError(f"--clusters runs in the built-in simulator only (--sim amaranth), not "
                         f"{args.sim}; the cocotb tests run systems on Icarus and Verilator "
                         f"(docs/clusters.md)")
-    if args.waves or args.plot:
-        raise UserError("--waves and --plot are for a single fabric, not with --clusters")
+    if args.waves or args.plot or args.profile:
+        raise UserError("--waves, --plot and --profile are for a single fabric, not with "
+                        "--clusters")
     rows, cols = parse_grid(args.fabric)
     params = fabric_from_args(args, cluster_bits=max(1, ceil_log2(n)),
                               coord_bits=max(1, ceil_log2(max(rows, n * cols))))
@@ -257,6 +265,10 @@ def register(commands):
                    help="write waveforms to FILE (VCD; FST with verilator)")
     p.add_argument("--report", metavar="FILE.json", help="write the full report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write a heatmap of tile utilization")
+    p.add_argument("--profile", nargs="?", const=True, default=None, metavar="FILE.png",
+                   help="print where each CU's cycles went (the hardware's cycle accounting: "
+                        "stream steps, waits, fences, MU round trips, stream start-up, "
+                        "instructions); with FILE.png also a stacked bar chart of it")
     p.add_argument("--adapt", type=int, metavar="N",
                    help="run N iterations; after each, feed the measured per-CU costs into "
                         "the cost model, re-partition and reload")

@@ -37,6 +37,7 @@ from rdakit.compiler.compile import compile_workload
 from rdakit.compiler.cost import CostModel, lower_bound
 from rdakit.compiler.partition import as_weighted
 from rdakit.hdl.fabric.top import Fabric
+from rdakit.hdl.spec.config import CU_PROFILE
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.models.interp import InterpreterError
 from rdakit.sim.runtime.counters import read_mu_counters, run_delta
@@ -135,6 +136,30 @@ def compute_bound(job):
     params = job.params
     wg = as_weighted(job.graph, CostModel(lanes=params.cu.lanes, op_overhead=0))
     return lower_bound(wg, len(params.tiles("C")))
+
+
+#: The categories of a CU's profile, in the order the hardware gives them priority: the names
+#: of :data:`~rdakit.hdl.spec.config.CU_PROFILE` without ``_cycles``, and ``other``.
+PROFILE_CATEGORIES = (*(n.removesuffix("_cycles") for n in CU_PROFILE), "other")
+
+
+def profile_rows(params, counters):
+    """Where each CU's cycles went (docs/e2e.md, Profile): a row per CU that ran, ``{"tile":
+    "(x, y)", "busy": cycles, <category>: cycles ...}`` with :data:`PROFILE_CATEGORIES` summing
+    to ``busy``, then a ``"total"`` row over them."""
+    rows = []
+    for xy in params.tiles("C"):
+        c = counters.get(xy, {})
+        if not c.get("busy_cycles"):
+            continue
+        row = {"tile": "({}, {})".format(*xy), "busy": c["busy_cycles"]}
+        row.update({n.removesuffix("_cycles"): c[n] for n in CU_PROFILE})
+        row["other"] = row["busy"] - sum(c[n] for n in CU_PROFILE)
+        rows.append(row)
+    if rows:
+        rows.append({"tile": "total", **{k: sum(r[k] for r in rows)
+                                         for k in ("busy", *PROFILE_CATEGORIES)}})
+    return rows
 
 
 def roofline(params, job, tiles, cycles, lower):
@@ -248,19 +273,21 @@ async def run_iteration(host, job, summary, *, max_cycles, on_stage=None, on_pol
     try:
         interp_outputs, interp_result, _ = run_job_interp(job)
         row["interpreter_instructions"] = int(sum(interp_result.instructions.values()))
+        row["interpreter_stream_steps"] = int(sum(c.stream_steps
+                                                  for c in interp_result.cus.values()))
         interp_error = None
     except InterpreterError as e:
         # The golden model refuses the job (e.g. a corrupted program): still run the RTL, whose
         # own error status is what the run reports; the comparison names the model's error.
         interp_outputs, interp_error = None, f"the interpreter failed: {e}"
-        row["interpreter_instructions"] = None
+        row["interpreter_instructions"] = row["interpreter_stream_steps"] = None
     before = await read_mu_counters(host, _MU_ROW_COUNTERS)
     try:
         result = await run_job(host, job, max_cycles=max_cycles, on_stage=stage,
                                on_poll=on_poll)
     except (JobError, TimeoutError) as e:
         row.update(cycles=None, hw_error=str(e), numpy="not run", interpreter="not run",
-                   leaked_buffers=None, tiles=[])
+                   leaked_buffers=None, tiles=[], profile=[])
         return row, None
     delta = run_delta(params, before, await read_mu_counters(host, _MU_ROW_COUNTERS))
     cycles = result.cycles
@@ -280,6 +307,7 @@ async def run_iteration(host, job, summary, *, max_cycles, on_stage=None, on_pol
         leaked_buffers=int(sum(d["live_buffers"] for d in delta.values())),
         misrouted=bool(result.status.get("misrouted")),
         **roofline(params, job, tiles, cycles, row["lower_bound"]),
+        profile=profile_rows(params, result.counters),
         tiles=[t.as_json() for t in tiles])
     return row, result.counters
 
@@ -460,6 +488,34 @@ class FileProgress:
 
 
 # --- the heatmap ------------------------------------------------------------------------------
+
+def plot_profile(profile, path, *, title=None):
+    """A PNG of :func:`profile_rows`: one stacked bar per CU (and the total, as fractions of
+    its busy cycles), a segment per category."""
+    import matplotlib  # deferred: matplotlib is optional and slow to import, only for plots
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in profile if r["tile"] != "total"]
+    labels = [r["tile"] for r in rows]
+    fig, ax = plt.subplots(figsize=(1.0 * len(rows) + 3.5, 4))
+    bottom = np.zeros(len(rows))
+    colors = matplotlib.colormaps["tab10"].colors
+    for k, (cat, color) in enumerate(zip(PROFILE_CATEGORIES, colors, strict=False)):
+        values = np.array([r[cat] for r in rows], dtype=float)
+        ax.bar(labels, values, bottom=bottom, label=cat, color=color, zorder=2 + k)
+        bottom += values
+    ax.set_xlabel("CU")
+    ax.set_ylabel("cycles")
+    ax.set_title(title or "where each CU's cycles went", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
 
 def plot_utilization(params, tiles, path, *, title=None):
     """A PNG heatmap of the tiles' utilization (busy / cycles) on the grid; MU tiles show their

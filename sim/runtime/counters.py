@@ -1,8 +1,9 @@
 """Tile counters: the one place that reads them over the host port and takes a run's share.
 
-Every tile has the :data:`~rdakit.hdl.spec.config.TILE_COUNTERS`; a CU adds ``wait_cycles`` and
-the fields of its STATUS word (:func:`~rdakit.hdl.spec.config.decode_cu_status`), an MU its
-occupancy and allocation counters (:class:`~rdakit.hdl.spec.config.MU_MAP`). They come back as
+Every tile has the :data:`~rdakit.hdl.spec.config.TILE_COUNTERS`; a CU adds its profile
+(:data:`~rdakit.hdl.spec.config.CU_PROFILE`, ``wait_cycles`` among them) and the fields of its
+STATUS word (:func:`~rdakit.hdl.spec.config.decode_cu_status`), an MU its occupancy and
+allocation counters (:class:`~rdakit.hdl.spec.config.MU_MAP`). They come back as
 ``{(x, y): {name: value}}`` (tiles as tuples; names as in the docs' report keys).
 
 A CU's counters restart at START; an MU tile's count from reset, so the counters of one run are
@@ -10,7 +11,7 @@ the MU's readings after it minus those at START (:func:`run_delta`), except occu
 which are kept as read.
 """
 
-from rdakit.hdl.spec.config import CU_MAP, MU_MAP, TILE_COUNTERS, decode_cu_status
+from rdakit.hdl.spec.config import CU_MAP, CU_PROFILE, MU_MAP, TILE_COUNTERS, decode_cu_status
 
 __all__ = ["MU_COUNTERS", "MU_CUMULATIVE", "read_counters", "read_mu_counters", "run_delta"]
 
@@ -33,7 +34,8 @@ async def read_counters(host):
             for name, addr in MU_COUNTERS.items():
                 c[name] = await host.cfg_read(x, y, addr)
         else:
-            c["wait_cycles"] = await host.cfg_read(x, y, CU_MAP.WAIT_CYCLES)
+            for name, addr in CU_PROFILE.items():
+                c[name] = await host.cfg_read(x, y, addr)
             c.update(decode_cu_status(await host.cfg_read(x, y, CU_MAP.STATUS)))
         out[(x, y)] = c
     return out

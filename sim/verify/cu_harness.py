@@ -28,6 +28,7 @@ from rdakit.hdl.memory.unit import MemoryUnit
 from rdakit.hdl.spec.bitstream import TileConfig, _tile_records
 from rdakit.hdl.spec.config import (
     CU_MAP,
+    CU_PROFILE,
     CU_STATUS_BITS,
     TILE_COUNTERS,
     config_bus_signature,
@@ -229,7 +230,7 @@ class CUResult:
 
     ``regs`` are unsigned 32-bit; ``V`` and ``local`` are ``numpy.int32`` (``local`` is
     ``None`` when it was not read); ``counters`` holds the ``TILE_COUNTERS`` and
-    ``wait_cycles``.
+    its profile (``CU_PROFILE``).
     """
 
     x: int
@@ -460,7 +461,7 @@ class HarnessDriver:
         cu = self.h.cus[self.index(cu_xy)]
         regs = await self.cfg_read(ctx, cu_xy, [CU_MAP.REGS + r for r in range(p.regs)])
         status = await self.cfg_read(ctx, cu_xy, CU_MAP.STATUS)
-        where = {**TILE_COUNTERS, "wait_cycles": CU_MAP.WAIT_CYCLES}
+        where = {**TILE_COUNTERS, **CU_PROFILE}
         counters = dict(zip(where, await self.cfg_read(ctx, cu_xy, list(where.values())),
                             strict=True))
         local = None

@@ -14,7 +14,7 @@ from conftest import rand32, relu_shift, s32, wrap32
 
 from rdakit.hdl.compute.unit import ComputeUnit
 from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
-from rdakit.hdl.spec.config import CU_MAP, CU_STATUS_BITS, TILE_COUNTERS
+from rdakit.hdl.spec.config import CU_MAP, CU_PROFILE, CU_STATUS_BITS, TILE_COUNTERS
 from rdakit.hdl.spec.isa import AluFn, BMode, DMode, Instr, Op, alu, assemble, encode
 from rdakit.hdl.spec.params import CUParams, FabricParams, MUParams
 from rdakit.sim.verify.cu_harness import CUHarness, run_program, run_session
@@ -746,6 +746,41 @@ def test_returns_are_posted():
     assert busy[4] - busy[0] < 4, busy
 
 
+def test_profile_counts_every_cycle_once():
+    # A writing stream of 8 steps, a SEND to itself right after it (a fence: the writes are
+    # posted), a WAIT for that token and a blocking LEN: every running cycle lands in exactly
+    # one CU_PROFILE category, and each category sees what the program does.
+    me = P.mu_id(*CU0)
+    program = assemble(f"""
+        SCFG A_REF, r1
+        SCFG D_REF, r2
+        {cfg(A_STRIDE=1, D_STRIDE=1, D_MODE=DMode.WRITE, N=8)}
+        SRUN ADD, r4
+        LI r5, {me}
+        SEND 0, r5, 1
+        WAIT 0, 1
+        LEN r6, r2
+        HALT
+    """)
+
+    async def body(ctx, drv):
+        a = await drv.load_buffer(ctx, MU_A, np.arange(8 * LANES).reshape(-1, LANES))
+        d = await drv.load_buffer(ctx, MU_B, np.zeros((8, LANES)))
+        await drv.configure(ctx, CU0, TileConfig(program=program, regs={1: a, 2: d}))
+        await drv.run(ctx)
+        return await drv.cu_result(ctx, CU0, read_local=False)
+
+    r = run_session(P, body, cus=[CU0])
+    c = r.counters
+    assert r.regs[6] == 8 and not r.status & 2
+    profile = {n: c[n] for n in CU_PROFILE}
+    assert sum(profile.values()) <= c["busy_cycles"]
+    assert c["busy_cycles"] - sum(profile.values()) <= 4      # "other": registers busy
+    assert c["step_cycles"] == 8
+    assert c["fence_cycles"] > 0 and c["mu_cycles"] >= 3 and c["stream_idle_cycles"] > 0
+    assert c["instr_cycles"] >= 10                            # SCFG, SRUN, LI, SEND, WAIT, ...
+
+
 # --- Tokens and references ------------------------------------------------------------------
 
 def test_tokens_ping_pong_between_two_cus():
@@ -925,9 +960,12 @@ def test_configuration_read_back_and_status():
     assert after.status == 1 | 2 << 16
     assert after.regs == (0, 3, 7, 0xffff_fffe, 0, 0, 0, 0x1234_5678)
     np.testing.assert_array_equal(after.local[[2, 15]], [[1, -2, 3, -4], [5, 6, 7, 8]])
+    # Three instructions, one a cycle: all three running cycles are "instr" in the profile.
     assert after.counters == {"busy_cycles": 3, "stall_cycles": 0, "flits_out": 0,
-                              "flits_in": 0, "wait_cycles": 0}
-    assert set(after.counters) == set(TILE_COUNTERS) | {"wait_cycles"} and cycles == 4
+                              "flits_in": 0, "step_cycles": 0, "wait_cycles": 0,
+                              "fence_cycles": 0, "mu_cycles": 0, "stream_idle_cycles": 0,
+                              "instr_cycles": 3}
+    assert set(after.counters) == set(TILE_COUNTERS) | set(CU_PROFILE) and cycles == 4
     assert again.regs[1:4] == (3, 7, 9)
 
 

@@ -12,7 +12,7 @@ from rdakit.cli import main
 from rdakit.compiler.adapt import MeasuredCostModel, measured_cost
 from rdakit.compiler.cost import CostModel
 from rdakit.sim.flows import e2e
-from rdakit.sim.flows.e2e import SMALLEST, RunSpec
+from rdakit.sim.flows.e2e import PROFILE_CATEGORIES, SMALLEST, RunSpec
 from rdakit.sim.verify.runner import SIMULATORS, require_simulator
 
 FABRIC_2X2 = {"rows": 2, "cols": 2, "prog_len": 2048}
@@ -45,6 +45,16 @@ def _check_rows(rows, spec):
         assert r["cycles"] >= max(r["lanes_bound"], r["mu_bound"], r["injection_bound"])
         assert r["cycles_over_bound"] == pytest.approx(r["cycles"] / max(
             r["lower_bound"], r["lanes_bound"], r["mu_bound"], r["injection_bound"]))
+        # The profile: each CU's categories sum to its busy cycles, and the hardware executed
+        # exactly the stream steps the interpreter did.
+        profile = {p["tile"]: p for p in r["profile"]}
+        busy = {t["tile"]: t["busy"] for t in cus if t["busy"]}
+        assert set(profile) == {*busy, "total"}
+        for tile, p in profile.items():
+            cats = [p[c] for c in PROFILE_CATEGORIES]
+            assert min(cats) >= 0 and sum(cats) == p["busy"]
+            assert tile == "total" or p["busy"] == busy[tile]
+        assert profile["total"]["step"] == r["interpreter_stream_steps"] > 0
         assert all(t["busy"] <= r["cycles"] and t["wait"] <= t["stall"] <= t["busy"]
                    for t in cus)
 
@@ -89,7 +99,11 @@ def _check_documented_keys(data):
     assert "tiles" in documented and "cycles" in documented
     row = data["tables"]["iterations_full"][0]
     assert set(documented) <= set(row), set(documented) - set(row)
-    assert set(documented) - {"tiles", "estimated_cycles"} <= set(data["figures"])
+    # Every documented key is a headline figure too, except the per-tile tables and the
+    # figures that only the iteration rows carry.
+    row_only = {"tiles", "profile", "estimated_cycles", "interpreter_instructions",
+                "interpreter_stream_steps"}
+    assert set(documented) - row_only <= set(data["figures"])
     for t in row["tiles"]:
         assert list(t) == TILE_KEYS
         assert re.fullmatch(r"\(\d+, \d+\)", t["tile"])
