@@ -43,8 +43,8 @@ SLOW = {
 
 
 #: Tests marked ``long`` (in the default suite and CI, out of the inner loop), by node id (all
-#: parametrizations), with their time in one run of the suite on a loaded 2-core machine
-#: (about twice what an idle one takes).
+#: parametrizations, or one in brackets), with their time in one run of the suite on a loaded
+#: 2-core machine (about twice what an idle one takes).
 LONG = {
     "hdl/test_host_bridge.py::test_kernel_through_the_uart_is_bit_exact": "330 s (setup)",
     "test_cli.py::test_bench_mu_quick_json": "170 s",
@@ -62,6 +62,28 @@ LONG = {
     "sim/test_e2e.py::test_bench_e2e_json_has_the_figures_per_workload_and_configuration":
         "45 s",
     "sim/test_e2e.py::test_adaptation_runs_iterations_and_learns_costs": "35 s",
+    # Measured in the inner loop on an idle 2-core machine (--durations), which took 2 min 44 s
+    # with them; the modules they cover keep faster tests in the loop.
+    # The host bridge's one simulation (a 31 s module fixture) and every test reading it; the
+    # frame parser, payload and parameter tests of the bridge stay in the loop.
+    "hdl/test_host_bridge.py::test_corrupted_frame_gets_one_error_answer": "31 s (setup)",
+    "hdl/test_host_bridge.py::test_garbage_between_frames_gets_one_sync_answer": "(fixture)",
+    "hdl/test_host_bridge.py::test_corrupted_frames_change_nothing": "(fixture)",
+    "hdl/test_host_bridge.py::test_resent_frame_is_applied_once_and_answered_alike":
+        "(fixture)",
+    "hdl/test_host_bridge.py::test_transport_resends_after_error_and_lost_answer": "(fixture)",
+    "hdl/test_host_bridge.py::test_bridge_counts_frames": "(fixture)",
+    "test_cluster_cli.py::test_run_clusters_adapts_away_from_a_loaded_cluster": "23 s",
+    # The fabric's one simulation of every job (a 13 s module fixture) and its readers; the
+    # malformed bitstream and parameter tests of the fabric stay in the loop.
+    "hdl/test_fabric.py::test_moe_shared_buffer_freed_exactly_once": "13 s (setup)",
+    "hdl/test_fabric.py::test_counters_count_work": "(fixture)",
+    "hdl/test_fabric.py::test_mu_peak_is_per_run": "(fixture)",
+    "sim/test_e2e.py::test_mismatch_exits_nonzero": "9 s",
+    "sim/test_e2e.py::test_hardware_error_exits_nonzero": "7 s",
+    "hdl/test_compute_unit.py::test_converts_to_verilog[lanes16]": "5.5 s",
+    "hdl/test_mesh.py::test_mesh_converts_to_verilog[4-4-voq]": "5.3 s",
+    "hdl/test_mesh.py::test_dual_mesh_converts_to_verilog": "4 s",
 }
 
 
@@ -77,7 +99,7 @@ def pytest_collection_modifyitems(config, items):
         nodeid = f"{rel.as_posix()}::{item.name.split('[')[0]}"
         if nodeid in SLOW or f"{rel.as_posix()}::{item.name}" in SLOW:
             item.add_marker(pytest.mark.slow)
-        if nodeid in LONG:
+        if nodeid in LONG or f"{rel.as_posix()}::{item.name}" in LONG:
             item.add_marker(pytest.mark.long)
 
 
