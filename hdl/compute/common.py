@@ -13,7 +13,7 @@ from rdakit.hdl.spec.isa import AluFn, StreamField
 from rdakit.hdl.spec.params import FabricParams
 
 __all__ = ["TAG_BLOCKING", "TAG_READ", "TAG_WRITE", "STREAM_FIELDS", "alu", "lane",
-           "request", "check_cu_tile"]
+           "request", "check_cu_tile", "bind_cu_tile"]
 
 #: Request tags: the response a blocking instruction waits for, stream reads, stream writes.
 TAG_BLOCKING = 0
@@ -47,6 +47,16 @@ def check_cu_tile(fabric_params, x, y):
     if p.kind(x, y) != "C":
         raise ValueError(f"The tile at ({x}, {y}) must be a compute unit (C), not a memory "
                          f"unit (M)")
+
+
+def bind_cu_tile(component, fabric_params, x, y):
+    """:func:`check_cu_tile`, then set ``component.fabric_params``, ``.x``, ``.y`` and
+    ``.cu_id`` (``y << coord_bits | x``); returns ``fabric_params``. The compute unit and its
+    two parts start their constructors with it."""
+    check_cu_tile(fabric_params, x, y)
+    component.fabric_params, component.x, component.y = fabric_params, x, y
+    component.cu_id = (y << fabric_params.coord_bits) | x
+    return fabric_params
 
 
 def alu(m, fn, a, b, name):

@@ -21,7 +21,7 @@ from rdakit.hdl.compute.common import (
     TAG_BLOCKING,
     TAG_WRITE,
     alu,
-    check_cu_tile,
+    bind_cu_tile,
     lane,
     request,
 )
@@ -138,12 +138,7 @@ class Sequencer(wiring.Component):
     """
 
     def __init__(self, fabric_params, *, x, y):
-        check_cu_tile(fabric_params, x, y)
-        p = fabric_params
-        self.fabric_params = p
-        self.x = x
-        self.y = y
-        self.cu_id = (y << p.coord_bits) | x
+        p = bind_cu_tile(self, fabric_params, x, y)
         L = p.cu.lanes
         cb = p.coord_bits
         req_flit = flit_layout(cb, mu_request_layout(p.mu))

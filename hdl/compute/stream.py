@@ -23,7 +23,7 @@ from rdakit.hdl.compute.common import (
     TAG_READ,
     TAG_WRITE,
     alu,
-    check_cu_tile,
+    bind_cu_tile,
     lane,
     request,
 )
@@ -111,11 +111,7 @@ class StreamEngine(wiring.Component):
     """
 
     def __init__(self, fabric_params, *, x, y):
-        check_cu_tile(fabric_params, x, y)
-        p = fabric_params
-        self.fabric_params = p
-        self.x = x
-        self.y = y
+        p = bind_cu_tile(self, fabric_params, x, y)
         L = p.cu.lanes
         req_flit = flit_layout(p.coord_bits, mu_request_layout(p.mu))
         super().__init__({

@@ -86,7 +86,7 @@ from amaranth.hdl import Const, Module, Signal
 from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
-from rdakit.hdl.compute.common import TAG_BLOCKING, TAG_READ, TAG_WRITE, check_cu_tile
+from rdakit.hdl.compute.common import TAG_BLOCKING, TAG_READ, TAG_WRITE, bind_cu_tile
 from rdakit.hdl.compute.sequencer import Sequencer
 from rdakit.hdl.compute.stream import StreamEngine
 from rdakit.hdl.spec.config import CU_PROFILE, TILE_COUNTERS, config_bus_signature
@@ -144,12 +144,7 @@ class ComputeUnit(wiring.Component):
     """
 
     def __init__(self, fabric_params, *, x, y):
-        check_cu_tile(fabric_params, x, y)
-        p = fabric_params
-        self.fabric_params = p
-        self.x = x
-        self.y = y
-        self.cu_id = (y << p.coord_bits) | x
+        p = bind_cu_tile(self, fabric_params, x, y)
         cb = p.coord_bits
         req_flit = flit_layout(cb, mu_request_layout(p.mu))
         msg_flit = flit_layout(cb, msg_layout(p.mu))
