@@ -369,17 +369,9 @@ class Sequencer(wiring.Component):
                 with m.Case(Op.VCLR):
                     m.d.sync += V.eq(0)
                     m.d.comb += adv.eq(1)
-                with m.Case(Op.SEND):
-                    with m.If(~channel_ok):
-                        fail("BAD_INSTRUCTION")
-                    with m.Elif(~to_is_cu):
-                        fail("BAD_DESTINATION")
-                    with m.Elif(out_free & ~self.writes_pending):
-                        m.d.comb += [out_load.eq(1), adv.eq(1)]
-                    with m.Elif(self.writes_pending):
-                        m.d.comb += self.fenced.eq(1)
-                with m.Case(Op.SENDREF):
-                    with m.If(~slot_ok):
+                with m.Case(Op.SEND, Op.SENDREF):
+                    # a channel (SEND) or a mailbox slot (SENDREF) that exists
+                    with m.If(~Mux(op == Op.SEND, channel_ok, slot_ok)):
                         fail("BAD_INSTRUCTION")
                     with m.Elif(~to_is_cu):
                         fail("BAD_DESTINATION")
