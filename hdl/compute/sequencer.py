@@ -283,10 +283,7 @@ class Sequencer(wiring.Component):
                 m.d.comb += bq_data.eq(rd_v)
         indexed = ((op == Op.READ) | (op == Op.VREAD) | (op == Op.VWRITE) | (op == Op.FADD)
                    | (op == Op.UNLOCK))
-        is_posted = Signal()
-        with m.Switch(op):
-            with m.Case(*POSTED):
-                m.d.comb += is_posted.eq(1)
+        is_posted = op.matches(*POSTED)
         request(m, bq, p, x=self.x, y=self.y, op=bq_op,
                 tag=Mux(is_posted, TAG_WRITE, TAG_BLOCKING),
                 ref=Mux(op == Op.ALLOC, ra_v[:mp.mu_id_bits], ra_v),
@@ -325,14 +322,14 @@ class Sequencer(wiring.Component):
                       | (sf[S.D_MODE] > _MAX_DMODE))
 
         # --- Execute --------------------------------------------------------------------------
+        fence = op.matches(*FENCED) & self.writes_pending   # a fence waits for posted writes
         waiting = self.waiting     # stalled in WAIT / RECV on another CU
         with m.If(in_run):
             with m.Switch(op):
                 with m.Case(Op.NOP):
                     m.d.comb += adv.eq(1)
                 with m.Case(Op.HALT):
-                    m.d.comb += [halt.eq(~out_valid & ~self.writes_pending),
-                                 self.fenced.eq(self.writes_pending)]
+                    m.d.comb += [halt.eq(~out_valid & ~fence), self.fenced.eq(fence)]
                 with m.Case(Op.LI):
                     write_a(rd_i, imm)
                     m.d.comb += adv.eq(1)
@@ -353,7 +350,6 @@ class Sequencer(wiring.Component):
                         m.d.comb += npc.eq(imm)
                     m.d.comb += adv.eq(1)
                 with m.Case(*_MU_OP):
-                    fence = ((op == Op.FADD) | (op == Op.UNLOCK)) & self.writes_pending
                     with m.If(~ra_is_mu):
                         fail("BAD_DESTINATION")
                     with m.Elif(~fence):
@@ -375,9 +371,9 @@ class Sequencer(wiring.Component):
                         fail("BAD_INSTRUCTION")
                     with m.Elif(~to_is_cu):
                         fail("BAD_DESTINATION")
-                    with m.Elif(out_free & ~self.writes_pending):
+                    with m.Elif(out_free & ~fence):
                         m.d.comb += [out_load.eq(1), adv.eq(1)]
-                    with m.Elif(self.writes_pending):
+                    with m.Elif(fence):
                         m.d.comb += self.fenced.eq(1)
                 with m.Case(Op.WAIT):
                     with m.If(~channel_ok):
