@@ -96,11 +96,11 @@ def pytest_collection_modifyitems(config, items):
             continue
         if rel.parts[0] == "cosim":
             item.add_marker(pytest.mark.cosim)
-        nodeid = f"{rel.as_posix()}::{item.name.split('[')[0]}"
-        if nodeid in SLOW or f"{rel.as_posix()}::{item.name}" in SLOW:
-            item.add_marker(pytest.mark.slow)
-        if nodeid in LONG or f"{rel.as_posix()}::{item.name}" in LONG:
-            item.add_marker(pytest.mark.long)
+        # A table names a test (all its parametrizations) or one parametrization.
+        ids = {f"{rel.as_posix()}::{item.name.split('[')[0]}", f"{rel.as_posix()}::{item.name}"}
+        for table, mark in ((SLOW, pytest.mark.slow), (LONG, pytest.mark.long)):
+            if ids & table.keys():
+                item.add_marker(mark)
 
 
 # --- Amaranth simulation --------------------------------------------------------------------

@@ -489,9 +489,20 @@ class FileProgress:
 
 # --- the heatmap ------------------------------------------------------------------------------
 
+def _save(fig, path):
+    """Write figure ``fig`` as a PNG at ``path`` (its folder made as needed) and close it."""
+    import matplotlib.pyplot as plt  # deferred like the plots that call this (already loaded)
+
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_profile(profile, path, *, title=None):
-    """A PNG of :func:`profile_rows`: one stacked bar per CU (and the total, as fractions of
-    its busy cycles), a segment per category."""
+    """A PNG of :func:`profile_rows`: one stacked bar per CU (the ``total`` row is left out),
+    a segment per category."""
     import matplotlib  # deferred: matplotlib is optional and slow to import, only for plots
 
     matplotlib.use("Agg")
@@ -510,11 +521,7 @@ def plot_profile(profile, path, *, title=None):
     ax.set_ylabel("cycles")
     ax.set_title(title or "where each CU's cycles went", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_utilization(params, tiles, path, *, title=None):
@@ -547,8 +554,4 @@ def plot_utilization(params, tiles, path, *, title=None):
     ax.set_ylabel("y")
     ax.set_title(title or "tile utilization (busy / cycles)", fontsize=9)
     fig.colorbar(im, ax=ax, label="CU utilization")
-    fig.tight_layout()
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)

@@ -290,7 +290,7 @@ def cluster_matvec(params, *, clusters=2, m=16, k=32, seed=3, scale=100):
         if nb == 0:
             continue
         rows = nb * lanes
-        mu = min(mus, key=lambda t: (abs(t[0] - xy[0]) + abs(t[1] - xy[1]), t[1], t[0]))
+        mu = _nearest_mu(params, xy)
         buffers += [HostBuffer(f"w{i}", (*mu, c), w[row:row + rows].reshape(-1, lanes)),
                     HostBuffer(f"y{i}", (*mu, c))]
         y = w[row:row + rows].astype(np.int64) @ x.astype(np.int64)
