@@ -7,8 +7,11 @@ cycle. A blocking MU instruction offers its request on ``mu_req`` (the CU loads 
 register) and waits for the response (tag 0), which is captured in a register and retired the
 cycle after it arrives. ``WAIT``/``RECV`` retire in the cycle the tokens or the reference are
 there; ``SEND``/``SENDREF`` retire when the message register is free. ``SRUN`` hands the stream
-to the stream engine (:mod:`rdakit.hdl.compute.stream`) and retires when it is done. See
-:mod:`rdakit.hdl.compute.unit` for the timing and the readings of the spec.
+to the stream engine (:mod:`rdakit.hdl.compute.stream`) and retires at once: the instructions
+after it run while the stream does, except those that need what the stream may still change
+(:data:`AFTER_STREAM`, and any instruction naming a register the stream's reduction will
+write), which wait until it is done. See :mod:`rdakit.hdl.compute.unit` for the timing and the
+readings of the spec.
 """
 
 from amaranth.hdl import Array, Cat, Const, Module, Mux, Signal, unsigned
@@ -59,6 +62,14 @@ FENCED = (Op.SEND, Op.SENDREF, Op.HALT, Op.FADD, Op.UNLOCK)
 #: counted with the stream's (a refused one halts the CU with MU_ERROR when it comes back).
 POSTED = (Op.RET, Op.RETI, Op.DECREF, Op.VWRITE)
 
+#: The instructions that wait until a running stream is done (SRUN retires as soon as the
+#: stream engine takes it): every MU request, so that it follows the stream's requests (the
+#: stream's writes, or its reads of a buffer the request changes, stay in program order); the
+#: fences; and what reads or writes ``V``, which PACK_SUM uses. A later SRUN waits for the
+#: engine too; any instruction naming the register (or pair, for ARGMAX) that the running
+#: stream's reduction will write waits for it (a scoreboard of one entry).
+AFTER_STREAM = (*_MU_OP, *FENCED, Op.VSET, Op.VCLR)
+
 
 def _tile_mask(params, kind):
     """Bit ``y << coord_bits | x`` set for every tile of ``kind`` ("C" or "M") of the grid."""
@@ -69,7 +80,6 @@ class _State(enum.Enum, shape=2):
     IDLE = 0     # not running: done
     RUN = 1      # executing the instruction on the program read port
     WAIT = 2     # a blocking MU request is out; waiting for its response
-    STREAM = 3   # SRUN in progress
 
 
 class Sequencer(wiring.Component):
@@ -102,6 +112,9 @@ class Sequencer(wiring.Component):
         A fence (:data:`FENCED`) stalled on posted writes not yet acknowledged.
     mu_waiting : Out(1)
         A blocking MU instruction waits for its response.
+    stream_wait : Out(1)
+        The instruction waits for the running stream (:data:`AFTER_STREAM`, a second SRUN, or
+        a register the stream's reduction will write).
     mu_req : Out(stream.Signature(flit_layout(coord_bits, mu_request_layout(mu))))
         The blocking MU request of the instruction being executed (not registered: the CU's
         request register takes it); the sequencer waits for its response once it is taken.
@@ -117,17 +130,19 @@ class Sequencer(wiring.Component):
     v : Out(data_bits)
         The staging vector ``V``.
     stream_start, stream_active : Out(1)
-        SRUN starts a stream (one cycle); a stream runs.
+        SRUN starts a stream (one cycle; SRUN retires); a stream runs (from the next cycle
+        until ``stream_done``).
     stream_done, stream_error : In(1)
-        The stream has finished (SRUN retires); a stream read was refused (MU_ERROR).
+        The stream has finished; a stream read was refused (MU_ERROR, reported at the SRUN's
+        pc).
     writes_pending : In(1)
         A posted write is not yet acknowledged: the fences (:data:`FENCED`) wait.
     posted : Out(1)
         A posted instruction (:data:`POSTED`) handed its request over this cycle (the stream
         engine counts its acknowledgement with the stream's writes).
     stream_acc, stream_index : In(32)
-        The stream's reduction and ARGMAX index, written to ``rd`` (and ``rd + 1``) when
-        SRUN retires.
+        The stream's reduction and ARGMAX index, written to SRUN's ``rd`` (and ``rd + 1``) when
+        the stream is done.
     v_we : In(1), v_next : In(data_bits)
         Load ``V`` with ``v_next`` (the stream engine's PACK_SUM).
 
@@ -152,6 +167,7 @@ class Sequencer(wiring.Component):
             "waiting": Out(1),
             "fenced": Out(1),
             "mu_waiting": Out(1),
+            "stream_wait": Out(1),
             "mu_req": Out(stream.Signature(req_flit)),
             "msg_out": Out(stream.Signature(msg_flit)),
             "msg_in": In(stream.Signature(msg_flit)),
@@ -205,13 +221,18 @@ class Sequencer(wiring.Component):
         state = Signal(_State)
         running = state != _State.IDLE
         in_run = state == _State.RUN
-        in_stream = state == _State.STREAM
         enabled = Signal()
         pc = Signal(16)
         err = Signal()
         code = Signal(8)
+        # The stream handed to the engine: running, the register(s) its reduction writes when
+        # it is done (the scoreboard), and its SRUN's pc (where a refused read is reported).
+        s_busy = Signal()
+        s_rd = Signal(rbits)
+        s_writes = Signal(2)      # bit 0: rd, bit 1: rd + 1 (ARGMAX)
+        s_pc = Signal(16)
         m.d.comb += [self.done.eq(~running), self.error.eq(err),
-                     self.stream_active.eq(in_stream)]
+                     self.stream_active.eq(s_busy)]
 
         # The message register: valid never depends on ready.
         msg_flit = self.msg_out.payload.shape()
@@ -240,6 +261,7 @@ class Sequencer(wiring.Component):
         # Register file write ports (rd and rd + 1) and sequencer outcomes.
         wa_en, wa_idx, wa_data = Signal(), Signal(rbits), Signal(32)
         wb_en, wb_idx, wb_data = Signal(), Signal(rbits), Signal(32)
+        wc_en, wd_en = Signal(), Signal()     # the stream's reduction: rd, rd + 1
         npc = Signal(33)
         adv = Signal()        # the instruction retires; fetch npc
         halt = Signal()
@@ -322,9 +344,23 @@ class Sequencer(wiring.Component):
                       | (sf[S.D_MODE] > _MAX_DMODE))
 
         # --- Execute --------------------------------------------------------------------------
+        with m.If(self.stream_done):
+            m.d.sync += [s_busy.eq(0), s_writes.eq(0)]
         fence = op.matches(*FENCED) & self.writes_pending   # a fence waits for posted writes
         waiting = self.waiting     # stalled in WAIT / RECV on another CU
-        with m.If(in_run):
+        # The running stream: in the cycle it is done its writes have all been issued and V is
+        # final, but its reduction reaches the registers only at the end of that cycle.
+        s_rd1 = Signal(rbits)
+        m.d.comb += s_rd1.eq(s_rd + 1)
+        names = [rd_i, rd1_i, ra_i, rb_i]
+        reg_hazard = ((s_writes[0] & Cat(r == s_rd for r in names).any())
+                      | (s_writes[1] & Cat(r == s_rd1 for r in names).any()))
+        after_stream = Mux(op == Op.SRUN, ~self.stream_done,
+                           op.matches(*AFTER_STREAM) & ~self.stream_done
+                           | reg_hazard)
+        with m.If(in_run & s_busy & after_stream):
+            m.d.comb += self.stream_wait.eq(1)
+        with m.Elif(in_run):
             with m.Switch(op):
                 with m.Case(Op.NOP):
                     m.d.comb += adv.eq(1)
@@ -403,8 +439,13 @@ class Sequencer(wiring.Component):
                     with m.Elif(~stream_to_mu):
                         fail("BAD_DESTINATION")
                     with m.Else():
-                        m.d.comb += srun_go.eq(1)
-                        m.d.sync += state.eq(_State.STREAM)
+                        m.d.comb += [srun_go.eq(1), adv.eq(1)]
+                        reduces = sf[S.D_MODE].matches(DMode.SUM.value, DMode.MAX.value,
+                                                       DMode.ARGMAX.value)
+                        m.d.sync += [
+                            s_busy.eq(1), s_rd.eq(rd_i), s_pc.eq(pc),
+                            s_writes.eq(Cat(reduces, sf[S.D_MODE] == DMode.ARGMAX.value)),
+                        ]
                 with m.Case(Op.SELF):
                     write_a(rd_i, self.cu_id)
                     m.d.comb += adv.eq(1)
@@ -454,15 +495,9 @@ class Sequencer(wiring.Component):
             m.d.sync += V.eq(self.v_next)
         with m.If(self.stream_error):
             fail("MU_ERROR")
-        d_mode = sf[S.D_MODE]
-        with m.If(self.stream_done):
-            m.d.comb += adv.eq(1)
-            with m.Switch(d_mode):
-                with m.Case(DMode.SUM.value, DMode.MAX.value):
-                    write_a(rd_i, self.stream_acc)
-                with m.Case(DMode.ARGMAX.value):
-                    write_a(rd_i, self.stream_acc)
-                    write_b(rd1_i, self.stream_index)
+        # (A stream's end comes before the execute block's SRUN, which may start the next.)
+        m.d.comb += [wc_en.eq(self.stream_done & s_writes[0]),
+                     wd_en.eq(self.stream_done & s_writes[1])]
 
         # --- Incoming messages ----------------------------------------------------------------
         fin = self.msg_in.payload
@@ -519,12 +554,19 @@ class Sequencer(wiring.Component):
                 m.d.sync += r.eq(wa_data)
             with m.If(wb_en & (wb_idx == i)):
                 m.d.sync += r.eq(wb_data)
+            # (an instruction naming the stream's registers waits, so these never collide)
+            with m.If(wc_en & (s_rd == i)):
+                m.d.sync += r.eq(self.stream_acc)
+            with m.If(wd_en & (s_rd1 == i)):
+                m.d.sync += r.eq(self.stream_index)
 
         # --- Errors ---------------------------------------------------------------------------
         with m.If(running & ((seq_err != 0) | (msg_err != 0))):
-            m.d.sync += [state.eq(_State.IDLE), err.eq(1),
+            m.d.sync += [state.eq(_State.IDLE), err.eq(1), s_busy.eq(0),
                          code.eq(Mux(seq_err != 0, seq_err, msg_err))]
-            with m.If(seq_err == codes["PC_OUT_OF_RANGE"]):
+            with m.If(self.stream_error):
+                m.d.sync += pc.eq(s_pc)
+            with m.Elif(seq_err == codes["PC_OUT_OF_RANGE"]):
                 m.d.sync += pc.eq(npc)
 
         # --- Start (overrides everything above) -----------------------------------------------
@@ -533,7 +575,8 @@ class Sequencer(wiring.Component):
                 *[r.eq(i) for r, i in zip(regs, init_regs, strict=True)],
                 *[t.eq(0) for t in tokens], *[f.eq(0) for f in mb_full],
                 *[s.eq(int(f is S.OUTER)) for f, s in sf.items()],
-                V.eq(0), r0_valid.eq(0), err.eq(0), code.eq(0), pc.eq(0),
+                V.eq(0), r0_valid.eq(0), err.eq(0), code.eq(0), pc.eq(0), s_busy.eq(0),
+                s_writes.eq(0),
             ]
             m.d.comb += [prog_r.addr.eq(0), prog_r.en.eq(1)]
             with m.If(enabled):

@@ -58,15 +58,17 @@ class StreamEngine(wiring.Component):
     Members
     -------
     fields : In(STREAM_FIELDS)
-        The stream configuration (``StreamField``); held while ``active``.
+        The stream configuration (``StreamField``), taken at ``start``: the sequencer may
+        configure the next stream while this one runs.
     fn : In(4)
-        The lanes' ALU function (SRUN's ``fn``); held while ``active``.
+        The lanes' ALU function (SRUN's ``fn``), taken at ``start``.
     start : In(1)
         One-cycle pulse: a stream starts (the walk, the reductions and, for PACK_SUM, ``V`` are
-        reset). ``active`` rises the next cycle.
+        reset). ``active`` is high from the next cycle until ``done``. It may come in the cycle
+        of the previous stream's ``done``.
     active : In(1)
-        A stream runs (the CU is in SRUN). While it is low, stale read responses and queued
-        writes are dropped and nothing is issued.
+        A stream runs (handed over by SRUN and not yet done). While it is low, stale read
+        responses and queued writes are dropped and nothing is issued.
     clear : In(1)
         One-cycle pulse (the CU's start): forget outstanding reads and unacknowledged writes.
     mu_req : Out(stream.Signature(flit_layout(coord_bits, mu_request_layout(mu))))
@@ -142,9 +144,14 @@ class StreamEngine(wiring.Component):
         L = cp.lanes
         lbits = exact_log2(L)
         wbits = exact_log2(cp.local_words)
-        sf = self.fields
-        in_stream = self.active
         m = Module()
+        # The stream's configuration, taken when it starts (``start`` reads ``fields`` itself).
+        sf_in = self.fields
+        sf = Signal(STREAM_FIELDS)
+        fn = Signal.like(self.fn)
+        with m.If(self.start):
+            m.d.sync += [sf.eq(sf_in), fn.eq(self.fn)]
+        in_stream = self.active
 
         # --- Storage ------------------------------------------------------------------------
         m.submodules.local = local = memory.Memory(shape=unsigned(32 * L),
@@ -264,7 +271,7 @@ class StreamEngine(wiring.Component):
         for i in range(L):
             a = s1_a.word_select(i, 32)
             b = b_word.word_select(i, 32)
-            f = alu(m, self.fn, a, b, f"lane{i}_alu")
+            f = alu(m, fn, a, b, f"lane{i}_alu")
             sh = Signal(32, name=f"lane{i}_shifted")
             m.d.comb += sh.eq(f.as_signed() >> shift)
             r = Signal(32, name=f"lane{i}_result")
@@ -332,15 +339,15 @@ class StreamEngine(wiring.Component):
 
         # A stream starts: reset the walk, the reductions (and V for PACK_SUM).
         with m.If(self.start):
-            is_max = (d_mode == DMode.MAX.value) | (d_mode == DMode.ARGMAX.value)
+            is_max = sf_in.d_mode.matches(DMode.MAX.value, DMode.ARGMAX.value)
             m.d.sync += [
-                iss_o.eq(0), iss_i.eq(0), iss_row.eq(sf.a_base), iss_idx.eq(sf.a_base),
+                iss_o.eq(0), iss_i.eq(0), iss_row.eq(sf_in.a_base), iss_idx.eq(sf_in.a_base),
                 iss_done.eq(0), credits.eq(0), fault.eq(0),
                 c_o.eq(0), c_i.eq(0), c_k.eq(0), c_done.eq(0),
-                b_row.eq(sf.b_val), b_idx.eq(sf.b_val), d_idx.eq(sf.d_base),
+                b_row.eq(sf_in.b_val), b_idx.eq(sf_in.b_val), d_idx.eq(sf_in.d_base),
                 red_acc.eq(Mux(is_max, 1 << 31, 0)), red_idx.eq(0), pack_acc.eq(0),
             ]
-            with m.If(d_mode == DMode.PACK_SUM.value):
+            with m.If(sf_in.d_mode == DMode.PACK_SUM.value):
                 m.d.comb += [self.v_we.eq(1), self.v_next.eq(0)]
 
         # Every step ran and every write was issued; the acknowledgements are counted on

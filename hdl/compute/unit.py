@@ -27,8 +27,8 @@ Stream engine (:class:`rdakit.hdl.compute.stream.StreamEngine`)
     ``V`` for PACK_SUM, or a write queue for MU writes and appends). The local buffer read ports are
     transparent to its write port, so step ``k`` sees the write of step ``k - 1`` (the sequential
     semantics of the spec hold whatever the strides). MU writes and appends (tag 2) leave from the
-    write queue with priority over reads, so a step that writes takes two request cycles; SRUN
-    retires when every step has been executed and every write issued. Writes are posted: the
+    write queue with priority over reads, so a step that writes takes two request cycles; the
+    stream is done when every step has been executed and every write issued. Writes are posted: the
     engine counts their acknowledgements across streams, and the instructions another CU or the
     host could observe (SEND, SENDREF, HALT, FADD, UNLOCK: ``sequencer.FENCED``) wait until
     every one is back. RET, RETI, DECREF and VWRITE are posted too (``sequencer.POSTED``). The
@@ -38,11 +38,14 @@ Timing (measured with an MU attached directly, its latency 2 cycles)
     1 cycle for every non-blocking instruction, taken branches included; 5 cycles for a blocking
     MU instruction (load the request register, the MU's 2 cycles, capture, retire), 6 for ALLOC,
     1 for a posted one (RET, RETI, DECREF, VWRITE) while the request register is free.
-    SRUN takes ``N*OUTER + 8`` cycles when its results stay in the CU (one step a cycle once the
-    first response is back; this needs ``outstanding`` >= 6, the round trip in reads) and
-    ``2*N*OUTER + 5`` when every result is written to an MU (two requests a step), of which the
-    last acknowledgement's round trip (3 cycles here) overlaps the instructions after SRUN
-    (posted writes; a fence or HALT waits for it); PACK_SUM adds one cycle an append.
+    SRUN itself takes 1 cycle: the stream runs beside the instructions after it, and takes
+    ``N*OUTER + 7`` cycles when its results stay in the CU (one step a cycle once the first
+    response is back; this needs ``outstanding`` >= 6, the round trip in reads) and about
+    ``2*N*OUTER + 4`` when every result is written to an MU (two requests a step); the last
+    acknowledgement's round trip (3 cycles here) overlaps what follows too (posted writes; a
+    fence or HALT waits for it); PACK_SUM adds one cycle an append. An instruction of
+    ``sequencer.AFTER_STREAM``, a second SRUN, or one naming a register of the stream's
+    reduction waits for the stream to be done.
 
 Readings of the spec (where it leaves a choice)
 -----------------------------------------------
@@ -53,13 +56,14 @@ Readings of the spec (where it leaves a choice)
   ``aux >= mailbox`` halt with BAD_INSTRUCTION. An incoming token or reference for a channel or
   slot that does not exist is dropped.
 * STATUS ``pc`` is the pc of the instruction that halted (HALT, or the instruction that failed,
-  or the one executing when a message error arrived); for PC_OUT_OF_RANGE it is the pc that left
+  the SRUN of a stream whose read was refused, or the one executing when a message error
+  arrived); for PC_OUT_OF_RANGE it is the pc that left
   the program memory (its low 16 bits). Program words never written read as 0 (NOP).
 * ``SHIFT`` is taken modulo 32, like the ALU's shifts; ``POST`` bit 0 selects ReLU, the other
   bits are ignored.
 * ``B_MODE`` above 2 or ``D_MODE`` above 8 is BAD_STREAM, like ``N = 0`` or ``OUTER = 0``.
 * PACK_SUM clears ``V`` when the stream starts and after every append, so the unused lanes of the
-  last, partial word are 0 and ``V`` is 0 when SRUN retires. SRUN leaves ``rd`` unchanged for
+  last, partial word are 0 and ``V`` is 0 when the stream is done. SRUN leaves ``rd`` unchanged for
   D modes other than SUM, MAX and ARGMAX.
 * MU indices (``READ``'s ``rb``, stream word indices) are truncated to ``index_bits``; a reference
   in a register is ``{mu, buf}`` in its low bits; a token count and a reference's weight are the
@@ -70,8 +74,9 @@ Readings of the spec (where it leaves a choice)
   run (halted, failed, disabled) are dropped.
 * MU_ERROR: a refused blocking request or stream write halts the CU when the response arrives
   (writes of later stream steps may already have been applied). A refused stream read halts it
-  in order: the steps before it complete, their writes acknowledged, then the CU halts at SRUN
-  (as the interpreter does).
+  in order: the steps before it complete, their writes acknowledged, then the CU halts with
+  STATUS pc at the SRUN (as the interpreter does; the instructions after SRUN that did not wait
+  for the stream have run).
 * HALT retires once the message register is empty and every posted write is acknowledged, so
   a CU that reports done has handed every token and reference to the network and its writes
   have landed. A refused posted write halts the CU when its acknowledgement arrives, at
@@ -182,8 +187,9 @@ class ComputeUnit(wiring.Component):
         ]
         wiring.connect(m, seq.msg_out, wiring.flipped(self.msg_out))
 
-        # The request register: valid never depends on ready. A blocking request (RUN) and the
-        # stream's requests (STREAM) never compete; the blocking one would win.
+        # The request register: valid never depends on ready. The sequencer's requests wait for a
+        # running stream to be done (AFTER_STREAM), so the two never compete; the sequencer's
+        # would win.
         req_flit = self.req.payload.shape()
         rq_valid = Signal()
         rq = Signal(req_flit)
@@ -224,7 +230,7 @@ class ComputeUnit(wiring.Component):
             "wait_cycles": seq.waiting,
             "fence_cycles": seq.fenced,
             "mu_cycles": seq.mu_waiting,
-            "stream_idle_cycles": seq.stream_active,
+            "stream_idle_cycles": seq.stream_wait,
             "instr_cycles": seq.retire,
         }
         assert list(category) == list(CU_PROFILE)

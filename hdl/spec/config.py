@@ -80,8 +80,9 @@ TILE_COUNTERS = {
 #: (``CU_MAP.WAIT_CYCLES``);
 #: ``fence_cycles``: a fence (SEND, SENDREF, HALT, FADD, UNLOCK) waiting for posted writes;
 #: ``mu_cycles``: a blocking MU instruction waiting for its response;
-#: ``stream_idle_cycles``: a stream runs but executes no step (start-up, the first round trip,
-#: starvation, the tail);
+#: ``stream_idle_cycles``: the sequencer waits for the running stream (a second SRUN, an MU
+#: request, V or a register of its reduction: ``AFTER_STREAM``) and the stream executes no step
+#: (its start-up, the first round trip, starvation, the tail);
 #: ``instr_cycles``: an instruction retired (scalar, SCFG, branch, message, posted request);
 #: and ``other_cycles``, what is left of ``busy_cycles`` (the message or request register
 #: busy), which the host computes.

@@ -102,18 +102,25 @@ def test_pc_out_of_range_and_bad_instruction_halt_with_their_codes():
     assert (status["error"], status["error_code"], status["pc"]) == (1, 2, 1)
 
 
-def test_srun_waits_for_the_stream_and_writes_its_reduction():
-    """SRUN hands the fields to the stream engine and retires when ``stream_done``; with
-    D_MODE = ARGMAX, rd and rd + 1 get the engine's value and index."""
-    seen = {}
+def test_srun_retires_at_once_and_its_reduction_is_scoreboarded():
+    """SRUN hands the fields to the stream engine and retires at once: the instructions after it
+    run while the stream does (SCFG included, without changing the running stream's fields),
+    one naming a register of the reduction waits until ``stream_done`` writes it (ARGMAX: the
+    value to rd, the index to rd + 1), and HALT waits for the stream."""
+    seen = {"retired": [], "done": None}
 
     def engine(ctx, dut, cycle):
         if ctx.get(dut.stream_start):
             seen["start"] = cycle
             seen["fields"] = ctx.get(dut.fields)
             seen["fn"] = ctx.get(dut.fn)
+        if ctx.get(dut.retire):
+            seen["retired"].append(cycle)
         active = ctx.get(dut.stream_active)
-        ctx.set(dut.stream_done, active and cycle >= seen.get("start", 0) + 10)
+        done = active and cycle >= seen.get("start", 0) + 10
+        if done and seen["done"] is None:
+            seen["done"] = cycle
+        ctx.set(dut.stream_done, done)
         ctx.set(dut.stream_acc, 0xffff_fff0)
         ctx.set(dut.stream_index, 77)
 
@@ -123,14 +130,22 @@ def test_srun_waits_for_the_stream_and_writes_its_reduction():
         SCFGI A_REF, 1
         SCFGI D_MODE, {DMode.ARGMAX.value}
         SRUN MAX, r2
+        LI r5, 9
+        SCFGI N, 7
+        ALUI ADD, r6, r3, 1
         HALT
     """, on_cycle=engine)
     f = seen["fields"]
     assert (f.n, f.outer, f.a_ref, f.d_mode) == (3, 2, 1, DMode.ARGMAX.value)
     assert seen["start"] == 4
-    assert (regs[2], regs[3]) == (-16, 77)
+    start, done = seen["start"], seen["done"]
+    assert done == start + 10
+    # SRUN, LI and SCFGI retire in consecutive cycles; ALUI only after the index is written.
+    assert seen["retired"][4:7] == [start, start + 1, start + 2]
+    assert seen["retired"][7] == done + 1
+    assert (regs[2], regs[3], regs[5], regs[6]) == (-16, 77, 9, 78)
     assert status["error"] == 0
-    assert cycles == seen["start"] + 10 + 2
+    assert cycles == done + 3
 
 
 def test_wait_counts_tokens_and_send_leaves_a_message():
