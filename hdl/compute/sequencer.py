@@ -65,10 +65,10 @@ POSTED = (Op.RET, Op.RETI, Op.DECREF, Op.VWRITE)
 #: The instructions that wait until a running stream is done (SRUN retires as soon as the
 #: stream engine takes it): every MU request, so that it follows the stream's requests (the
 #: stream's writes, or its reads of a buffer the request changes, stay in program order); the
-#: fences; and what reads or writes ``V``, which PACK_SUM uses. A later SRUN waits for the
+#: fences; what reads or writes ``V``, which PACK_SUM uses, or the local buffer (LGET, LSET). A later SRUN waits for the
 #: engine too; any instruction naming the register (or pair, for ARGMAX) that the running
 #: stream's reduction will write waits for it (a scoreboard of one entry).
-AFTER_STREAM = (*_MU_OP, *FENCED, Op.VSET, Op.VCLR)
+AFTER_STREAM = (*_MU_OP, *FENCED, Op.VSET, Op.VCLR, Op.LGET, Op.LSET)
 
 
 def _tile_mask(params, kind):
@@ -80,6 +80,7 @@ class _State(enum.Enum, shape=2):
     IDLE = 0     # not running: done
     RUN = 1      # executing the instruction on the program read port
     WAIT = 2     # a blocking MU request is out; waiting for its response
+    LGET = 3     # LGET's local word is being read
 
 
 class Sequencer(wiring.Component):
@@ -145,6 +146,9 @@ class Sequencer(wiring.Component):
         the stream is done.
     v_we : In(1), v_next : In(data_bits)
         Load ``V`` with ``v_next`` (the stream engine's PACK_SUM).
+    l_addr, l_re, l_rdata, l_we, l_lane, l_wdata
+        LGET and LSET's access to the stream engine's local buffer (see
+        :class:`~rdakit.hdl.compute.stream.StreamEngine`).
 
     Raises
     ------
@@ -184,6 +188,12 @@ class Sequencer(wiring.Component):
             "stream_index": In(32),
             "v_we": In(1),
             "v_next": In(32 * L),
+            "l_addr": Out(32),
+            "l_re": Out(1),
+            "l_rdata": In(32 * L),
+            "l_we": Out(1),
+            "l_lane": Out(4),
+            "l_wdata": Out(32),
         })
 
     def elaborate(self, platform):
@@ -449,11 +459,22 @@ class Sequencer(wiring.Component):
                 with m.Case(Op.SELF):
                     write_a(rd_i, self.cu_id)
                     m.d.comb += adv.eq(1)
+                with m.Case(Op.LGET):
+                    m.d.comb += self.l_re.eq(1)
+                    m.d.sync += state.eq(_State.LGET)
+                with m.Case(Op.LSET):
+                    m.d.comb += [self.l_we.eq(1), adv.eq(1)]
                 with m.Default():
                     fail("BAD_INSTRUCTION")
 
         with m.If(halt):
             m.d.sync += state.eq(_State.IDLE)
+
+        # LGET's local word, read the cycle before.
+        m.d.comb += [self.l_addr.eq(rb_v + imm), self.l_lane.eq(ir.fn), self.l_wdata.eq(ra_v)]
+        with m.If(state == _State.LGET):
+            write_a(rd_i, lane(self.l_rdata, ir.fn, L))
+            m.d.comb += adv.eq(1)
 
         # Blocking MU instructions: the response (tag 0) is captured, then retired.
         r0_valid = Signal()

@@ -97,10 +97,17 @@ class StreamEngine(wiring.Component):
         A read was refused and the steps before it have completed (MU_ERROR).
     acc, index : Out(32)
         The reduction (SUM, MAX, ARGMAX's value) and ARGMAX's index, final when ``done``.
+    l_addr : In(32)
+        The local word the sequencer's LGET or LSET names (taken modulo ``local_words``).
+    l_re : In(1), l_rdata : Out(data_bits)
+        LGET: read word ``l_addr``; ``l_rdata`` holds it the next cycle.
+    l_we : In(1), l_lane : In(4), l_wdata : In(32)
+        LSET: lane ``l_lane`` (modulo ``lanes``) of word ``l_addr`` = ``l_wdata``. The
+        sequencer issues LGET and LSET only while no stream runs.
     cfg : In(config_bus_signature())
         The local buffer's part of the configuration space (``CU_MAP.LOCAL``); ``rdata`` is 0
         the cycle after a read of any other address. Writes are ignored in a cycle when the
-        stream writes the local buffer.
+        stream or LSET writes the local buffer.
 
     Latency: the first READ is offered the cycle after ``start``; a response popped in cycle
     ``t`` is delivered in ``t + 1``; ``done`` follows the last delivery and acknowledgement by
@@ -135,6 +142,12 @@ class StreamEngine(wiring.Component):
             "error": Out(1),
             "acc": Out(32),
             "index": Out(32),
+            "l_addr": In(32),
+            "l_re": In(1),
+            "l_rdata": Out(32 * L),
+            "l_we": In(1),
+            "l_lane": In(4),
+            "l_wdata": In(32),
             "cfg": In(config_bus_signature()),
         })
 
@@ -160,6 +173,9 @@ class StreamEngine(wiring.Component):
         loc_b = local.read_port(transparent_for=(loc_w,))   # stream operand B
         loc_d = local.read_port(transparent_for=(loc_w,))   # LOCAL_ACC destination
         loc_c = local.read_port()                           # configuration reads
+        loc_s = local.read_port()                           # the sequencer's LGET
+        m.d.comb += [loc_s.addr.eq(self.l_addr[:wbits]), loc_s.en.eq(self.l_re),
+                     self.l_rdata.eq(loc_s.data)]
         # A read response and whether the MU refused it.
         m.submodules.rfifo = rfifo = fifo.SyncFIFOBuffered(width=32 * L + 1,
                                                            depth=cp.outstanding + 1)
@@ -377,7 +393,12 @@ class StreamEngine(wiring.Component):
         loc_word = loc_off[lbits:lbits + wbits] if wbits else Const(0, 0)
         loc_lane = loc_off[:lbits] if lbits else Const(0, 1)
         m.d.comb += [loc_c.addr.eq(loc_word), loc_c.en.eq(cfg_re & at_local)]
-        with m.If(cfg_we & at_local & ~stream_local_we):
+        seq_local_we = self.l_we & ~stream_local_we
+        with m.If(seq_local_we):
+            m.d.comb += [loc_w.addr.eq(self.l_addr[:wbits]),
+                         loc_w.data.eq(Cat([self.l_wdata] * L)),
+                         loc_w.en.eq(Const(1, L) << (self.l_lane[:lbits] if lbits else 0))]
+        with m.Elif(cfg_we & at_local & ~stream_local_we):
             m.d.comb += [loc_w.addr.eq(loc_word), loc_w.data.eq(Cat([cfg.wdata] * L)),
                          loc_w.en.eq(Const(1, L) << loc_lane)]
         r_local = Signal()

@@ -68,6 +68,8 @@ class Op(enum.Enum, shape=6):
     SELF = 30
     FADD = 31
     UNLOCK = 32
+    LGET = 33
+    LSET = 34
 
 
 class AluFn(enum.Enum, shape=4):
@@ -190,6 +192,8 @@ OP_INFO = {
                 "release the ticket lock whose served ticket is word rb of buffer ra, holding "
                 "ticket rd (MU_ERROR, NOT_OWNER, if rd is not the one served)",
                 "1 + round trip"),
+    Op.LGET: ("LGET fn, rd, rb, imm", "rd = lane fn of local word r[rb] + imm", "2"),
+    Op.LSET: ("LSET fn, ra, rb, imm", "lane fn of local word r[rb] + imm = ra", "1"),
 }
 
 

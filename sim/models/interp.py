@@ -489,6 +489,12 @@ class Interpreter:
             cu.V[ins.fn % self._lanes] = r[ra]
         elif op is Op.VCLR:
             cu.V = [0] * self._lanes
+        elif op is Op.LGET:
+            r[rd] = cu.local[(r[rb] + imm) % len(cu.local)][ins.fn % self._lanes]
+        elif op is Op.LSET:
+            w = (r[rb] + imm) % len(cu.local)
+            cu.local[w] = list(cu.local[w])
+            cu.local[w][ins.fn % self._lanes] = r[ra]
         elif op is Op.LEN:
             r[rd] = self._request(cu, MUOp.LEN, r[ra])["data"]
         elif op is Op.RET:

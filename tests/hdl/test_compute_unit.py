@@ -488,6 +488,34 @@ def test_elementwise_add_relu_to_the_local_buffer():
     np.testing.assert_array_equal(s.local[[8, 11, 14, 1]], relu_shift(a + 5, 2, 1))
 
 
+def test_lget_and_lset_move_one_lane_between_a_register_and_the_local_buffer():
+    # LSET writes one lane (the others keep their values); LGET reads one back; word indices
+    # r[rb] + imm wrap modulo local_words, lanes modulo lanes. An LGET right after a stream
+    # that writes the local buffer waits for it and sees its result.
+    rng = np.random.default_rng(3)
+    a = rand32(rng, (2, LANES))
+    lw = P.cu.local_words
+    res, s = run_one(f"""
+        LI r3, -77
+        LI r4, 5
+        LSET 2, r3, r4, {lw}         # word 5, lane 2
+        LSET {LANES + 1}, r4, r4, -1  # word 4, lane 1
+        LGET 2, r5, r4, 0
+        LGET 1, r6, r4, -1
+        SCFG A_REF, r2
+        {cfg(A_STRIDE=1, N=2, D_MODE=DMode.LOCAL, D_BASE=9, D_STRIDE=1)}
+        SRUN PASS, r0
+        LGET 3, r7, r4, 5             # word 10: the stream's second result
+        HALT
+    """, local={5: [11] * LANES}, buffers={"a": (MU_A, a)}, refs={2: "a"}, read_mus=False)
+    assert res.ok
+    assert (s32(s.regs[5]), s.regs[6], s32(s.regs[7])) == (-77, 5, a[1, 3])
+    want5 = [11] * LANES
+    want5[2] = -77
+    np.testing.assert_array_equal(s.local[5], want5)
+    assert s.local[4][1] == 5 and s.local[4][0] == 0
+
+
 def test_local_acc_with_outer_loop_and_wrapping_local_indices():
     # OUTER 2 x N 3 over 6 words; B from local with an outer stride; results accumulated into
     # local words 14, 15, 0, 1, 2, 3 (indices wrap modulo 16), which start with values.
@@ -687,6 +715,42 @@ def test_stream_runs_one_step_a_cycle():
 def test_stream_writing_an_mu_runs_two_cycles_a_step():
     short, long = _stream_cycles([16, 48], DMode.WRITE)
     assert 2 * 32 <= long - short <= 2 * 32 + 4
+
+
+def test_instructions_after_srun_overlap_the_stream():
+    # SRUN retires when the engine takes the stream: eight SCFGs configuring the next stream and
+    # a loop counter run beside a 16-step stream and cost no cycle; an ALUI reading the SUM's
+    # register waits for the stream and sees its result; the next SRUN runs with the new fields
+    # (the running stream's were taken when it started).
+    def program(k):
+        fill = "\n".join(["SCFGI B_VAL, 0"] * k)
+        return assemble(f"""
+            SCFG A_REF, r1
+            {cfg(A_STRIDE=1, N=16, D_MODE=DMode.SUM)}
+            SRUN ADD, r4
+            {fill}
+            SCFGI N, 2
+            ALUI ADD, r5, r4, 1
+            SRUN ADD, r6
+            HALT
+        """)
+
+    async def body(ctx, drv):
+        a = await drv.load_buffer(ctx, MU_A, np.arange(16 * LANES).reshape(-1, LANES))
+        busy = {}
+        for k in (0, 8, 0, 8):          # the first run of a session warms the network up
+            await drv.configure(ctx, CU0, TileConfig(program=program(k), regs={1: a}))
+            await drv.run(ctx)
+            r = await drv.cu_result(ctx, CU0, read_local=False)
+            assert not r.status & 2
+            assert r.regs[4] == sum(range(16 * LANES))
+            assert r.regs[5] == r.regs[4] + 1
+            assert r.regs[6] == sum(range(2 * LANES))
+            busy[k] = r.counters["busy_cycles"]
+        return busy
+
+    busy = run_session(P, body, cus=[CU0])
+    assert busy[8] == busy[0], busy
 
 
 def _write_then(k_alus):
@@ -998,7 +1062,8 @@ def random_program(rng, fault=None):
 
     for _ in range(int(rng.integers(6, 11))):
         kind = rng.choice(["li", "alu", "alui", "vset", "vclr", "vappend", "vwrite", "read",
-                           "vread", "loop", "tokens", "stream", "stream", "stream"])
+                           "vread", "loop", "tokens", "stream", "stream", "stream", "lget",
+                           "lset"])
         d = int(rng.choice(dst))
         if kind == "li":
             lines.append(f"LI r{d}, {int(rand32(rng, ()))}")
@@ -1009,6 +1074,12 @@ def random_program(rng, fault=None):
                          f"{int(rand32(rng, ()))}")
         elif kind == "vset":
             lines.append(f"VSET {int(rng.integers(8))}, r{reg()}")
+        elif kind == "lget":
+            lines.append(f"LGET {int(rng.integers(8))}, r{d}, r{reg()}, "
+                         f"{int(rng.integers(-lw, 2 * lw))}")
+        elif kind == "lset":
+            lines.append(f"LSET {int(rng.integers(8))}, r{reg()}, r{reg()}, "
+                         f"{int(rng.integers(-lw, 2 * lw))}")
         elif kind == "vclr":
             lines.append("VCLR")
         elif kind == "vappend" and out_len < 120:
