@@ -146,7 +146,7 @@ class Sequencer(wiring.Component):
         the stream is done.
     v_we : In(1), v_next : In(data_bits)
         Load ``V`` with ``v_next`` (the stream engine's PACK_SUM).
-    l_addr, l_re, l_rdata, l_we, l_lane, l_wdata
+    l_addr, l_re, l_rdata, l_we, l_wdata
         LGET and LSET's access to the stream engine's local buffer (see
         :class:`~rdakit.hdl.compute.stream.StreamEngine`).
 
@@ -190,9 +190,8 @@ class Sequencer(wiring.Component):
             "v_next": In(32 * L),
             "l_addr": Out(32),
             "l_re": Out(1),
-            "l_rdata": In(32 * L),
+            "l_rdata": In(32),
             "l_we": Out(1),
-            "l_lane": Out(4),
             "l_wdata": Out(32),
         })
 
@@ -471,9 +470,9 @@ class Sequencer(wiring.Component):
             m.d.sync += state.eq(_State.IDLE)
 
         # LGET's local word, read the cycle before.
-        m.d.comb += [self.l_addr.eq(rb_v + imm), self.l_lane.eq(ir.fn), self.l_wdata.eq(ra_v)]
+        m.d.comb += [self.l_addr.eq(rb_v + imm), self.l_wdata.eq(ra_v)]
         with m.If(state == _State.LGET):
-            write_a(rd_i, lane(self.l_rdata, ir.fn, L))
+            write_a(rd_i, self.l_rdata)
             m.d.comb += adv.eq(1)
 
         # Blocking MU instructions: the response (tag 0) is captured, then retired.

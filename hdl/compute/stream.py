@@ -98,12 +98,13 @@ class StreamEngine(wiring.Component):
     acc, index : Out(32)
         The reduction (SUM, MAX, ARGMAX's value) and ARGMAX's index, final when ``done``.
     l_addr : In(32)
-        The local word the sequencer's LGET or LSET names (taken modulo ``local_words``).
-    l_re : In(1), l_rdata : Out(data_bits)
-        LGET: read word ``l_addr``; ``l_rdata`` holds it the next cycle.
-    l_we : In(1), l_lane : In(4), l_wdata : In(32)
-        LSET: lane ``l_lane`` (modulo ``lanes``) of word ``l_addr`` = ``l_wdata``. The
-        sequencer issues LGET and LSET only while no stream runs.
+        The local element the sequencer's LGET or LSET names: lane ``l_addr mod lanes`` of word
+        ``l_addr / lanes`` (modulo ``local_words``).
+    l_re : In(1), l_rdata : Out(32)
+        LGET: read element ``l_addr``; ``l_rdata`` holds it the next cycle.
+    l_we : In(1), l_wdata : In(32)
+        LSET: element ``l_addr`` = ``l_wdata``. The sequencer issues LGET and LSET only while
+        no stream runs.
     cfg : In(config_bus_signature())
         The local buffer's part of the configuration space (``CU_MAP.LOCAL``); ``rdata`` is 0
         the cycle after a read of any other address. Writes are ignored in a cycle when the
@@ -144,9 +145,8 @@ class StreamEngine(wiring.Component):
             "index": Out(32),
             "l_addr": In(32),
             "l_re": In(1),
-            "l_rdata": Out(32 * L),
+            "l_rdata": Out(32),
             "l_we": In(1),
-            "l_lane": In(4),
             "l_wdata": In(32),
             "cfg": In(config_bus_signature()),
         })
@@ -174,8 +174,13 @@ class StreamEngine(wiring.Component):
         loc_d = local.read_port(transparent_for=(loc_w,))   # LOCAL_ACC destination
         loc_c = local.read_port()                           # configuration reads
         loc_s = local.read_port()                           # the sequencer's LGET
-        m.d.comb += [loc_s.addr.eq(self.l_addr[:wbits]), loc_s.en.eq(self.l_re),
-                     self.l_rdata.eq(loc_s.data)]
+        l_word = self.l_addr[lbits:lbits + wbits] if wbits else Const(0, 0)
+        l_lane = self.l_addr[:lbits] if lbits else Const(0, 1)
+        s_lane = Signal.like(l_lane)
+        with m.If(self.l_re):
+            m.d.sync += s_lane.eq(l_lane)
+        m.d.comb += [loc_s.addr.eq(l_word), loc_s.en.eq(self.l_re),
+                     self.l_rdata.eq(lane(loc_s.data, s_lane, L))]
         # A read response and whether the MU refused it.
         m.submodules.rfifo = rfifo = fifo.SyncFIFOBuffered(width=32 * L + 1,
                                                            depth=cp.outstanding + 1)
@@ -395,9 +400,8 @@ class StreamEngine(wiring.Component):
         m.d.comb += [loc_c.addr.eq(loc_word), loc_c.en.eq(cfg_re & at_local)]
         seq_local_we = self.l_we & ~stream_local_we
         with m.If(seq_local_we):
-            m.d.comb += [loc_w.addr.eq(self.l_addr[:wbits]),
-                         loc_w.data.eq(Cat([self.l_wdata] * L)),
-                         loc_w.en.eq(Const(1, L) << (self.l_lane[:lbits] if lbits else 0))]
+            m.d.comb += [loc_w.addr.eq(l_word), loc_w.data.eq(Cat([self.l_wdata] * L)),
+                         loc_w.en.eq(Const(1, L) << l_lane)]
         with m.Elif(cfg_we & at_local & ~stream_local_we):
             m.d.comb += [loc_w.addr.eq(loc_word), loc_w.data.eq(Cat([cfg.wdata] * L)),
                          loc_w.en.eq(Const(1, L) << loc_lane)]

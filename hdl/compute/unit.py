@@ -185,7 +185,7 @@ class ComputeUnit(wiring.Component):
             seq.stream_acc.eq(eng.acc), seq.stream_index.eq(eng.index),
             seq.v_we.eq(eng.v_we), seq.v_next.eq(eng.v_next),
             eng.l_addr.eq(seq.l_addr), eng.l_re.eq(seq.l_re), seq.l_rdata.eq(eng.l_rdata),
-            eng.l_we.eq(seq.l_we), eng.l_lane.eq(seq.l_lane), eng.l_wdata.eq(seq.l_wdata),
+            eng.l_we.eq(seq.l_we), eng.l_wdata.eq(seq.l_wdata),
         ]
         wiring.connect(m, seq.msg_out, wiring.flipped(self.msg_out))
 

@@ -192,8 +192,9 @@ OP_INFO = {
                 "release the ticket lock whose served ticket is word rb of buffer ra, holding "
                 "ticket rd (MU_ERROR, NOT_OWNER, if rd is not the one served)",
                 "1 + round trip"),
-    Op.LGET: ("LGET fn, rd, rb, imm", "rd = lane fn of local word r[rb] + imm", "2"),
-    Op.LSET: ("LSET fn, ra, rb, imm", "lane fn of local word r[rb] + imm = ra", "1"),
+    Op.LGET: ("LGET rd, rb, imm", "rd = element r[rb] + imm of the local buffer "
+                                  "(lane e mod lanes of word e / lanes)", "2"),
+    Op.LSET: ("LSET ra, rb, imm", "element r[rb] + imm of the local buffer = ra", "1"),
 }
 
 

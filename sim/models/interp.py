@@ -490,11 +490,12 @@ class Interpreter:
         elif op is Op.VCLR:
             cu.V = [0] * self._lanes
         elif op is Op.LGET:
-            r[rd] = cu.local[(r[rb] + imm) % len(cu.local)][ins.fn % self._lanes]
+            w, ln = divmod((r[rb] + imm) % (len(cu.local) * self._lanes), self._lanes)
+            r[rd] = cu.local[w][ln]
         elif op is Op.LSET:
-            w = (r[rb] + imm) % len(cu.local)
+            w, ln = divmod((r[rb] + imm) % (len(cu.local) * self._lanes), self._lanes)
             cu.local[w] = list(cu.local[w])
-            cu.local[w][ins.fn % self._lanes] = r[ra]
+            cu.local[w][ln] = r[ra]
         elif op is Op.LEN:
             r[rd] = self._request(cu, MUOp.LEN, r[ra])["data"]
         elif op is Op.RET:

@@ -489,31 +489,31 @@ def test_elementwise_add_relu_to_the_local_buffer():
 
 
 def test_lget_and_lset_move_one_lane_between_a_register_and_the_local_buffer():
-    # LSET writes one lane (the others keep their values); LGET reads one back; word indices
-    # r[rb] + imm wrap modulo local_words, lanes modulo lanes. An LGET right after a stream
-    # that writes the local buffer waits for it and sees its result.
+    # LSET writes one element (lane e mod lanes of word e / lanes; the other lanes keep their
+    # values); LGET reads one back; element indices r[rb] + imm wrap modulo the buffer. An LGET
+    # right after a stream that writes the local buffer waits for it and sees its result.
     rng = np.random.default_rng(3)
     a = rand32(rng, (2, LANES))
     lw = P.cu.local_words
     res, s = run_one(f"""
         LI r3, -77
-        LI r4, 5
-        LSET 2, r3, r4, {lw}         # word 5, lane 2
-        LSET {LANES + 1}, r4, r4, -1  # word 4, lane 1
-        LGET 2, r5, r4, 0
-        LGET 1, r6, r4, -1
+        LI r4, {5 * LANES}
+        LSET r3, r4, {lw * LANES + 2}     # word 5, lane 2 (wrapping)
+        LSET r4, r4, {-LANES + 1}         # word 4, lane 1
+        LGET r5, r4, 2
+        LGET r6, r4, {-LANES + 1}
         SCFG A_REF, r2
         {cfg(A_STRIDE=1, N=2, D_MODE=DMode.LOCAL, D_BASE=9, D_STRIDE=1)}
         SRUN PASS, r0
-        LGET 3, r7, r4, 5             # word 10: the stream's second result
+        LGET r7, r4, {5 * LANES + 3}      # word 10, lane 3: the stream's second result
         HALT
     """, local={5: [11] * LANES}, buffers={"a": (MU_A, a)}, refs={2: "a"}, read_mus=False)
     assert res.ok
-    assert (s32(s.regs[5]), s.regs[6], s32(s.regs[7])) == (-77, 5, a[1, 3])
+    assert (s32(s.regs[5]), s.regs[6], s32(s.regs[7])) == (-77, 5 * LANES, a[1, 3])
     want5 = [11] * LANES
     want5[2] = -77
     np.testing.assert_array_equal(s.local[5], want5)
-    assert s.local[4][1] == 5 and s.local[4][0] == 0
+    assert s.local[4][1] == 5 * LANES and s.local[4][0] == 0
 
 
 def test_local_acc_with_outer_loop_and_wrapping_local_indices():
@@ -1075,11 +1075,10 @@ def random_program(rng, fault=None):
         elif kind == "vset":
             lines.append(f"VSET {int(rng.integers(8))}, r{reg()}")
         elif kind == "lget":
-            lines.append(f"LGET {int(rng.integers(8))}, r{d}, r{reg()}, "
-                         f"{int(rng.integers(-lw, 2 * lw))}")
+            lines.append(f"LGET r{d}, r{reg()}, {int(rng.integers(-lw * LANES, 2 * lw * LANES))}")
         elif kind == "lset":
-            lines.append(f"LSET {int(rng.integers(8))}, r{reg()}, r{reg()}, "
-                         f"{int(rng.integers(-lw, 2 * lw))}")
+            lines.append(f"LSET r{reg()}, r{reg()}, "
+                         f"{int(rng.integers(-lw * LANES, 2 * lw * LANES))}")
         elif kind == "vclr":
             lines.append("VCLR")
         elif kind == "vappend" and out_len < 120:
