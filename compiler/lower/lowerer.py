@@ -331,7 +331,7 @@ class Lowerer:
     def local_needs(self, op):
         """Constants op wants in its CU's local buffer: ``(key, words)``."""
         lanes = self.lanes
-        if op.kind in ("transpose", "take"):
+        if op.kind == "transpose":
             return [("identity", np.eye(lanes, dtype=np.int64))]
         if op.kind == "slice_cols" and op.attrs["mask"]:
             return [self._mask_row(self.tensors[op.out].layout.cols)]

@@ -245,10 +245,7 @@ class Legalize(LoweringPass):
         mu = plan.nearest_mus(cu)[0]
         lrow = np.full(lx.cw * lanes, INT_MAX, dtype=np.int64)
         lrow[lx.cols:] = -(1 << 31)
-        table = np.full((lanes, lanes), INT_MAX, dtype=np.int64)
-        np.fill_diagonal(table, -(1 << 31))
         ins = [x, plan.const(f"topk/L{lx.cols}", lrow.reshape(1, -1), mu),
-               plan.const(f"topk/T{lanes}", table, mu),
                plan.const("topk/MAX", np.full((1, lanes), INT_MAX, np.int64), mu)]
         plan.add_op(n, "topk", ins, lay, n, cu, k=int(attrs["k"]))
 

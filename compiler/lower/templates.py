@@ -377,17 +377,65 @@ def reduce(lw, g, op):
     asm.stream(fn, a=rx, a_base=base, n=cw, b_mode=BMode.LOCAL, b_val=0, b_stride=1,
                d_mode=DMode.APPEND, d_ref=out)
 
+class RowTable:
+    """The scalars of a small static tensor a template reads by run-time position, row by row
+    (routing indices, gates): copied into the local buffer at word ``at`` by one stream and read
+    with LGET (two cycles) when ``at`` is given, else READ from its MU buffer (a round trip
+    each). A row loop walks it with ``(reg, start, step)``: element offsets in the local buffer,
+    or word indices in the MU buffer."""
+
+    def __init__(self, lw, g, name, at=None):
+        self.lanes = lw.lanes
+        self.lay = lw.tensors[name].layout
+        self.ref, base = lw.ref(g, name)
+        self.at = at
+        if at is None:
+            self.start, self.step = base, self.lay.cw
+        else:
+            g.asm.stream(AluFn.PASS, a=self.ref, a_base=base, n=self.lay.words,
+                         d_mode=DMode.LOCAL, d_base=at)
+            self.start, self.step = at * self.lanes, self.lay.cw * self.lanes
+
+    def offsets(self, reg):
+        return (reg, self.start, self.step)
+
+    def load(self, asm, rd, row, j, tmp):
+        """``rd`` = element ``j`` of the row at ``row`` (a row-loop register; ``tmp`` may be
+        clobbered)."""
+        if self.at is not None:
+            asm.emit(Op.LGET, rd=rd, rb=row, imm=j)
+            return
+        word = row
+        if j // self.lanes:
+            asm.alui(AluFn.ADD, tmp, row, j // self.lanes)
+            word = tmp
+        asm.emit(Op.READ, fn=j % self.lanes, rd=rd, ra=self.ref, rb=word)
+
+
+def stage(lw, g, op, scratch, names):
+    """Row tables for tensors ``names``, staged in the local buffer after ``scratch`` words of
+    the op's own when all of them fit (one stream each), else read from their MU buffers."""
+    lays = [lw.tensors[n].layout for n in names]
+    lw.need_local(g, op, scratch)
+    if any(lay.dynamic for lay in lays) or scratch + sum(lay.words for lay in lays) > g.local_top:
+        return [RowTable(lw, g, n) for n in names]
+    tables, at = [], scratch
+    for n, lay in zip(names, lays, strict=True):
+        tables.append(RowTable(lw, g, n, at))
+        at += lay.words
+    return tables
+
+
 @template("topk")
 def topk(lw, g, op):
     """Per row: L (local) = INT_MAX on real lanes, INT_MIN on padding; k times: ARGMAX of
-    min(row, L), then L at the chosen element = INT_MIN. If the maximum found is INT_MIN,
-    every element left equals INT_MIN and the answer is the first one not chosen: the
+    min(row, L), then L at the chosen element = INT_MIN (LSET). If the maximum found is
+    INT_MIN, every element left equals INT_MIN and the answer is the first one not chosen: the
     first INT_MAX of L (an ARGMAX of L)."""
-    x, lrow, table, maxw = op.ins
+    x, lrow, maxw = op.ins
     lx = lw.tensors[x].layout
     rx, bx = lw.ref(g, x)
     rp, b_l = lw.ref(g, lrow)
-    rt, b_t = lw.ref(g, table)
     rm, b_m = lw.ref(g, maxw)
     k = op.attrs["k"]
     ew = lx.cw
@@ -416,56 +464,39 @@ def topk(lw, g, op):
                 if j < k - 1:
                     asm.emit(Op.VCLR)
             if j < k - 1:
-                asm.alui(AluFn.AND, R6, R5, lanes - 1)
-                asm.alui(AluFn.ADD, R6, R6, b_t)
-                asm.alui(AluFn.SHRU, R7, R5, lw.lb)
-                asm.stream(AluFn.MIN, a=rt, a_base=R6, n=1, b_mode=BMode.LOCAL, b_val=R7,
-                           b_stride=0, d_mode=DMode.LOCAL, d_base=R7)
+                asm.li(R6, INT_MIN)
+                asm.emit(Op.LSET, ra=R6, rb=R5, imm=0)
     row_loop(lw, g, x, rx, [(R1, bx, ew)], body)
 
 @template("take")
 def take(lw, g, op):
-    """x[t, idx[t, j]]: the element at a run-time position is a one-step SUM stream of its
-    word times a one-hot local word."""
+    """x[t, idx[t, j]]: the row of x is copied to the local buffer, and each element at a
+    run-time position is an LGET of it (the indices staged in the local buffer too)."""
     x, idx = op.ins
     lx, li = lw.tensors[x].layout, lw.tensors[idx].layout
     rx, bx = lw.ref(g, x)
-    ri, bi = lw.ref(g, idx)
     k = li.cols
     lanes = lw.lanes
-    ident = g.local["identity"]
     asm, out = g.asm, g.out
+    (ti,) = stage(lw, g, op, lx.cw, [idx])
 
     def body():
+        asm.stream(AluFn.PASS, a=rx, a_base=R1, n=lx.cw, d_mode=DMode.LOCAL, d_base=0)
         asm.emit(Op.VCLR)
         for j in range(k):
-            word = R3
-            if j // lanes:
-                asm.alui(AluFn.ADD, R4, R3, j // lanes)
-                word = R4
-            asm.emit(Op.READ, fn=j % lanes, rd=R5, ra=ri, rb=word)
-            asm.alui(AluFn.SHRU, R6, R5, lw.lb)
-            asm.alu(AluFn.ADD, R6, R6, R1)
-            asm.alui(AluFn.AND, R7, R5, lanes - 1)
-            asm.alui(AluFn.ADD, R7, R7, ident)
-            asm.stream(AluFn.MUL, a=rx, a_base=R6, n=1, b_mode=BMode.LOCAL, b_val=R7,
-                       b_stride=0, d_mode=DMode.SUM, rd=R5)
+            ti.load(asm, R5, R3, j, R4)
+            asm.emit(Op.LGET, rd=R5, rb=R5, imm=0)
             asm.emit(Op.VSET, fn=j % lanes, ra=R5)
             if j % lanes == lanes - 1 or j == k - 1:
                 asm.emit(Op.VAPPEND, rd=SINK, ra=out)
                 asm.emit(Op.VCLR)
-    row_loop(lw, g, x, rx, [(R1, bx, lx.cw), (R3, bi, li.cw)], body)
+    row_loop(lw, g, x, rx, [(R1, bx, lx.cw), ti.offsets(R3)], body)
 
-def route_test(lw, asm, ri, r_word, k, expert, targets):
+def route_test(asm, table, r_row, k, expert, targets):
     """Branch to ``targets[j]`` at the first slot j of the row whose index is ``expert``;
     fall through if none is."""
-    lanes = lw.lanes
     for j in range(k):
-        word = r_word
-        if j // lanes:
-            asm.alui(AluFn.ADD, R6, r_word, j // lanes)
-            word = R6
-        asm.emit(Op.READ, fn=j % lanes, rd=R5, ra=ri, rb=word)
+        table.load(asm, R5, r_row, j, R6)
         asm.alui(AluFn.XOR, R5, R5, expert)
         asm.branch(Op.BZ, targets[j], ra=R5)
 
@@ -475,35 +506,34 @@ def dispatch(lw, g, op):
     x, idx = op.ins
     lx, li = lw.tensors[x].layout, lw.tensors[idx].layout
     rx, bx = lw.ref(g, x)
-    ri, bi = lw.ref(g, idx)
     asm, out = g.asm, g.out
+    (ti,) = stage(lw, g, op, 0, [idx])
 
     def body():
         hit, nxt = asm.label(), asm.label()
-        route_test(lw, asm, ri, R3, li.cols, op.attrs["expert"], [hit] * li.cols)
+        route_test(asm, ti, R3, li.cols, op.attrs["expert"], [hit] * li.cols)
         asm.branch(Op.JMP, nxt)
         asm.place(hit)
         asm.stream(AluFn.PASS, a=rx, a_base=R1, n=lx.cw, d_mode=DMode.APPEND, d_ref=out)
         asm.place(nxt)
-    row_loop(lw, g, x, rx, [(R1, bx, lx.cw), (R3, bi, li.cw)], body)
+    row_loop(lw, g, x, rx, [(R1, bx, lx.cw), ti.offsets(R3)], body)
 
 @template("combine")
 def combine(lw, g, op):
     """out = 0; then expert by expert, each token routed to it (in order, so its rows are
-    taken in order): local = (gate * y_e row) >> shift; out row += local."""
+    taken in order): local = (gate * y_e row) >> shift; out row += local. The indices and
+    gates are staged in the local buffer when they fit."""
     idx, gate, *ys = op.ins
     li, lo = lw.tensors[idx].layout, lw.tensors[op.out].layout
-    ri, bi = lw.ref(g, idx)
-    rg, bg = lw.ref(g, gate)
     asm, out = g.asm, g.out
-    dw, k, lanes = lo.cw, li.cols, lw.lanes
-    lw.need_local(g, op, dw)
+    dw, k = lo.cw, li.cols
     if lo.rows == 0:
         for y in ys:
             lw.ref(g, y)
         return
-    asm.stream(AluFn.AND, a=ri, a_base=bi, a_stride=0, n=lo.words, d_mode=DMode.APPEND,
-               d_ref=out)
+    ti, tg = stage(lw, g, op, dw, [idx, gate])
+    asm.stream(AluFn.AND, a=ti.ref, a_base=lw.key_of(idx, g.xy)[1], a_stride=0, n=lo.words,
+               d_mode=DMode.APPEND, d_ref=out)
     for e, y in enumerate(ys):
         ry, by = lw.ref(g, y)
         asm.li(R7, by)
@@ -511,15 +541,11 @@ def combine(lw, g, op):
         def body(ry=ry, e=e):
             hits = [asm.label() for _ in range(k)]
             do, nxt = asm.label(), asm.label()
-            route_test(lw, asm, ri, R1, k, e, hits)
+            route_test(asm, ti, R1, k, e, hits)
             asm.branch(Op.JMP, nxt)
             for j in range(k):
                 asm.place(hits[j])
-                word = R3
-                if j // lanes:
-                    asm.alui(AluFn.ADD, R6, R3, j // lanes)
-                    word = R6
-                asm.emit(Op.READ, fn=j % lanes, rd=R6, ra=rg, rb=word)
+                tg.load(asm, R6, R3, j, R6)
                 if j < k - 1:
                     asm.branch(Op.JMP, do)
             asm.place(do)
@@ -529,5 +555,5 @@ def combine(lw, g, op):
                        b_stride=1, d_mode=DMode.WRITE, d_ref=out, d_base=R4, d_stride=1)
             asm.alui(AluFn.ADD, R7, R7, dw)
             asm.place(nxt)
-        row_loop(lw, g, idx, ri, [(R1, bi, li.cw), (R3, bg, li.cw), (R4, 0, dw)], body)
+        row_loop(lw, g, idx, ti.ref, [ti.offsets(R1), tg.offsets(R3), (R4, 0, dw)], body)
         g.refs.unpin(lw.key_of(y, g.xy)[0])

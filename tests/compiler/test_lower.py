@@ -504,7 +504,7 @@ def test_program_too_long():
 
 def test_host_buffers_beyond_the_mus():
     with pytest.raises(LoweringError, match=re.escape(
-            "Host buffers (inputs, constants, outputs) need 439 words but the 2 MUs of the 2x2 "
+            "Host buffers (inputs, constants, outputs) need 435 words but the 2 MUs of the 2x2 "
             "fabric hold 256 (128 each)")):
         compile_("mixtral", fabric_params(2, 2, prog_len=4096, mu_words=128))
 
