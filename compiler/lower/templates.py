@@ -109,7 +109,8 @@ def row_loop(lw, g, name, r_ref, offsets, body):
 @template("matmul_nt")
 def matmul_nt(lw, g, op):
     """Per row of A: copy it to the local buffer, then one PACK_SUM stream over the rows of
-    Bᵀ appends the row of the product."""
+    Bᵀ appends the row of the product. When every row of A fits the local buffer, one stream
+    copies them all first (a run-time number of rows: LEN words)."""
     a, b = op.ins[:2]
     la, lb = lw.tensors[a].layout, lw.tensors[b].layout
     ra, base_a = lw.ref(g, a)
@@ -118,11 +119,38 @@ def matmul_nt(lw, g, op):
     lw.need_local(g, op, kw)
     asm, out = g.asm, g.out
 
+    def product(row):
+        asm.stream(AluFn.MUL, a=rb, a_base=base_b, n=kw, outer=lb.rows, a_ostride=kw,
+                   b_mode=BMode.LOCAL, b_val=row, b_stride=1, b_ostride=0,
+                   d_mode=DMode.PACK_SUM, d_ref=out)
+
+    if la.rows > 1 and la.words <= g.local_top:
+        # Every row of A fits: one stream stages them all, then one PACK_SUM stream a row.
+        end = asm.label()
+        words = la.words
+        if la.dynamic:
+            asm.emit(Op.LEN, rd=COUNT, ra=ra)
+            asm.branch(Op.BZ, end, ra=COUNT)
+            words = COUNT
+        asm.stream(AluFn.PASS, a=ra, a_base=base_a, n=words, d_mode=DMode.LOCAL, d_base=0)
+        asm.li(R1, 0)
+        if not la.dynamic:
+            asm.li(COUNT, la.rows)
+
+        def loop(head):
+            product(R1)
+            asm.alui(AluFn.ADD, R1, R1, kw)
+            if la.dynamic:
+                asm.branch(Op.BLT, head, ra=R1, rb=COUNT)
+            else:
+                asm.branch(Op.LOOP, head, ra=COUNT)
+        asm.loop(loop)
+        asm.place(end)
+        return
+
     def body():
         asm.stream(AluFn.PASS, a=ra, a_base=R1, n=kw, d_mode=DMode.LOCAL, d_base=0)
-        asm.stream(AluFn.MUL, a=rb, a_base=base_b, n=kw, outer=lb.rows, a_ostride=kw,
-                   b_mode=BMode.LOCAL, b_val=0, b_stride=1, b_ostride=0,
-                   d_mode=DMode.PACK_SUM, d_ref=out)
+        product(0)
     row_loop(lw, g, a, ra, [(R1, base_a, kw)], body)
 
 @template("transpose")
