@@ -17,12 +17,34 @@ def intersect(states):
             if v is not None and all(s.get(f) == v for s in states[1:])}
 
 
+def _reg_value(r):
+    """What a field written from register ``r`` is known to hold (until ``r`` changes)."""
+    return ("r", int(r))
+
+
+def written_registers(op, fields):
+    """The registers instruction ``op`` with ``fields`` may write (an over-approximation)."""
+    rd, ra = fields.get("rd", 0), fields.get("ra", 0)
+    if op in (Op.LI, Op.ALU, Op.ALUI, Op.SELF, Op.LGET, Op.READ, Op.LEN, Op.ALLOC,
+              Op.VAPPEND, Op.FADD):
+        return {rd}
+    if op in (Op.RECV, Op.SRUN):     # SRUN: rd for SUM and MAX, rd + 1 too for ARGMAX
+        return {rd, rd + 1}
+    if op is Op.LOOP:
+        return {ra}
+    return set()
+
+
 class Assembler:
     """A CU program under construction: instructions with labels, and what is known of the
     stream fields at each point, so that a field is only written when its value changes.
 
-    At a label the knowledge is the intersection over every way in; a loop's head forgets the
-    fields its body writes (the body is emitted twice: once to find them, once for real)."""
+    A field's known value is a number, or ``("r", n)`` when it was written from register ``n``
+    and ``n`` has not changed since. At a label the knowledge is the intersection over every way
+    in. A loop's head forgets the fields its body writes, except the loop invariants: a field
+    the body only ever sets to one value (a number, or a register the body does not write) is
+    set once before the loop instead (the body is emitted up to three times: to find what it
+    writes, then for real)."""
 
     def __init__(self):
         self.code = []
@@ -31,22 +53,33 @@ class Assembler:
         self.known = {f: 0 for f in StreamField}
         self.known[StreamField.OUTER] = 1
         self.reachable = True
-        self.written = set()
+        self.written = set()                      # fields written (in the current loop body)
+        self.values = collections.defaultdict(set)  # field -> the values written to it
+        self.regs_written = set()                  # registers written
         self._next = 0
 
     def __len__(self):
         return len(self.code)
 
+    def _append(self, op, fields, label, regs=None):
+        fields = {k: int(v) for k, v in fields.items()}
+        self.code.append((op, fields, label))
+        regs = written_registers(op, fields) if regs is None else regs
+        if regs:
+            self.regs_written |= regs
+            gone = {_reg_value(r) for r in regs}
+            self.known = {f: v for f, v in self.known.items() if v not in gone}
+
     def emit(self, op, **fields):
         """Append instruction ``op`` (fields as :class:`~rdakit.hdl.spec.isa.Instr` names them;
         registers may be given as :class:`Reg`)."""
-        self.code.append((op, {k: int(v) for k, v in fields.items()}, None))
+        self._append(op, fields, None)
         if op is Op.HALT:
             self.reachable = False
 
     def branch(self, op, label, **fields):
         """Append branch ``op`` to ``label`` (its ``imm`` is set by :meth:`assemble`)."""
-        self.code.append((op, {k: int(v) for k, v in fields.items()}, label))
+        self._append(op, fields, label)
         if label not in self.labels:
             self.incoming[label].append(dict(self.known))
         if op is Op.JMP:
@@ -67,28 +100,53 @@ class Assembler:
         self.reachable = True
 
     def loop(self, body):
-        """Emit ``body(head)``, which ends with a backward branch to ``head``."""
+        """Emit ``body(head)``, which ends with a backward branch to ``head``; the stream fields
+        it sets to one value on every pass are set before it instead."""
         saved = (len(self.code), dict(self.labels),
-                 {k: list(v) for k, v in self.incoming.items()}, set(self.written))
+                 {k: list(v) for k, v in self.incoming.items()}, set(self.written),
+                 {f: set(v) for f, v in self.values.items()}, set(self.regs_written))
         entry = dict(self.known)
-        writes = set()
-        for attempt in range(3):
-            self.written = set()
+        writes, hoist, regs = set(), {}, set()
+        for attempt in range(4):
+            self.written, self.values, self.regs_written = (
+                set(), collections.defaultdict(set), set())
+            self.known = dict(entry)
+            for f, v in hoist.items():           # the preheader
+                self._set(f, v)
+            pre = (set(self.written), {f: set(v) for f, v in self.values.items()})
+            self.written, self.values = set(), collections.defaultdict(set)
             head = self.label()
             self.labels[head] = len(self.code)
-            self.known = {f: v for f, v in entry.items() if f not in writes}
+            # The head forgets the fields the body writes and the registers it changes.
+            gone = {_reg_value(r) for r in regs}
+            self.known = {f: v for f, v in self.known.items()
+                          if (f not in writes or f in hoist) and v not in gone}
             self.reachable = True
             body(head)
-            if writes >= self.written:
+            seen = set(self.written) | {f for f in hoist}
+            # Invariants: one value, from a number or a register the body leaves alone.
+            found = {f: next(iter(vals)) for f, vals in self.values.items()
+                     if len(vals) == 1 and (next(iter(vals))[0] == "n"
+                                            or next(iter(vals))[1] not in self.regs_written)}
+            found = {f: (Reg(v[1]) if v[0] == "r" else v[1]) for f, v in found.items()}
+            new_hoist = {f: v for f, v in {**hoist, **found}.items()
+                         if f not in self.values or f in found}
+            if writes >= seen and new_hoist == hoist and regs >= self.regs_written:
                 break
-            if attempt == 2:  # pragma: no cover - two passes always suffice
+            if attempt == 3:  # pragma: no cover - three passes always suffice
                 raise AssertionError("loop body writes different fields on each pass")
-            writes |= self.written
+            writes |= seen
+            regs |= self.regs_written
+            hoist = new_hoist
             del self.code[saved[0]:]
             self.labels = dict(saved[1])
             self.incoming = collections.defaultdict(list, {k: list(v)
                                                            for k, v in saved[2].items()})
-        self.written |= saved[3]
+        # What the loop wrote counts for an enclosing loop, the preheader's writes included.
+        self.written |= saved[3] | pre[0]
+        for f, v in (*saved[4].items(), *pre[1].items()):
+            self.values[f] |= v
+        self.regs_written |= saved[5]
 
     def li(self, rd, imm):
         """``rd = imm``."""
@@ -105,15 +163,22 @@ class Assembler:
     def field(self, f, v):
         """Set stream field ``f`` to register ``v`` (a :class:`Reg`) or to the value ``v``
         (written only if it is not known to hold it already)."""
+        self._set(f, v)
+
+    def _set(self, f, v):
+        if isinstance(v, Reg):
+            value, tag = _reg_value(v), ("r", int(v))
+        else:
+            value = int(v) & MASK32
+            tag = ("n", value)
+        self.values[f].add(tag)
+        if self.known.get(f) == value:
+            return
         if isinstance(v, Reg):
             self.emit(Op.SCFG, fn=f.value, ra=int(v))
-            self.known[f] = None
         else:
-            v = int(v) & MASK32
-            if self.known.get(f) == v:
-                return
-            self.emit(Op.SCFGI, fn=f.value, imm=v)
-            self.known[f] = v
+            self.emit(Op.SCFGI, fn=f.value, imm=value)
+        self.known[f] = value
         self.written.add(f)
 
     def stream(self, fn, *, a, n, a_base=0, a_stride=1, outer=1, a_ostride=0,
@@ -144,7 +209,9 @@ class Assembler:
             self.field(F.D_STRIDE, d_stride)
         self.field(F.SHIFT, shift)
         self.field(F.POST, int(relu))
-        self.emit(Op.SRUN, fn=fn.value, rd=int(rd))
+        rd = int(rd)
+        reduces = {DMode.SUM: {rd}, DMode.MAX: {rd}, DMode.ARGMAX: {rd, rd + 1}}
+        self._append(Op.SRUN, {"fn": fn.value, "rd": rd}, None, regs=reduces.get(d_mode, set()))
 
     def assemble(self, offset):
         """The instructions, with branch targets resolved for a program where this code

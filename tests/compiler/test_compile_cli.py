@@ -79,7 +79,7 @@ def test_compile_a_graph_file(tmp_path, capsys):
                                    "by commas, not 'x'"),
     (["mlp", "--size", "batch=0"], "batch must be a positive integer, not 0"),
     (["mlp", *MLP, "--prog-len", "32"],
-     "The program of CU (1, 1) (2 ops: 'fc0', 'bias0') is 49 instructions long but prog_len is "
+     "The program of CU (1, 1) (2 ops: 'fc0', 'bias0') is 48 instructions long but prog_len is "
      "32 (a larger --prog-len, fabric or another partitioner may fit)"),
     (["mlp"], "Constant 'w1' (transposed) needs 2048 words but an MU buffer holds at most 1024 "
               "(max_buffer_words)"),

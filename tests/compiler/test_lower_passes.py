@@ -16,7 +16,7 @@ from rdakit.compiler.lower.passes import (
     LoweringPass,
     PlaceOutputs,
 )
-from rdakit.compiler.lower.registers import R1, R2, R5, REF_REGS, TABLE, RefFile
+from rdakit.compiler.lower.registers import R1, R2, R4, R5, REF_REGS, TABLE, Reg, RefFile
 from rdakit.hdl.spec.isa import AluFn, DMode, Instr, Op, StreamField
 
 
@@ -43,11 +43,27 @@ def test_stream_writes_a_field_only_when_its_value_changes():
     asm.stream(AluFn.PASS, a=R1, n=4, d_mode=DMode.SUM, rd=R5)
     first = len(asm)
     asm.stream(AluFn.PASS, a=R1, n=4, d_mode=DMode.SUM, rd=R5)
-    # A register field is never known, so A_REF is written again; N and D_MODE are not.
+    # r1 has not changed: A_REF still holds it, so only SRUN is emitted.
+    assert [i.op for i in asm.assemble(0)[first:]] == [Op.SRUN]
+    # Once r1 is written (an ALUI), A_REF is written again; SUM's rd (r5) changing does not
+    # matter to a field.
+    asm.alui(AluFn.ADD, R1, R1, 1)
+    first = len(asm)
+    asm.stream(AluFn.PASS, a=R1, n=4, d_mode=DMode.SUM, rd=R5)
     code = asm.assemble(0)[first:]
     assert [i.op for i in code] == [Op.SCFG, Op.SRUN]
     assert code[0] == Instr(Op.SCFG, fn=StreamField.A_REF.value, ra=1)
     assert code[1] == Instr(Op.SRUN, fn=AluFn.PASS.value, rd=5)
+
+
+def test_a_reduction_forgets_the_fields_set_from_its_registers():
+    # An ARGMAX into r4 writes r4 and r5: a field set from r5 must be written again.
+    asm = Assembler()
+    asm.field(StreamField.B_VAL, R5)
+    asm.stream(AluFn.MAX, a=R1, n=4, d_mode=DMode.ARGMAX, rd=R4)
+    first = len(asm)
+    asm.field(StreamField.B_VAL, R5)
+    assert [i.op for i in asm.assemble(0)[first:]] == [Op.SCFG]
 
 
 def test_a_label_knows_only_what_every_way_in_agrees_on():
@@ -73,6 +89,46 @@ def test_a_loop_head_forgets_the_fields_its_body_writes():
     code = asm.assemble(0)
     assert [(i.op, i.imm) for i in code] == [(Op.LI, 3), (Op.SCFGI, 1), (Op.SCFGI, 2),
                                              (Op.LOOP, 1)]
+
+
+def test_a_loop_sets_its_invariant_fields_once_before_its_head():
+    # A_STRIDE is always 1, N always 5 and A_REF always r9 (which the body leaves alone): they
+    # are set before the loop. A_BASE comes from r1, which the body advances: it stays in the body, and so does
+    # D_MODE, which the body sets to two values.
+    asm = Assembler()
+    asm.li(R2, 3)
+
+    def body(head):
+        asm.stream(AluFn.PASS, a=Reg(REF_REGS[1]), a_base=R1, n=5, d_mode=DMode.SUM, rd=R5)
+        asm.stream(AluFn.PASS, a=Reg(REF_REGS[1]), a_base=R1, n=5, d_mode=DMode.MAX, rd=R5)
+        asm.alui(AluFn.ADD, R1, R1, 5)
+        asm.branch(Op.LOOP, head, ra=R2)
+    asm.loop(body)
+    code = asm.assemble(0)
+    head = next(i for i in code if i.op is Op.LOOP).imm
+    pre, loop = code[:head], code[head:]
+    F = StreamField
+    assert {(i.op, i.fn) for i in pre if i.op in (Op.SCFG, Op.SCFGI)} == {
+        (Op.SCFG, F.A_REF.value), (Op.SCFGI, F.A_STRIDE.value), (Op.SCFGI, F.N.value)}
+    fields = [(i.op, F(i.fn)) for i in loop if i.op in (Op.SCFG, Op.SCFGI)]
+    assert fields == [(Op.SCFG, F.A_BASE), (Op.SCFGI, F.D_MODE), (Op.SCFGI, F.D_MODE)]
+
+
+def test_a_loop_head_forgets_fields_set_from_registers_the_body_changes():
+    # Before the loop A_BASE holds r1; the body changes r1 before its stream: A_BASE must be
+    # written in the body even though the body sets it only from r1.
+    asm = Assembler()
+    asm.field(StreamField.A_BASE, R1)
+    asm.li(R2, 3)
+
+    def body(head):
+        asm.stream(AluFn.PASS, a=Reg(REF_REGS[0]), a_base=R1, n=2, d_mode=DMode.SUM, rd=R5)
+        asm.alui(AluFn.ADD, R1, R1, 2)
+        asm.branch(Op.LOOP, head, ra=R2)
+    asm.loop(body)
+    code = asm.assemble(0)
+    head = next(i for i in code if i.op is Op.LOOP).imm
+    assert Instr(Op.SCFG, fn=StreamField.A_BASE.value, ra=1) in code[head:]
 
 
 def test_registers_are_given_as_names_and_emitted_as_numbers():
