@@ -62,12 +62,13 @@ FENCED = (Op.SEND, Op.SENDREF, Op.HALT, Op.FADD, Op.UNLOCK)
 #: counted with the stream's (a refused one halts the CU with MU_ERROR when it comes back).
 POSTED = (Op.RET, Op.RETI, Op.DECREF, Op.VWRITE)
 
-#: The instructions that wait until a running stream is done (SRUN retires as soon as the
-#: stream engine takes it): every MU request, so that it follows the stream's requests (the
-#: stream's writes, or its reads of a buffer the request changes, stay in program order); the
-#: fences; what reads or writes ``V``, which PACK_SUM uses, or the local buffer (LGET, LSET). A later SRUN waits for the
-#: engine too; any instruction naming the register (or pair, for ARGMAX) that the running
-#: stream's reduction will write waits for it (a scoreboard of one entry).
+#: The instructions that wait until the stream engine is idle (SRUN retires as soon as the
+#: engine takes the stream; the engine holds one executing stream and one waiting behind it):
+#: every MU request, so that it follows the streams' requests (their writes, or their reads of
+#: a buffer the request changes, stay in program order); the fences; what reads or writes
+#: ``V``, which PACK_SUM uses, or the local buffer (LGET, LSET). SRUN waits while a stream
+#: already waits in the engine; any instruction naming a register (or pair, for ARGMAX) that a
+#: stream's reduction will write waits for that stream (a scoreboard of two entries).
 AFTER_STREAM = (*_MU_OP, *FENCED, Op.VSET, Op.VCLR, Op.LGET, Op.LSET)
 
 
@@ -131,11 +132,13 @@ class Sequencer(wiring.Component):
     v : Out(data_bits)
         The staging vector ``V``.
     stream_start, stream_active : Out(1)
-        SRUN starts a stream (one cycle; SRUN retires); a stream runs (from the next cycle
-        until ``stream_done``).
+        SRUN hands a stream to the engine (one cycle; SRUN retires); the CU runs (the engine
+        drops its streams when it stops).
+    stream_busy, stream_queued : In(1)
+        The engine executes a stream; a second one waits behind it (SRUN waits while it does).
     stream_done, stream_error : In(1)
-        The stream has finished; a stream read was refused (MU_ERROR, reported at the SRUN's
-        pc).
+        The executing stream has finished; a stream read was refused (MU_ERROR, reported at the
+        SRUN's pc).
     writes_pending : In(1)
         A posted write is not yet acknowledged: the fences (:data:`FENCED`) wait.
     posted : Out(1)
@@ -181,6 +184,8 @@ class Sequencer(wiring.Component):
             "stream_start": Out(1),
             "stream_active": Out(1),
             "stream_done": In(1),
+            "stream_busy": In(1),
+            "stream_queued": In(1),
             "stream_error": In(1),
             "writes_pending": In(1),
             "posted": Out(1),
@@ -234,14 +239,14 @@ class Sequencer(wiring.Component):
         pc = Signal(16)
         err = Signal()
         code = Signal(8)
-        # The stream handed to the engine: running, the register(s) its reduction writes when
-        # it is done (the scoreboard), and its SRUN's pc (where a refused read is reported).
-        s_busy = Signal()
-        s_rd = Signal(rbits)
-        s_writes = Signal(2)      # bit 0: rd, bit 1: rd + 1 (ARGMAX)
-        s_pc = Signal(16)
+        # The scoreboard: per stream in the engine (0: executing, 1: waiting behind it), the
+        # register(s) its reduction writes when it is done and its SRUN's pc (where a refused
+        # read is reported).
+        s_rd = [Signal(rbits, name=f"s{i}_rd") for i in range(2)]
+        s_writes = [Signal(2, name=f"s{i}_writes") for i in range(2)]  # bit 0: rd, 1: rd + 1
+        s_pc = [Signal(16, name=f"s{i}_pc") for i in range(2)]
         m.d.comb += [self.done.eq(~running), self.error.eq(err),
-                     self.stream_active.eq(s_busy)]
+                     self.stream_active.eq(running)]
 
         # The message register: valid never depends on ready.
         msg_flit = self.msg_out.payload.shape()
@@ -354,20 +359,24 @@ class Sequencer(wiring.Component):
 
         # --- Execute --------------------------------------------------------------------------
         with m.If(self.stream_done):
-            m.d.sync += [s_busy.eq(0), s_writes.eq(0)]
+            m.d.sync += [s_rd[0].eq(s_rd[1]), s_writes[0].eq(s_writes[1]),
+                         s_pc[0].eq(s_pc[1]), s_writes[1].eq(0)]
         fence = op.matches(*FENCED) & self.writes_pending   # a fence waits for posted writes
         waiting = self.waiting     # stalled in WAIT / RECV on another CU
         # The running stream: in the cycle it is done its writes have all been issued and V is
         # final, but its reduction reaches the registers only at the end of that cycle.
-        s_rd1 = Signal(rbits)
-        m.d.comb += s_rd1.eq(s_rd + 1)
+        s_rd1 = [Signal(rbits, name=f"s{i}_rd1") for i in range(2)]
+        m.d.comb += [s_rd1[i].eq(s_rd[i] + 1) for i in range(2)]
         names = [rd_i, rd1_i, ra_i, rb_i]
-        reg_hazard = ((s_writes[0] & Cat(r == s_rd for r in names).any())
-                      | (s_writes[1] & Cat(r == s_rd1 for r in names).any()))
-        after_stream = Mux(op == Op.SRUN, ~self.stream_done,
-                           op.matches(*AFTER_STREAM) & ~self.stream_done
-                           | reg_hazard)
-        with m.If(in_run & s_busy & after_stream):
+        reg_hazard = Cat(
+            (s_writes[i][0] & Cat(r == s_rd[i] for r in names).any())
+            | (s_writes[i][1] & Cat(r == s_rd1[i] for r in names).any())
+            for i in range(2)).any()
+        # The engine is idle, or will be at the end of this cycle.
+        idle = ~self.stream_busy | (self.stream_done & ~self.stream_queued)
+        after_stream = Mux(op == Op.SRUN, self.stream_queued,
+                           op.matches(*AFTER_STREAM) & ~idle | reg_hazard)
+        with m.If(in_run & after_stream):
             m.d.comb += self.stream_wait.eq(1)
         with m.Elif(in_run):
             with m.Switch(op):
@@ -451,10 +460,14 @@ class Sequencer(wiring.Component):
                         m.d.comb += [srun_go.eq(1), adv.eq(1)]
                         reduces = sf[S.D_MODE].matches(DMode.SUM.value, DMode.MAX.value,
                                                        DMode.ARGMAX.value)
-                        m.d.sync += [
-                            s_busy.eq(1), s_rd.eq(rd_i), s_pc.eq(pc),
-                            s_writes.eq(Cat(reduces, sf[S.D_MODE] == DMode.ARGMAX.value)),
-                        ]
+                        # The stream executes next (entry 0) or waits behind the running one.
+                        for i, cond in enumerate((idle, ~idle)):
+                            with m.If(cond):
+                                m.d.sync += [
+                                    s_rd[i].eq(rd_i), s_pc[i].eq(pc),
+                                    s_writes[i].eq(Cat(reduces,
+                                                       sf[S.D_MODE] == DMode.ARGMAX.value)),
+                                ]
                 with m.Case(Op.SELF):
                     write_a(rd_i, self.cu_id)
                     m.d.comb += adv.eq(1)
@@ -516,8 +529,8 @@ class Sequencer(wiring.Component):
         with m.If(self.stream_error):
             fail("MU_ERROR")
         # (A stream's end comes before the execute block's SRUN, which may start the next.)
-        m.d.comb += [wc_en.eq(self.stream_done & s_writes[0]),
-                     wd_en.eq(self.stream_done & s_writes[1])]
+        m.d.comb += [wc_en.eq(self.stream_done & s_writes[0][0]),
+                     wd_en.eq(self.stream_done & s_writes[0][1])]
 
         # --- Incoming messages ----------------------------------------------------------------
         fin = self.msg_in.payload
@@ -575,17 +588,17 @@ class Sequencer(wiring.Component):
             with m.If(wb_en & (wb_idx == i)):
                 m.d.sync += r.eq(wb_data)
             # (an instruction naming the stream's registers waits, so these never collide)
-            with m.If(wc_en & (s_rd == i)):
+            with m.If(wc_en & (s_rd[0] == i)):
                 m.d.sync += r.eq(self.stream_acc)
-            with m.If(wd_en & (s_rd1 == i)):
+            with m.If(wd_en & (s_rd1[0] == i)):
                 m.d.sync += r.eq(self.stream_index)
 
         # --- Errors ---------------------------------------------------------------------------
         with m.If(running & ((seq_err != 0) | (msg_err != 0))):
-            m.d.sync += [state.eq(_State.IDLE), err.eq(1), s_busy.eq(0),
+            m.d.sync += [state.eq(_State.IDLE), err.eq(1), s_writes[0].eq(0), s_writes[1].eq(0),
                          code.eq(Mux(seq_err != 0, seq_err, msg_err))]
             with m.If(self.stream_error):
-                m.d.sync += pc.eq(s_pc)
+                m.d.sync += pc.eq(s_pc[0])
             with m.Elif(seq_err == codes["PC_OUT_OF_RANGE"]):
                 m.d.sync += pc.eq(npc)
 
@@ -595,8 +608,8 @@ class Sequencer(wiring.Component):
                 *[r.eq(i) for r, i in zip(regs, init_regs, strict=True)],
                 *[t.eq(0) for t in tokens], *[f.eq(0) for f in mb_full],
                 *[s.eq(int(f is S.OUTER)) for f, s in sf.items()],
-                V.eq(0), r0_valid.eq(0), err.eq(0), code.eq(0), pc.eq(0), s_busy.eq(0),
-                s_writes.eq(0),
+                V.eq(0), r0_valid.eq(0), err.eq(0), code.eq(0), pc.eq(0),
+                s_writes[0].eq(0), s_writes[1].eq(0),
             ]
             m.d.comb += [prog_r.addr.eq(0), prog_r.en.eq(1)]
             with m.If(enabled):

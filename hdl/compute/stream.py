@@ -37,6 +37,9 @@ __all__ = ["StreamEngine", "WQ_DEPTH", "read_response_layout"]
 #: Depth of the queue of stream results waiting to be written to an MU.
 WQ_DEPTH = 4
 
+#: Destination modes whose results go to ``D_REF`` in an MU.
+_D_MU_MODES = (DMode.WRITE.value, DMode.APPEND.value, DMode.PACK_SUM.value)
+
 
 def read_response_layout(fabric_params):
     """A read response as the stream engine takes it: the vector word and whether the MU
@@ -63,12 +66,15 @@ class StreamEngine(wiring.Component):
     fn : In(4)
         The lanes' ALU function (SRUN's ``fn``), taken at ``start``.
     start : In(1)
-        One-cycle pulse: a stream starts (the walk, the reductions and, for PACK_SUM, ``V`` are
-        reset). ``active`` is high from the next cycle until ``done``. It may come in the cycle
-        of the previous stream's ``done``.
+        One-cycle pulse: the sequencer hands over a stream (only while ``queued`` is low). It
+        executes at once if the engine is idle (or its stream is ``done`` in this cycle), else
+        after the running one; its reads may be issued before (see the module docstring).
+        Executing a stream resets the walk, the reductions and, for PACK_SUM, ``V``.
     active : In(1)
-        A stream runs (handed over by SRUN and not yet done). While it is low, stale read
-        responses and queued writes are dropped and nothing is issued.
+        The CU runs. While it is low the engine drops its streams, stale read responses and
+        queued writes, and issues nothing.
+    busy, queued : Out(1)
+        A stream executes; a second one waits behind it.
     clear : In(1)
         One-cycle pulse (the CU's start): forget outstanding reads and unacknowledged writes.
     mu_req : Out(stream.Signature(flit_layout(coord_bits, mu_request_layout(mu))))
@@ -85,9 +91,8 @@ class StreamEngine(wiring.Component):
     step : Out(1)
         A step enters the pipeline this cycle (a response is popped).
     done : Out(1)
-        The stream has finished: every step ran and every write was issued (while ``active``;
-        the sequencer retires SRUN in this cycle). Writes are *posted*: their
-        acknowledgements may still be on their way.
+        The executing stream has finished (one cycle): every step ran and every write was
+        issued. Writes are *posted*: their acknowledgements may still be on their way.
     writes_pending : Out(1)
         Some write of this or an earlier stream, or a posted request of the sequencer, is not
         yet acknowledged (the sequencer's fences wait for it to fall).
@@ -129,6 +134,8 @@ class StreamEngine(wiring.Component):
             "fn": In(INSTR_LAYOUT["fn"].shape),
             "start": In(1),
             "active": In(1),
+            "busy": Out(1),
+            "queued": Out(1),
             "clear": In(1),
             "mu_req": Out(stream.Signature(req_flit)),
             "resp": In(stream.Signature(read_response_layout(p))),
@@ -158,13 +165,16 @@ class StreamEngine(wiring.Component):
         lbits = exact_log2(L)
         wbits = exact_log2(cp.local_words)
         m = Module()
-        # The stream's configuration, taken when it starts (``start`` reads ``fields`` itself).
-        sf_in = self.fields
-        sf = Signal(STREAM_FIELDS)
-        fn = Signal.like(self.fn)
-        with m.If(self.start):
-            m.d.sync += [sf.eq(sf_in), fn.eq(self.fn)]
-        in_stream = self.active
+        refw = mp.mu_id_bits + mp.buf_id_bits
+        # Two stream slots: A executes (its steps and writes; ``sf``, ``fn``), B waits behind
+        # it (``b_sf``, ``b_fn``). Configurations are taken when the sequencer hands a stream
+        # over (``start``).
+        a_valid, b_valid = Signal(), Signal()
+        sf, b_sf = Signal(STREAM_FIELDS), Signal(STREAM_FIELDS)
+        fn, b_fn = Signal.like(self.fn), Signal.like(self.fn)
+        in_stream = a_valid
+        running = self.active
+        m.d.comb += [self.busy.eq(a_valid), self.queued.eq(b_valid)]
 
         # --- Storage ------------------------------------------------------------------------
         m.submodules.local = local = memory.Memory(shape=unsigned(32 * L),
@@ -190,10 +200,17 @@ class StreamEngine(wiring.Component):
                      rfifo.w_data.eq(Cat(self.resp.payload.data, self.resp.payload.refused))]
 
         # --- Issue --------------------------------------------------------------------------
+        # One walker issues A's reads, then B's: early (a prefetch, while A still executes) when
+        # B's responses cannot overtake A's (same MU, or none of A's reads still in the
+        # network) and B does not read the buffer A writes; otherwise when B starts executing.
         credits = Signal(range(cp.outstanding + 1))   # reads issued and not yet popped
+        inflight = Signal(range(cp.outstanding + 2))  # reads issued and not yet answered
         iss_o, iss_i = Signal(32), Signal(32)
         iss_row, iss_idx = Signal(32), Signal(32)
-        iss_done = Signal()
+        iss_done = Signal(init=1)
+        iss_b = Signal()                               # the walker works for B
+        isf = Signal(STREAM_FIELDS)
+        m.d.comb += isf.eq(Mux(iss_b, b_sf, sf))
         wr_pending = Signal(16)                        # writes issued and not acknowledged
         pop = Signal()
         n_val, outer_val = sf.n, sf.outer
@@ -205,7 +222,7 @@ class StreamEngine(wiring.Component):
                 op=Mux(d_mode == DMode.WRITE.value, MUOp.WRITE, MUOp.APPEND),
                 tag=TAG_WRITE, ref=sf.d_ref, index=wq_head.index, data=wq_head.data)
         rreq = Signal(self.mu_req.payload.shape())
-        request(m, rreq, p, x=self.x, y=self.y, op=MUOp.READ, tag=TAG_READ, ref=sf.a_ref,
+        request(m, rreq, p, x=self.x, y=self.y, op=MUOp.READ, tag=TAG_READ, ref=isf.a_ref,
                 index=iss_idx)
 
         # A queued write goes first; a read only when no write waits.
@@ -221,19 +238,23 @@ class StreamEngine(wiring.Component):
         m.d.comb += wq.r_en.eq(wr_go | ~in_stream)
 
         with m.If(rd_go):
-            with m.If(iss_i + 1 == n_val):
-                m.d.sync += [iss_i.eq(0), iss_row.eq(iss_row + sf.a_ostride),
-                             iss_idx.eq(iss_row + sf.a_ostride)]
-                with m.If(iss_o + 1 == outer_val):
+            with m.If(iss_i + 1 == isf.n):
+                m.d.sync += [iss_i.eq(0), iss_row.eq(iss_row + isf.a_ostride),
+                             iss_idx.eq(iss_row + isf.a_ostride)]
+                with m.If(iss_o + 1 == isf.outer):
                     m.d.sync += iss_done.eq(1)
                 with m.Else():
                     m.d.sync += iss_o.eq(iss_o + 1)
             with m.Else():
-                m.d.sync += [iss_i.eq(iss_i + 1), iss_idx.eq(iss_idx + sf.a_stride)]
+                m.d.sync += [iss_i.eq(iss_i + 1), iss_idx.eq(iss_idx + isf.a_stride)]
         with m.If(rd_go & ~pop):
             m.d.sync += credits.eq(credits + 1)
         with m.Elif(pop & ~rd_go):
             m.d.sync += credits.eq(credits - 1)
+        with m.If(rd_go & ~self.resp.valid):
+            m.d.sync += inflight.eq(inflight + 1)
+        with m.Elif(self.resp.valid & ~rd_go & (inflight != 0)):
+            m.d.sync += inflight.eq(inflight - 1)
 
         # --- S0: pop a response, read the local buffer --------------------------------------
         c_o, c_i, c_k = Signal(32), Signal(32), Signal(32)
@@ -358,18 +379,51 @@ class StreamEngine(wiring.Component):
                     with m.Else():
                         m.d.sync += pack_acc.eq(total)
 
-        # A stream starts: reset the walk, the reductions (and V for PACK_SUM).
-        with m.If(self.start):
-            is_max = sf_in.d_mode.matches(DMode.MAX.value, DMode.ARGMAX.value)
+        # --- The slots ----------------------------------------------------------------------
+        a_done = self.done
+        take_a = self.start & (~a_valid | (a_done & ~b_valid))   # a new stream executes next
+        take_b = self.start & ~take_a                            # it waits behind A
+        promote = a_done & b_valid                               # B executes next
+        new_a = Signal(STREAM_FIELDS)                            # what executes next
+        m.d.comb += new_a.eq(Mux(promote, b_sf, self.fields))
+
+        def begin_issue(f, for_b):
+            m.d.sync += [iss_o.eq(0), iss_i.eq(0), iss_row.eq(f.a_base), iss_idx.eq(f.a_base),
+                         iss_done.eq(0), iss_b.eq(for_b)]
+
+        a_writes_mu = sf.d_mode.matches(*_D_MU_MODES)
+        b_early = (b_valid & ~iss_b & iss_done & ~promote
+                   & ~(a_writes_mu & (sf.d_ref[:refw] == b_sf.a_ref[:refw]))
+                   & ((sf.a_ref[:mp.mu_id_bits] == b_sf.a_ref[:mp.mu_id_bits])
+                      | (inflight == 0)))
+        with m.If(b_early):
+            begin_issue(b_sf, 1)
+        with m.If(take_b):
+            m.d.sync += [b_valid.eq(1), b_sf.eq(self.fields), b_fn.eq(self.fn)]
+        with m.If(take_a | promote):
+            # Reset the execution (and V for PACK_SUM); start issuing unless B's reads are
+            # already out.
+            is_max = new_a.d_mode.matches(DMode.MAX.value, DMode.ARGMAX.value)
             m.d.sync += [
-                iss_o.eq(0), iss_i.eq(0), iss_row.eq(sf_in.a_base), iss_idx.eq(sf_in.a_base),
-                iss_done.eq(0), credits.eq(0), fault.eq(0),
-                c_o.eq(0), c_i.eq(0), c_k.eq(0), c_done.eq(0),
-                b_row.eq(sf_in.b_val), b_idx.eq(sf_in.b_val), d_idx.eq(sf_in.d_base),
+                a_valid.eq(1), sf.eq(new_a), fn.eq(Mux(promote, b_fn, self.fn)),
+                fault.eq(0), c_o.eq(0), c_i.eq(0), c_k.eq(0), c_done.eq(0),
+                b_row.eq(new_a.b_val), b_idx.eq(new_a.b_val), d_idx.eq(new_a.d_base),
                 red_acc.eq(Mux(is_max, 1 << 31, 0)), red_idx.eq(0), pack_acc.eq(0),
             ]
-            with m.If(sf_in.d_mode == DMode.PACK_SUM.value):
+            with m.If(promote):
+                m.d.sync += b_valid.eq(0)
+            with m.If(promote & iss_b):
+                m.d.sync += iss_b.eq(0)
+            with m.Else():
+                begin_issue(new_a, 0)
+            with m.If(new_a.d_mode == DMode.PACK_SUM.value):
                 m.d.comb += [self.v_we.eq(1), self.v_next.eq(0)]
+        with m.Elif(a_done):
+            m.d.sync += a_valid.eq(0)
+        with m.If(~running):
+            # The CU stopped (an error): drop both streams.
+            m.d.sync += [a_valid.eq(0), b_valid.eq(0), iss_done.eq(1), iss_b.eq(0),
+                         credits.eq(0), inflight.eq(0)]
 
         # Every step ran and every write was issued; the acknowledgements are counted on
         # across streams (posted writes) and fenced by the sequencer.
@@ -386,7 +440,7 @@ class StreamEngine(wiring.Component):
             m.d.sync += wr_pending.eq(wr_pending - 1)
 
         with m.If(self.clear):
-            m.d.sync += [wr_pending.eq(0), credits.eq(0)]
+            m.d.sync += [wr_pending.eq(0), credits.eq(0), inflight.eq(0)]
 
         # --- Configuration space: the local buffer --------------------------------------------
         cfg = self.cfg

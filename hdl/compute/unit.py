@@ -18,8 +18,12 @@ Sequencer (:class:`rdakit.hdl.compute.sequencer.Sequencer`)
     cycle after it arrives. ``WAIT``/``RECV`` retire in the cycle the tokens or the reference are
     there; ``SEND``/``SENDREF`` retire when the message register is free.
 Stream engine (:class:`rdakit.hdl.compute.stream.StreamEngine`)
-    An issue stage walks ``(o, i)`` and loads a READ (tag 1) into the request register each cycle
-    while fewer than ``outstanding`` reads are unconsumed (issued and not yet popped). Read
+    Two stream slots: the executing stream and one waiting behind it, which SRUN fills while the
+    other runs. An issue stage walks ``(o, i)`` and loads a READ (tag 1) into the request
+    register each cycle while fewer than ``outstanding`` reads are unconsumed (issued and not
+    yet popped); once the executing stream's reads are out it walks the waiting stream's (a
+    prefetch) if the waiting stream does not read the buffer the executing one writes and its
+    responses cannot overtake the executing one's (same MU, or none of its reads unanswered). Read
     responses go into a response FIFO of ``outstanding + 1`` entries (``amaranth.lib.fifo``), so a
     response is always accepted. The execute pipeline has two stages: S0 pops the head of the FIFO
     and reads the local buffer (B operand and the LOCAL_ACC destination); S1 computes
@@ -43,9 +47,11 @@ Timing (measured with an MU attached directly, its latency 2 cycles)
     response is back; this needs ``outstanding`` >= 6, the round trip in reads) and about
     ``2*N*OUTER + 4`` when every result is written to an MU (two requests a step); the last
     acknowledgement's round trip (3 cycles here) overlaps what follows too (posted writes; a
-    fence or HALT waits for it); PACK_SUM adds one cycle an append. An instruction of
-    ``sequencer.AFTER_STREAM``, a second SRUN, or one naming a register of the stream's
-    reduction waits for the stream to be done.
+    fence or HALT waits for it); PACK_SUM adds one cycle an append. A stream handed over while
+    another runs starts its steps the cycle after that one is done when its reads could be
+    prefetched. An instruction of ``sequencer.AFTER_STREAM`` waits for the engine to be idle, an
+    SRUN while a stream already waits in it, and one naming a register of a stream's reduction
+    for that stream.
 
 Readings of the spec (where it leaves a choice)
 -----------------------------------------------
@@ -181,6 +187,7 @@ class ComputeUnit(wiring.Component):
             eng.fields.eq(seq.fields), eng.fn.eq(seq.fn), eng.v.eq(seq.v),
             eng.start.eq(seq.stream_start), eng.active.eq(seq.stream_active),
             seq.stream_done.eq(eng.done), seq.stream_error.eq(eng.error),
+            seq.stream_busy.eq(eng.busy), seq.stream_queued.eq(eng.queued),
             seq.writes_pending.eq(eng.writes_pending), eng.posted.eq(seq.posted),
             seq.stream_acc.eq(eng.acc), seq.stream_index.eq(eng.index),
             seq.v_we.eq(eng.v_we), seq.v_next.eq(eng.v_next),

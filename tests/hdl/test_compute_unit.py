@@ -1166,6 +1166,52 @@ def _interpret(tiles, buffers, refs):
     return res, mus, names
 
 
+@pytest.mark.parametrize("stall", [0.0, 0.5])
+def test_streams_queued_in_the_engine_keep_program_order(stall):
+    # Back-to-back streams: the next is handed over while one runs and its reads go out early
+    # only when that is safe. Streams 1 and 2 append to a buffer in MU B (2: one PACK_SUM word at
+    # its end); stream 3 reads it, that word first (it must wait for the writes); stream 4 reads
+    # MU B too (prefetched); stream 5 reads MU A (its responses must not overtake stream 4's);
+    # an ALU instruction reads the ARGMAX registers. Registers, the local buffer and the MUs
+    # equal the interpreter's.
+    rng = np.random.default_rng(7)
+    text = f"""
+        LI r7, {MU_B_ID}
+        ALLOC r3, r7, 1
+        SCFG A_REF, r1
+        SCFG D_REF, r3
+        {cfg(A_STRIDE=1, N=4, D_MODE=DMode.APPEND)}
+        SRUN ADD, r0
+        {cfg(OUTER=2, A_OSTRIDE=0, D_MODE=DMode.PACK_SUM)}
+        SRUN ADD, r0
+        SCFG A_REF, r3
+        {cfg(A_BASE=4, A_STRIDE=-1, N=5, OUTER=1, D_MODE=DMode.SUM)}
+        SRUN PASS, r4
+        SCFG A_REF, r2
+        {cfg(A_BASE=0, A_STRIDE=1, N=3, D_MODE=DMode.LOCAL, D_BASE=2, D_STRIDE=1)}
+        SRUN XOR, r0
+        SCFG A_REF, r1
+        {cfg(N=4, OUTER=2, A_OSTRIDE=0, D_MODE=DMode.ARGMAX)}
+        SRUN MAX, r5
+        ALU ADD, r7, r4, r6
+        HALT
+    """
+    tiles = {CU0: TileConfig(program=assemble(text), regs={})}
+    buffers = {"a": (MU_A, rand32(rng, (4, LANES))), "b": (MU_B, rand32(rng, (3, LANES)))}
+    refs = {CU0: {1: "a", 2: "b"}}
+    hw = run_program(P, tiles, buffers=buffers, regs=refs, cus=[CU0], stall=stall, seed=1)
+    res, mus, names = _interpret(tiles, buffers, refs)
+    h, s = hw.cu(*CU0), res.cu(*CU0)
+    assert not h.error and (h.pc, h.regs) == (s.pc, s.regs)
+    a = buffers["a"][1].astype(np.int64)
+    assert s32(h.regs[4]) == s32(int(3 * a.sum()) & 0xffff_ffff)
+    assert h.regs[7] == (h.regs[4] + h.regs[6]) & 0xffff_ffff
+    np.testing.assert_array_equal(h.local, s.local)
+    for xy in P.tiles("M"):
+        for ref, words in mus[xy].items():
+            np.testing.assert_array_equal(hw.mus[xy][ref], words)
+
+
 @pytest.mark.parametrize("seed, fault, stall", [
     (0, None, 0.0), (1, "stream", 0.0), (2, None, 0.4), (3, "stream", 0.4), (4, "read", 0.0),
     (5, "bad_op", 0.0),

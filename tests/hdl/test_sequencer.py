@@ -116,10 +116,13 @@ def test_srun_retires_at_once_and_its_reduction_is_scoreboarded():
             seen["fn"] = ctx.get(dut.fn)
         if ctx.get(dut.retire):
             seen["retired"].append(cycle)
-        active = ctx.get(dut.stream_active)
-        done = active and cycle >= seen.get("start", 0) + 10
-        if done and seen["done"] is None:
+        # The engine: busy from the cycle after the handover until done, ten cycles later.
+        start = seen.get("start")
+        busy = start is not None and start < cycle <= start + 10
+        done = busy and cycle == start + 10
+        if done:
             seen["done"] = cycle
+        ctx.set(dut.stream_busy, busy)
         ctx.set(dut.stream_done, done)
         ctx.set(dut.stream_acc, 0xffff_fff0)
         ctx.set(dut.stream_index, 77)

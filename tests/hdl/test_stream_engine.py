@@ -99,10 +99,10 @@ def run_stream(cfg, fn, a_mem, local, *, ready_pattern=(1,), refuse=None):
         fields.update({k: v & 0xffff_ffff for k, v in cfg.items()})
         ctx.set(dut.fields, fields)
         ctx.set(dut.fn, fn)
+        ctx.set(dut.active, 1)          # the CU runs
         ctx.set(dut.start, 1)
         await ctx.tick()
         ctx.set(dut.start, 0)
-        ctx.set(dut.active, 1)
         v = 0
         pending = []            # (due cycle, tag, data, refused), in order
         written, appended, reads = {}, [], 0
