@@ -15,10 +15,12 @@ on a freshly reset fabric (:func:`~rdakit.compiler.lower.replay_refs`).
 import dataclasses
 import pathlib
 
+import numpy as np
+
 from rdakit.compiler.cost import CostModel
 from rdakit.compiler.graph import DataflowGraph
 from rdakit.compiler.lower import lower, replay_refs, sample_inputs
-from rdakit.compiler.partition import Targets, measure, partition
+from rdakit.compiler.partition import Targets, as_weighted, measure, partition
 from rdakit.compiler.placement import Fabric, place
 from rdakit.compiler.workloads import WORKLOADS, Workload, build, load_graph
 from rdakit.hdl.spec.bitstream import write_bitstream
@@ -115,7 +117,8 @@ def load_workload(workload, sizes=None):
 
 
 def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", seed=0,
-                     place_steps=20000, inputs=None, cost=None):
+                     place_steps=20000, inputs=None, cost=None, schedule_cost=None,
+                     order="graph"):
     """Compile a workload for a fabric.
 
     Parameters
@@ -135,7 +138,14 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
     inputs : dict, optional
         Input values (default: the workload's sample inputs).
     cost : CostModel, optional
-        Default: ``CostModel(lanes=params.cu.lanes)``.
+        What the partitioner balances. Default: ``CostModel(lanes=params.cu.lanes)``.
+    schedule_cost : CostModel, optional
+        What the placed assignment is list-scheduled with (default ``cost``) for the summary's
+        estimated cycles.
+    order : str
+        The order of each CU's ops: ``"graph"`` (the graph's topological order; the estimate
+        schedules in that order too) or ``"schedule"`` (by start cycle in the list schedule by
+        upward rank, :class:`~rdakit.compiler.lower.passes.ScheduleOrder`).
 
     Returns
     -------
@@ -149,14 +159,20 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
     wl = load_workload(workload, sizes)
     graph = wl.graph
     cost = cost or CostModel(lanes=params.cu.lanes)
+    schedule_cost = schedule_cost or cost
     cus = params.tiles("C")
     result = partition(graph, Targets(len(cus)), partitioner, cost=cost)
     fabric = placement_fabric(params, cu_program=max(len(graph), params.cu.prog_len))
     placement = place(graph, result, fabric, seed=seed, steps=place_steps)
-    job = lower(graph, result, placement, params, inputs=wl.inputs if inputs is None
-                else inputs)
-    placed = measure(result.graph, result.targets, result.parts, cost,
-                     strategy=result.strategy, hops=placement.hops(len(cus)))
+    if order not in ("graph", "schedule"):
+        raise ValueError(f"order must be 'graph' or 'schedule', not {order!r}")
+    # The placed assignment's list schedule: the estimate, in the order the CUs will run.
+    wg = result.graph if schedule_cost is cost else as_weighted(graph, schedule_cost)
+    placed = measure(wg, result.targets, result.parts, schedule_cost,
+                     strategy=result.strategy, hops=placement.hops(len(cus)),
+                     order=np.arange(wg.n) if order == "graph" else None)
+    job = lower(graph, placed if order == "schedule" else result.parts, placement, params,
+                inputs=wl.inputs if inputs is None else inputs)
     summary = CompileSummary(
         graph=graph.name, nodes=len(graph), partitioner=result.strategy,
         parts=len(job.programs), cut=int(result.cut), imbalance=float(result.imbalance),

@@ -26,8 +26,8 @@ import numpy as np
 from rdakit.compiler.graph import OP_KINDS
 
 __all__ = [
-    "CostModel", "Schedule", "list_schedule", "upward_rank", "priority_order", "lower_bound",
-    "hop_matrix",
+    "CostModel", "EventCostModel", "EVENTS", "Schedule", "list_schedule", "upward_rank",
+    "priority_order", "lower_bound", "hop_matrix",
 ]
 
 
@@ -96,6 +96,69 @@ class CostModel:
         hops = np.asarray(hops, dtype=float)
         cycles = -(-nbytes // self.link_bytes) + np.ceil(hops * self.hop_cycles).astype(np.int64)
         return np.where(hops > 0, cycles, 0)
+
+
+#: The events of a CU program an :class:`EventCostModel` counts per node: stream steps, stream
+#: starts (SRUN), blocking MU instructions and the other instructions.
+EVENTS = ("steps", "streams", "mu", "instructions")
+
+
+@dataclasses.dataclass(frozen=True)
+class EventCostModel(CostModel):
+    """A cost model built from the events of the lowering: a node costs
+    ``steps + stream_cycles * streams + mu_cycles * mu + instr_cycles * instructions`` cycles,
+    with the events counted on the node's lowered code (``rdakit.sim.runtime.events``: the
+    workload lowered onto one CU and run on the interpreter, so run-time sizes count as they
+    are) and the per-event cycles fitted to RTL runs (``docs/compiler.md``). Nodes without
+    events (none were counted) keep :class:`CostModel`'s ``ceil(work / lanes) + op_overhead``.
+
+    Parameters
+    ----------
+    events : tuple
+        ``(node, steps, streams, mu, instructions)`` per node (counts may be fractional: a
+        fused chain's events are shared by its nodes in proportion to their work).
+    stream_cycles, mu_cycles, instr_cycles : float
+        Cycles a stream start, a blocking MU instruction and another instruction cost beyond
+        the stream's steps.
+    """
+
+    events: tuple = ()
+    # Fitted to the CUs' busy minus wait cycles of the smallest built-in workloads on 2x2
+    # (``docs/compiler.md``, the event cost model).
+    stream_cycles: float = 12.3
+    mu_cycles: float = 19.5
+    instr_cycles: float = 0.59
+    # A tensor between CUs is not copied but handed over (the producer's SENDREF after its
+    # writes are acknowledged, the consumer's RECV): a fixed cost, plus the hops.
+    edge_cycles: int = 20
+
+    def __post_init__(self):
+        super().__post_init__()
+        table = {}
+        for row in self.events:
+            if len(row) != 1 + len(EVENTS):
+                raise TypeError(f"events must hold (node, {', '.join(EVENTS)}) rows, not "
+                                f"{row!r}")
+            table[row[0]] = row[1:]
+        object.__setattr__(self, "_table", table)
+
+    def transfer_cycles(self, nbytes, hops):
+        if hops == 0:
+            return 0
+        return self.edge_cycles + int(math.ceil(hops * self.hop_cycles))
+
+    def transfer_array(self, nbytes, hops):
+        hops = np.asarray(hops, dtype=float)
+        cycles = self.edge_cycles + np.ceil(hops * self.hop_cycles).astype(np.int64)
+        return np.where(hops > 0, cycles, 0) + np.zeros(np.shape(nbytes), dtype=np.int64)
+
+    def op_cycles(self, graph, node):
+        e = self._table.get(node)
+        if e is None or OP_KINDS[graph.kind(node)].memory:
+            return super().op_cycles(graph, node)
+        steps, streams, mu, instructions = e
+        return max(1, int(round(steps + self.stream_cycles * streams + self.mu_cycles * mu
+                                + self.instr_cycles * instructions)))
 
 
 def hop_matrix(k, cost, coords=None):

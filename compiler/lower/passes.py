@@ -14,11 +14,15 @@ tensor an op reads exists and every op comes after the ops producing what it rea
     Graph outputs into host buffers written by their producers (copies where needed).
 ``eliminate-dead``
     Ops nobody reads, then unread constants and inputs.
+``schedule-order``
+    The ops in the order of the partitioner's list schedule (by start cycle), when it has one:
+    each CU runs its ops in the order the estimate assumed.
 ``check-order``
-    That the ops are in a topological order (they were appended in graph order).
+    That the ops are in a topological order.
 """
 
 import dataclasses
+import heapq
 from typing import ClassVar
 
 import numpy as np
@@ -29,7 +33,7 @@ from rdakit.compiler.lower.plan import LOp
 from rdakit.hdl.spec.isa import AluFn
 
 __all__ = ["LOWERABLE_KINDS", "LoweringPass", "Legalize", "FuseElementwise", "PlaceOutputs",
-           "EliminateDead", "CheckOrder", "PIPELINE"]
+           "EliminateDead", "ScheduleOrder", "CheckOrder", "PIPELINE"]
 
 #: Op kinds the lowering turns into CU programs (every kind of the op table).
 LOWERABLE_KINDS = frozenset({
@@ -357,9 +361,65 @@ class EliminateDead(LoweringPass):
 
 
 @dataclasses.dataclass(frozen=True)
+class ScheduleOrder(LoweringPass):
+    """Order the ops by the start cycles of the partitioner's list schedule (``plan.start``;
+    ties, and ops of no scheduled node, keep their graph order).
+
+    Every CU runs its ops in the plan's one order. In graph order a CU may finish all of its
+    own work before it computes what another CU waits for (an MoE CU ran its experts before it
+    dispatched the other CU's inputs); the list schedule the partitioner estimated puts what
+    others wait for first, and following it makes the estimate the program's. The order is a
+    topological sort that keeps every dependency: an op after the ops producing what it reads,
+    and ops touching the same buffer (appends in place and the reads around them) in their
+    graph order. One topological order for every CU cannot deadlock."""
+
+    name: ClassVar[str] = "schedule-order"
+
+    def apply(self, plan):
+        start = getattr(plan, "start", None)
+        if not start:
+            return
+        ops = plan.lops
+        index = {op.name: i for i, op in enumerate(ops)}
+        succ = [set() for _ in ops]
+        preds = [0] * len(ops)
+        last_touch = {}
+        for i, op in enumerate(ops):
+            for t in dict.fromkeys([*op.ins, op.out]):
+                tensor = plan.tensors.get(t)
+                if tensor is None:
+                    continue
+                deps = []
+                if tensor.producer is not None and tensor.producer in index:
+                    deps.append(index[tensor.producer])
+                if tensor.buffer is not None:
+                    deps.append(last_touch.get(tensor.buffer))
+                    last_touch[tensor.buffer] = i
+                for j in deps:
+                    if j is not None and j != i and i not in succ[j]:
+                        succ[j].add(i)
+                        preds[i] += 1
+        key, last = [], 0.0
+        for op in ops:
+            times = [start[n] for n in op.nodes if n in start]
+            last = min(times) if times else last
+            key.append(last)
+        ready = [(key[i], i) for i in range(len(ops)) if not preds[i]]
+        heapq.heapify(ready)
+        order = []
+        while ready:
+            _, i = heapq.heappop(ready)
+            order.append(i)
+            for k in succ[i]:
+                preds[k] -= 1
+                if not preds[k]:
+                    heapq.heappush(ready, (key[k], k))
+        plan.lops[:] = [ops[i] for i in order]
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckOrder(LoweringPass):
-    """Check that the ops are in a topological order (they are appended in graph order;
-    no pass reorders them)."""
+    """Check that the ops are in a topological order (``schedule-order`` keeps one)."""
 
     name: ClassVar[str] = "check-order"
 
@@ -373,4 +433,5 @@ class CheckOrder(LoweringPass):
 
 
 #: The passes :func:`~rdakit.compiler.lower.lower` runs, in order.
-PIPELINE = (Legalize(), FuseElementwise(), PlaceOutputs(), EliminateDead(), CheckOrder())
+PIPELINE = (Legalize(), FuseElementwise(), PlaceOutputs(), EliminateDead(), ScheduleOrder(),
+            CheckOrder())

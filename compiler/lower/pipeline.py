@@ -78,6 +78,8 @@ def lower(graph, parts, placement, params, *, inputs=None):
         raise LoweringError(str(e)) from None
     part_of = _parts_by_name(graph, parts)
     plan = Plan(graph, part_of, placement, params)
+    if getattr(parts, "start", None) is not None:
+        plan.start = {parts.graph.label(i): float(s) for i, s in enumerate(parts.start)}
     for lowering_pass in PIPELINE:
         lowering_pass.apply(plan)
     job = Lowerer(plan, params).run(inputs, graph)

@@ -104,6 +104,7 @@ class Plan:
         self.lanes = params.cu.lanes
         self.tensors = {}
         self.lops = []
+        self.start = {}            # graph node -> start cycle in the partitioner's schedule
         self.outputs = []          # (output name, source tensor)
         self.output_map = {}       # output name -> buffer name
         self.synth = {}            # synthetic constants by name

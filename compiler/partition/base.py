@@ -189,6 +189,9 @@ class PartitionResult:
         Estimated makespan: list schedule of the assignment under the cost model.
     quotient_acyclic : bool
         Whether the graph of units is acyclic.
+    start : numpy.ndarray or None
+        Start cycle of every node in that list schedule: the order the lowering gives each
+        CU's ops, so that the CUs run the schedule the estimate describes.
     """
 
     strategy: str
@@ -201,6 +204,7 @@ class PartitionResult:
     lower_bound: float
     makespan: int
     quotient_acyclic: bool
+    start: np.ndarray | None = None
 
     def assignment(self):
         """Unit of each node, by node name."""
@@ -273,16 +277,18 @@ def imbalance(wg, targets, parts):
     return float(weights.max() / mean - 1) if mean > 0 else 0.0
 
 
-def measure(wg, targets, parts, cost=None, *, strategy="?", seconds=0.0, hops=None):
-    """Measure an assignment (see :class:`PartitionResult`)."""
+def measure(wg, targets, parts, cost=None, *, strategy="?", seconds=0.0, hops=None, order=None):
+    """Measure an assignment (see :class:`PartitionResult`); ``order`` is the list schedule's
+    priority order (default :func:`~rdakit.compiler.cost.priority_order`)."""
     cost = CostModel() if cost is None else cost
     targets = _as_targets(targets)
     parts = check_assignment(wg, targets, parts)
-    sched = list_schedule(wg, parts, targets.count, cost, hops=hops, loads=targets.loads)
+    sched = list_schedule(wg, parts, targets.count, cost, hops=hops, loads=targets.loads,
+                          order=order)
     return PartitionResult(strategy, wg, targets, parts, float(seconds), wg.cut(parts),
                            imbalance(wg, targets, parts),
                            lower_bound(wg, targets.count, targets.loads), sched.makespan,
-                           wg.quotient_acyclic(parts))
+                           wg.quotient_acyclic(parts), sched.start)
 
 
 # --- the baselines ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from rdakit.compiler.partition import STRATEGIES, PartitionError
 from rdakit.compiler.placement import PlacementError
 from rdakit.errors import UserError
 from rdakit.hdl.spec.bitstream import listing
+from rdakit.sim.runtime.events import cost_model
 
 __all__ = ["register", "parse_sizes"]
 
@@ -20,7 +21,9 @@ def _compile(args):
     try:
         job, summary = compile_workload(args.workload, sizes=sizes, params=params,
                                         partitioner=args.partitioner, seed=args.seed,
-                                        place_steps=args.place_steps)
+                                        place_steps=args.place_steps,
+                                        schedule_cost=cost_model(args.workload, sizes=sizes,
+                                                                 params=params))
     except (LoweringError, PlacementError, PartitionError, GraphError, FileNotFoundError) as e:
         hint = " (a larger --prog-len, fabric or another partitioner may fit)" \
             if "prog_len" in str(e) else ""

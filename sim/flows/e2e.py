@@ -41,6 +41,7 @@ from rdakit.hdl.spec.config import CU_PROFILE
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.models.interp import InterpreterError
 from rdakit.sim.runtime.counters import read_mu_counters, run_delta
+from rdakit.sim.runtime.events import cost_model
 from rdakit.sim.runtime.host import AmaranthTransport, HostDriver
 from rdakit.sim.runtime.job import JobError, run_job, run_job_interp
 from rdakit.sim.verify.amaranth_sim import simulate
@@ -118,10 +119,15 @@ class RunSpec:
         return cls(**d)
 
     def compile(self, cost=None):
-        """``(CompiledJob, CompileSummary)`` of this spec (raises the compiler's errors)."""
-        return compile_workload(self.workload, sizes=self.sizes, params=self.params,
+        """``(CompiledJob, CompileSummary)`` of this spec (raises the compiler's errors):
+        partitioned with ``cost`` (default the work model), its cycles estimated with the
+        workload's event model (:func:`~rdakit.sim.runtime.events.cost_model`)."""
+        params = self.params
+        return compile_workload(self.workload, sizes=self.sizes, params=params,
                                 partitioner=self.partitioner, seed=self.seed,
-                                place_steps=self.place_steps, cost=cost)
+                                place_steps=self.place_steps, cost=cost,
+                                schedule_cost=cost_model(self.workload, sizes=self.sizes,
+                                                         params=params))
 
 
 #: The MU counters an iteration's row reports (``allocs``, ``frees``, ``leaked_buffers``,

@@ -8,7 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rdakit.compiler import workloads
-from rdakit.compiler.cost import CostModel, hop_matrix, list_schedule, lower_bound, upward_rank
+from rdakit.compiler.cost import (
+    CostModel,
+    EventCostModel,
+    hop_matrix,
+    list_schedule,
+    lower_bound,
+    upward_rank,
+)
 from rdakit.compiler.partition.wgraph import WeightedGraph
 
 EXAMPLES = 10 if os.environ.get("CI") else 40
@@ -39,6 +46,23 @@ def test_transfer_cycles():
     h = hop_matrix(3, CostModel(mean_hops=2.5))
     assert h.tolist() == [[0, 2.5, 2.5], [2.5, 0, 2.5], [2.5, 2.5, 0]]
     assert hop_matrix(2, cost, [(0, 0), (2, 3)]).tolist() == [[0, 5], [5, 0]]
+
+
+def test_event_cost_model_charges_each_event():
+    # fc0: 100 steps, 3 streams, 2 blocking MU instructions, 10 other instructions.
+    wl = workloads.mlp(batch=4, sizes=(64, 32))
+    cost = EventCostModel(lanes=4, events=(("fc0", 100, 3, 2, 10),), stream_cycles=10,
+                          mu_cycles=20, instr_cycles=0.5)
+    assert cost.op_cycles(wl.graph, "fc0") == 100 + 30 + 40 + 5
+    # A node without events keeps the work model; memory nodes cost nothing.
+    assert cost.op_cycles(wl.graph, "bias0") == CostModel(lanes=4).op_cycles(wl.graph, "bias0")
+    assert cost.op_cycles(wl.graph, "x") == 0
+    # A tensor between CUs costs the hand-over and the hops, whatever its size.
+    assert cost.transfer_cycles(1000, 2) == cost.edge_cycles + 2
+    assert cost.transfer_array([1000, 4], [2, 0]).tolist() == [cost.edge_cycles + 2, 0]
+    with pytest.raises(TypeError, match=r"^events must hold \(node, steps, streams, mu, "
+                                        r"instructions\) rows, not \('fc0', 1\)$"):
+        EventCostModel(events=(("fc0", 1),))
 
 
 def test_cost_model_validation():

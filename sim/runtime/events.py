@@ -1,0 +1,127 @@
+"""What a compiled job's CU programs do, counted by event on the functional interpreter, and the
+event cost model built from it (``docs/compiler.md``, the cost model).
+
+A CU's time is spent on a few kinds of event, each with its own cost on the RTL: stream steps
+(one a cycle once a stream runs), stream starts (configuration and the first round trip, which
+the engine overlaps only in part), blocking MU instructions (a round trip each) and the other
+instructions (a cycle each). :func:`op_events` counts them per lowered op by running the job on
+the interpreter with the job's inputs, so run-time sizes (a token routing) count as they are;
+:func:`event_cost_model` lowers a workload onto a one-CU fabric to count every node's events
+before partitioning, and returns the :class:`~rdakit.compiler.cost.EventCostModel` the
+partitioners use.
+"""
+
+import collections
+
+from rdakit.compiler.compile import compile_workload
+from rdakit.compiler.cost import EVENTS, CostModel, EventCostModel
+from rdakit.compiler.graph import MEMORY_KINDS
+from rdakit.compiler.lower import LoweringError
+from rdakit.compiler.partition import PartitionError
+from rdakit.compiler.placement import PlacementError
+from rdakit.hdl.spec.isa import Op
+from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.models.interp import Interpreter, InterpreterError
+from rdakit.sim.runtime.job import prepare_interp
+
+__all__ = ["EventCounter", "op_events", "cu_events", "node_events", "event_cost_model",
+           "cost_model", "BLOCKING"]
+
+#: Instructions that wait for an MU response (the posted ones, RET, RETI, DECREF and VWRITE,
+#: do not: they count as instructions).
+BLOCKING = frozenset({Op.ALLOC, Op.READ, Op.VREAD, Op.VAPPEND, Op.LEN, Op.ADDW, Op.INCREF,
+                      Op.FADD, Op.UNLOCK})
+
+
+class EventCounter(Interpreter):
+    """The interpreter, counting the events of every ``(CU, pc)``: ``steps`` (stream steps of
+    the SRUN there), ``streams``, ``mu`` (blocking MU instructions) and ``instructions`` (the
+    rest)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.events = collections.defaultdict(collections.Counter)
+
+    def _step(self, cu):
+        pc, before = cu.pc, cu.stream_steps
+        starting = cu.stream is None
+        if starting and pc < len(cu.program) and cu.program[pc] is not None:
+            op = cu.program[pc].op
+            kind = ("streams" if op is Op.SRUN else "mu" if op in BLOCKING
+                    else "instructions")
+            self.events[(cu.xy, pc)][kind] += 1
+        super()._step(cu)
+        if cu.stream_steps != before:
+            self.events[(cu.xy, pc)]["steps"] += cu.stream_steps - before
+
+
+def _run(job):
+    interp, _ = prepare_interp(job, interpreter=EventCounter)
+    interp.run(max_steps=50_000_000)
+    return interp.events
+
+
+def op_events(job):
+    """Events of every lowered op of ``job`` (name -> Counter of :data:`EVENTS`), summed over
+    the CUs it runs on."""
+    events = _run(job)
+    out = collections.defaultdict(collections.Counter)
+    for cu, info in job.programs.items():
+        for name, _, _, a, b in info.ops:
+            for pc in range(a, b):
+                out[name].update(events.get((cu, pc), {}))
+    return dict(out)
+
+
+def cu_events(job):
+    """Events of every CU of ``job`` (``(x, y)`` -> Counter of :data:`EVENTS`), its prologue,
+    messages and epilogue included."""
+    out = collections.defaultdict(collections.Counter)
+    for (cu, _), c in _run(job).items():
+        out[cu].update(c)
+    return dict(out)
+
+
+def node_events(job):
+    """Events per graph node: a lowered op's events go to the compute nodes it implements, in
+    proportion to their work (a fused chain is one lowered op)."""
+    graph = job.graph
+    per_op = op_events(job)
+    out = collections.defaultdict(collections.Counter)
+    for name, _, _, nodes in job.lowered:
+        compute = [n for n in nodes if graph.kind(n) not in MEMORY_KINDS]
+        if not compute:
+            continue
+        work = [max(1.0, float(graph.work(n))) for n in compute]
+        total = sum(work)
+        for n, w in zip(compute, work, strict=True):
+            for kind, count in per_op.get(name, {}).items():
+                out[n][kind] += count * w / total
+    return dict(out)
+
+
+def event_cost_model(workload, *, sizes=None, params, inputs=None, **constants):
+    """The :class:`~rdakit.compiler.cost.EventCostModel` of ``workload`` for a fabric of
+    ``params``: the workload lowered onto one CU (its lanes and local buffer, program and MU
+    room enough for everything) and run on the interpreter to count each node's events.
+    ``constants`` override the model's per-event cycles."""
+    cp, mp = params.cu, params.mu
+    one = fabric_params(1, 2, layout="CM", lanes=cp.lanes, local_words=cp.local_words,
+                        outstanding=cp.outstanding, prog_len=4096, mu_words=1 << 16,
+                        block_words=mp.block_words, max_buffers=64)
+    job, _ = compile_workload(workload, sizes=sizes, params=one, partitioner="round_robin",
+                              place_steps=1, inputs=inputs)
+    events = node_events(job)
+    return EventCostModel(lanes=cp.lanes, events=tuple(
+        (n, *(round(c[k], 3) for k in EVENTS)) for n, c in sorted(events.items())),
+        **constants)
+
+
+def cost_model(workload, *, sizes=None, params, inputs=None):
+    """The cost model a workload is compiled with: its :func:`event_cost_model`, or, when it
+    cannot be lowered onto one CU, :class:`~rdakit.compiler.cost.CostModel`'s work estimate
+    (check ``isinstance(model, EventCostModel)`` to tell)."""
+    try:
+        return event_cost_model(workload, sizes=sizes, params=params, inputs=inputs)
+    except (LoweringError, PlacementError, PartitionError, InterpreterError):
+        return CostModel(lanes=params.cu.lanes)
