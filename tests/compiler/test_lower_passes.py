@@ -15,6 +15,7 @@ from rdakit.compiler.lower.passes import (
     Legalize,
     LoweringPass,
     PlaceOutputs,
+    ScheduleOrder,
 )
 from rdakit.compiler.lower.registers import R1, R2, R4, R5, REF_REGS, TABLE, Reg, RefFile
 from rdakit.hdl.spec.isa import AluFn, DMode, Instr, Op, StreamField
@@ -22,9 +23,9 @@ from rdakit.hdl.spec.isa import AluFn, DMode, Instr, Op, StreamField
 
 def test_pipeline_is_named_frozen_passes_in_order():
     assert [p.name for p in PIPELINE] == ["legalize", "fuse-elementwise", "place-outputs",
-                                          "eliminate-dead", "check-order"]
+                                          "eliminate-dead", "schedule-order", "check-order"]
     assert [type(p) for p in PIPELINE] == [Legalize, FuseElementwise, PlaceOutputs,
-                                           EliminateDead, CheckOrder]
+                                           EliminateDead, ScheduleOrder, CheckOrder]
     for p in PIPELINE:
         assert isinstance(p, LoweringPass)
         with pytest.raises(dataclasses.FrozenInstanceError):
