@@ -183,7 +183,8 @@ OP_INFO = {
     Op.SCFG: ("SCFG fn, ra", "stream field fn = ra", "1"),
     Op.SCFGI: ("SCFGI fn, imm", "stream field fn = imm", "1"),
     Op.SRUN: ("SRUN fn, rd", "run the configured stream with function fn (see D_MODE for rd)",
-              "N*OUTER steps: 1 a cycle reading, 2 a cycle writing to an MU; + round trip"),
+              "1; the stream then runs in the engine beside the next instructions: N*OUTER "
+              "steps, 1 a cycle reading, 2 a cycle writing to an MU, + round trip"),
     Op.SELF: ("SELF rd", "rd = this CU's ID (y << coord_bits | x)", "1"),
     Op.FADD: ("FADD rd, ra, rb, imm",
               "atomically: rd = lane 0 of word rb of buffer ra, and that word += imm "
