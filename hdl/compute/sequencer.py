@@ -62,6 +62,11 @@ FENCED = (Op.SEND, Op.SENDREF, Op.HALT, Op.FADD, Op.UNLOCK)
 #: counted with the stream's (a refused one halts the CU with MU_ERROR when it comes back).
 POSTED = (Op.RET, Op.RETI, Op.DECREF, Op.VWRITE)
 
+#: The MU instructions that do not block: they retire once their request leaves, and the
+#: response writes ``rd`` when it arrives; an instruction naming that register, another MU
+#: request or a fence waits for it (one such request at a time).
+NONBLOCKING = (Op.ALLOC, Op.READ, Op.LEN)
+
 #: The instructions that wait until the stream engine is idle (SRUN retires as soon as the
 #: engine takes the stream; the engine holds one executing stream and one waiting behind it):
 #: every MU request, so that it follows the streams' requests (their writes, or their reads of
@@ -276,6 +281,7 @@ class Sequencer(wiring.Component):
         wa_en, wa_idx, wa_data = Signal(), Signal(rbits), Signal(32)
         wb_en, wb_idx, wb_data = Signal(), Signal(rbits), Signal(32)
         wc_en, wd_en = Signal(), Signal()     # the stream's reduction: rd, rd + 1
+        we_en, we_data = Signal(), Signal(32)  # a non-blocking MU instruction's result
         npc = Signal(33)
         adv = Signal()        # the instruction retires; fetch npc
         halt = Signal()
@@ -376,8 +382,20 @@ class Sequencer(wiring.Component):
         idle = ~self.stream_busy | (self.stream_done & ~self.stream_queued)
         after_stream = Mux(op == Op.SRUN, self.stream_queued,
                            op.matches(*AFTER_STREAM) & ~idle | reg_hazard)
+        # The non-blocking MU instruction in flight (NONBLOCKING): its register, its pc (where
+        # a refusal is reported) and how its response becomes the register's value.
+        m_pend = Signal()
+        m_rd = Signal(rbits)
+        m_pc = Signal(16)
+        m_op = Signal(2)          # 0: ALLOC (the reference), 1: READ (a lane), 2: LEN
+        m_lane = Signal(4)
+        after_mu = m_pend & (op.matches(*_MU_OP, *FENCED) | Cat(r == m_rd for r in names).any())
+        m.d.comb += self.mu_waiting.eq((state == _State.WAIT)
+                                       | (in_run & after_mu & ~after_stream))
         with m.If(in_run & after_stream):
             m.d.comb += self.stream_wait.eq(1)
+        with m.Elif(in_run & after_mu):
+            pass
         with m.Elif(in_run):
             with m.Switch(op):
                 with m.Case(Op.NOP):
@@ -492,7 +510,6 @@ class Sequencer(wiring.Component):
         r0_valid = Signal()
         r0_data = Signal(32 * L)
         r0_ref = Signal(refw)
-        m.d.comb += self.mu_waiting.eq(state == _State.WAIT)
         with m.If(state == _State.WAIT):
             with m.If(r0_valid):
                 m.d.sync += r0_valid.eq(0)
@@ -520,8 +537,17 @@ class Sequencer(wiring.Component):
         with m.If(self.mu_req.valid & self.mu_req.ready):
             with m.If(is_posted):
                 m.d.comb += [adv.eq(1), self.posted.eq(1)]
+            with m.Elif(op.matches(*NONBLOCKING)):
+                m.d.comb += adv.eq(1)
+                m.d.sync += [m_pend.eq(1), m_rd.eq(rd_i), m_pc.eq(pc), m_lane.eq(ir.fn),
+                             m_op.eq(Mux(op == Op.ALLOC, 0, Mux(op == Op.READ, 1, 2)))]
             with m.Else():
                 m.d.sync += state.eq(_State.WAIT)
+        # Its response: the register is written the cycle after it is captured.
+        with m.If(m_pend & r0_valid):
+            m.d.sync += [m_pend.eq(0), r0_valid.eq(0)]
+            m.d.comb += [we_en.eq(1), we_data.eq(Mux(m_op == 0, r0_ref, Mux(
+                m_op == 1, lane(r0_data, m_lane, L), r0_data[:32])))]
 
         # --- The stream engine: V for PACK_SUM, a refused read, SRUN retiring -----------------
         with m.If(self.v_we):
@@ -592,13 +618,19 @@ class Sequencer(wiring.Component):
                 m.d.sync += r.eq(self.stream_acc)
             with m.If(wd_en & (s_rd1[0] == i)):
                 m.d.sync += r.eq(self.stream_index)
+            with m.If(we_en & (m_rd == i)):
+                m.d.sync += r.eq(we_data)
 
         # --- Errors ---------------------------------------------------------------------------
         with m.If(running & ((seq_err != 0) | (msg_err != 0))):
             m.d.sync += [state.eq(_State.IDLE), err.eq(1), s_writes[0].eq(0), s_writes[1].eq(0),
+                         m_pend.eq(0),
                          code.eq(Mux(seq_err != 0, seq_err, msg_err))]
             with m.If(self.stream_error):
                 m.d.sync += pc.eq(s_pc[0])
+            with m.Elif(m_pend & (msg_err != 0) & (seq_err == 0) & is_resp
+                        & (tag == TAG_BLOCKING)):
+                m.d.sync += pc.eq(m_pc)
             with m.Elif(seq_err == codes["PC_OUT_OF_RANGE"]):
                 m.d.sync += pc.eq(npc)
 
@@ -608,7 +640,7 @@ class Sequencer(wiring.Component):
                 *[r.eq(i) for r, i in zip(regs, init_regs, strict=True)],
                 *[t.eq(0) for t in tokens], *[f.eq(0) for f in mb_full],
                 *[s.eq(int(f is S.OUTER)) for f, s in sf.items()],
-                V.eq(0), r0_valid.eq(0), err.eq(0), code.eq(0), pc.eq(0),
+                V.eq(0), r0_valid.eq(0), err.eq(0), code.eq(0), pc.eq(0), m_pend.eq(0),
                 s_writes[0].eq(0), s_writes[1].eq(0),
             ]
             m.d.comb += [prog_r.addr.eq(0), prog_r.en.eq(1)]

@@ -40,8 +40,10 @@ Stream engine (:class:`rdakit.hdl.compute.stream.StreamEngine`)
     after them.
 Timing (measured with an MU attached directly, its latency 2 cycles)
     1 cycle for every non-blocking instruction, taken branches included; 5 cycles for a blocking
-    MU instruction (load the request register, the MU's 2 cycles, capture, retire), 6 for ALLOC,
-    1 for a posted one (RET, RETI, DECREF, VWRITE) while the request register is free.
+    MU instruction (load the request register, the MU's 2 cycles, capture, retire); 1 for a
+    posted one (RET, RETI, DECREF, VWRITE) and for ALLOC, READ and LEN while the request
+    register is free, whose result reaches ``rd`` 5 (ALLOC 6) cycles after they were issued
+    (``sequencer.NONBLOCKING``).
     SRUN itself takes 1 cycle: the stream runs beside the instructions after it, and takes
     ``N*OUTER + 7`` cycles when its results stay in the CU (one step a cycle once the first
     response is back; this needs ``outstanding`` >= 6, the round trip in reads) and about

@@ -79,7 +79,8 @@ TILE_COUNTERS = {
 #: ``wait_cycles``: WAIT or RECV, waiting for another CU's token or reference
 #: (``CU_MAP.WAIT_CYCLES``);
 #: ``fence_cycles``: a fence (SEND, SENDREF, HALT, FADD, UNLOCK) waiting for posted writes;
-#: ``mu_cycles``: a blocking MU instruction waiting for its response;
+#: ``mu_cycles``: a blocking MU instruction waiting for its response, or an instruction
+#: waiting for a non-blocking one's (ALLOC, READ, LEN: its register, or one at a time);
 #: ``stream_idle_cycles``: the sequencer waits for the running stream (a second SRUN, an MU
 #: request, V or a register of its reduction: ``AFTER_STREAM``) and the stream executes no step
 #: (its start-up, the first round trip, starvation, the tail);

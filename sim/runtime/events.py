@@ -27,8 +27,8 @@ from rdakit.sim.runtime.job import prepare_interp
 __all__ = ["EventCounter", "op_events", "cu_events", "node_events", "event_cost_model",
            "cost_model", "BLOCKING"]
 
-#: Instructions that wait for an MU response (the posted ones, RET, RETI, DECREF and VWRITE,
-#: do not: they count as instructions).
+#: Instructions that wait for an MU response, or whose result is waited for soon after (ALLOC,
+#: READ, LEN); the posted ones, RET, RETI, DECREF and VWRITE, count as instructions.
 BLOCKING = frozenset({Op.ALLOC, Op.READ, Op.VREAD, Op.VAPPEND, Op.LEN, Op.ADDW, Op.INCREF,
                       Op.FADD, Op.UNLOCK})
 

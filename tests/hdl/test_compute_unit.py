@@ -789,6 +789,43 @@ def test_stream_writes_are_posted_and_halt_waits_for_them():
     np.testing.assert_array_equal(written, np.arange(16 * LANES).reshape(-1, LANES))
 
 
+def test_alloc_read_and_len_do_not_block():
+    # ALLOC, READ and LEN retire once their request leaves; four ALU instructions that do not
+    # name the result register overlap the round trip, an instruction naming it waits and sees
+    # the response, and a refused READ halts the CU at the READ's pc with MU_ERROR.
+    async def body(ctx, drv):
+        busy = {}
+        a = await drv.load_buffer(ctx, MU_A, np.arange(8 * LANES).reshape(-1, LANES))
+        for k in (0, 4, 0, 4):          # the first run of a session warms the network up
+            alus = "\n".join(["ALUI ADD, r5, r5, 1"] * k)
+            program = assemble(f"""
+                LI r6, 3
+                READ 2, r3, r1, r6
+                {alus}
+                ALUI ADD, r4, r3, 1
+                LEN r7, r1
+                {alus}
+                ALU ADD, r4, r4, r7
+                HALT
+            """)
+            await drv.configure(ctx, CU0, TileConfig(program=program, regs={1: a}))
+            await drv.run(ctx)
+            r = await drv.cu_result(ctx, CU0, read_local=False)
+            assert not r.status & 2 and r.regs[5] == 2 * k
+            assert r.regs[4] == 3 * LANES + 2 + 1 + 8
+            busy[k] = r.counters["busy_cycles"]
+        program = assemble("LI r6, 9\nREAD 0, r3, r1, r6\nALUI ADD, r5, r5, 1\nHALT")
+        await drv.configure(ctx, CU0, TileConfig(program=program, regs={1: a, 5: 0}))
+        await drv.run(ctx)
+        r = await drv.cu_result(ctx, CU0, read_local=False)
+        return busy, r
+
+    busy, refused = run_session(P, body, cus=[CU0])
+    assert busy[4] - busy[0] < 2 * 4, busy
+    assert refused.status & 2 and refused.status >> 16 == 1           # at the READ
+    assert (refused.status >> 8) & 0xff == CODE["MU_ERROR"]
+
+
 def test_returns_are_posted():
     # RETI retires once its request leaves (its response is only a status): four ALU
     # instructions after it overlap the MU's round trip; the buffer is still freed by the time
