@@ -3,7 +3,7 @@
 import pathlib
 
 from rdakit.cli.options import add_fabric_arguments, fabric_from_args, parse_sizes
-from rdakit.compiler.compile import bitstream_for, compile_workload
+from rdakit.compiler.compile import bitstream_for, compile_workload, load_workload
 from rdakit.compiler.graph import GraphError
 from rdakit.compiler.lower import LoweringError
 from rdakit.compiler.partition import STRATEGIES, PartitionError
@@ -19,11 +19,11 @@ def _compile(args):
     params = fabric_from_args(args)
     sizes = parse_sizes(args.size)
     try:
-        job, summary = compile_workload(args.workload, sizes=sizes, params=params,
+        workload = load_workload(args.workload, sizes)
+        job, summary = compile_workload(workload, params=params,
                                         partitioner=args.partitioner, seed=args.seed,
                                         place_steps=args.place_steps,
-                                        schedule_cost=cost_model(args.workload, sizes=sizes,
-                                                                 params=params))
+                                        schedule_cost=cost_model(workload, params=params))
     except (LoweringError, PlacementError, PartitionError, GraphError, FileNotFoundError) as e:
         hint = " (a larger --prog-len, fabric or another partitioner may fit)" \
             if "prog_len" in str(e) else ""

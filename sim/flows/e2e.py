@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 from rdakit.compiler.adapt import measured_cost
-from rdakit.compiler.compile import compile_workload
+from rdakit.compiler.compile import compile_workload, load_workload
 from rdakit.compiler.cost import CostModel, lower_bound
 from rdakit.compiler.partition import as_weighted
 from rdakit.hdl.fabric.top import Fabric
@@ -123,11 +123,10 @@ class RunSpec:
         partitioned with ``cost`` (default the work model), its cycles estimated with the
         workload's event model (:func:`~rdakit.sim.runtime.events.cost_model`)."""
         params = self.params
-        return compile_workload(self.workload, sizes=self.sizes, params=params,
-                                partitioner=self.partitioner, seed=self.seed,
-                                place_steps=self.place_steps, cost=cost,
-                                schedule_cost=cost_model(self.workload, sizes=self.sizes,
-                                                         params=params))
+        workload = load_workload(self.workload, self.sizes)
+        return compile_workload(workload, params=params, partitioner=self.partitioner,
+                                seed=self.seed, place_steps=self.place_steps, cost=cost,
+                                schedule_cost=cost_model(workload, params=params))
 
 
 #: The MU counters an iteration's row reports (``allocs``, ``frees``, ``leaked_buffers``,

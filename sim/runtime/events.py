@@ -13,7 +13,7 @@ partitioners use.
 
 import collections
 
-from rdakit.compiler.compile import compile_workload
+from rdakit.compiler.compile import compile_workload, load_workload
 from rdakit.compiler.cost import EVENTS, CostModel, EventCostModel
 from rdakit.compiler.graph import MEMORY_KINDS
 from rdakit.compiler.lower import LoweringError
@@ -25,7 +25,7 @@ from rdakit.sim.models.interp import Interpreter, InterpreterError
 from rdakit.sim.runtime.job import prepare_interp
 
 __all__ = ["EventCounter", "op_events", "cu_events", "node_events", "event_cost_model",
-           "cost_model", "BLOCKING"]
+           "cost_model", "BLOCKING", "MAX_EVENT_NODES"]
 
 #: Instructions that wait for an MU response, or whose result is waited for soon after (ALLOC,
 #: READ, LEN); the posted ones, RET, RETI, DECREF and VWRITE, count as instructions.
@@ -117,11 +117,21 @@ def event_cost_model(workload, *, sizes=None, params, inputs=None, **constants):
         **constants)
 
 
+#: Nodes beyond which a graph keeps the work model: its one-CU program could not fit the
+#: 4096 instructions a CU's program memory holds at most, and lowering it only to find out
+#: would double the compile time.
+MAX_EVENT_NODES = 2048
+
+
 def cost_model(workload, *, sizes=None, params, inputs=None):
-    """The cost model a workload is compiled with: its :func:`event_cost_model`, or, when it
-    cannot be lowered onto one CU, :class:`~rdakit.compiler.cost.CostModel`'s work estimate
-    (check ``isinstance(model, EventCostModel)`` to tell)."""
+    """The cost model a workload's cycles are estimated with: its :func:`event_cost_model`, or,
+    when it cannot be lowered onto one CU (or has more than :data:`MAX_EVENT_NODES` nodes),
+    :class:`~rdakit.compiler.cost.CostModel`'s work estimate (check
+    ``isinstance(model, EventCostModel)`` to tell)."""
+    workload = load_workload(workload, sizes)
+    if len(workload.graph) > MAX_EVENT_NODES:
+        return CostModel(lanes=params.cu.lanes)
     try:
-        return event_cost_model(workload, sizes=sizes, params=params, inputs=inputs)
+        return event_cost_model(workload, params=params, inputs=inputs)
     except (LoweringError, PlacementError, PartitionError, InterpreterError):
         return CostModel(lanes=params.cu.lanes)

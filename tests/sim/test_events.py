@@ -6,10 +6,16 @@ import pytest
 
 from rdakit.compiler.compile import compile_workload
 from rdakit.compiler.cost import EVENTS, CostModel, EventCostModel
-from rdakit.compiler.graph import MEMORY_KINDS
+from rdakit.compiler.graph import MEMORY_KINDS, DataflowGraph
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.flows.e2e import SMALLEST, RunSpec, run
-from rdakit.sim.runtime.events import cost_model, cu_events, node_events, op_events
+from rdakit.sim.runtime.events import (
+    MAX_EVENT_NODES,
+    cost_model,
+    cu_events,
+    node_events,
+    op_events,
+)
 from rdakit.sim.runtime.job import run_job_interp
 
 P = fabric_params(2, 2, prog_len=1024)
@@ -93,3 +99,13 @@ def test_schedule_order_runs_bit_exact(workload):
 def test_an_unknown_order_is_refused():
     with pytest.raises(ValueError, match="^order must be 'graph' or 'schedule', not 'rank'$"):
         compile_workload("mlp", sizes=SMALLEST["mlp"], params=P, order="rank")
+
+
+def test_a_graph_too_large_for_one_cu_keeps_the_work_model():
+    # More nodes than one CU's program could hold: not lowered, the work model stands in.
+    g = DataflowGraph("chain")
+    x = g.input("x", (1, 4), "int32")
+    for i in range(MAX_EVENT_NODES):
+        x = g.add("relu", x, name=f"r{i}")
+    g.output("y", x)
+    assert type(cost_model(g.validate(), params=P)) is CostModel
