@@ -5,7 +5,8 @@ of the next one (``pc + 1`` or a branch target, computed from the register file 
 cycle) is presented, so every non-blocking instruction, taken branches included, takes one
 cycle. A blocking MU instruction offers its request on ``mu_req`` (the CU loads it into its request
 register) and waits for the response (tag 0), which is captured in a register and retired the
-cycle after it arrives. ``WAIT``/``RECV`` retire in the cycle the tokens or the reference are
+cycle after it arrives; ALLOC, READ and LEN (:data:`NONBLOCKING`) retire at once and their
+response writes ``rd`` later. ``WAIT``/``RECV`` retire in the cycle the tokens or the reference are
 there; ``SEND``/``SENDREF`` retire when the message register is free. ``SRUN`` hands the stream
 to the stream engine (:mod:`rdakit.hdl.compute.stream`) and retires at once: the instructions
 after it run while the stream does, except those that need what the stream may still change
@@ -118,7 +119,8 @@ class Sequencer(wiring.Component):
     fenced : Out(1)
         A fence (:data:`FENCED`) stalled on posted writes not yet acknowledged.
     mu_waiting : Out(1)
-        A blocking MU instruction waits for its response.
+        A blocking MU instruction waits for its response, or an instruction for a
+        non-blocking one's (:data:`NONBLOCKING`).
     stream_wait : Out(1)
         The instruction waits for the running stream (:data:`AFTER_STREAM`, a second SRUN, or
         a register the stream's reduction will write).
@@ -390,13 +392,10 @@ class Sequencer(wiring.Component):
         m_op = Signal(2)          # 0: ALLOC (the reference), 1: READ (a lane), 2: LEN
         m_lane = Signal(4)
         after_mu = m_pend & (op.matches(*_MU_OP, *FENCED) | Cat(r == m_rd for r in names).any())
-        m.d.comb += self.mu_waiting.eq((state == _State.WAIT)
-                                       | (in_run & after_mu & ~after_stream))
-        with m.If(in_run & after_stream):
-            m.d.comb += self.stream_wait.eq(1)
-        with m.Elif(in_run & after_mu):
-            pass
-        with m.Elif(in_run):
+        m.d.comb += [self.stream_wait.eq(in_run & after_stream),
+                     self.mu_waiting.eq((state == _State.WAIT)
+                                        | (in_run & after_mu & ~after_stream))]
+        with m.If(in_run & ~after_stream & ~after_mu):
             with m.Switch(op):
                 with m.Case(Op.NOP):
                     m.d.comb += adv.eq(1)

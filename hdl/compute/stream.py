@@ -1,7 +1,12 @@
-"""The compute unit's stream engine: the SIMD datapath that runs one SRUN.
+"""The compute unit's stream engine: the SIMD datapath that runs the streams SRUN hands over.
 
-An issue stage walks ``(o, i)`` and offers a READ (tag 1) on ``mu_req`` each cycle while fewer
-than ``outstanding`` reads are unconsumed (issued and not yet popped). Read responses go into a
+It holds two streams: one executing and one waiting behind it (the sequencer hands the next
+over while one runs). An issue stage walks ``(o, i)`` and offers a READ (tag 1) on ``mu_req``
+each cycle while fewer than ``outstanding`` reads are unconsumed (issued and not yet popped);
+once the executing stream's reads are out it walks the waiting stream's (a prefetch) if that
+stream does not read the buffer the executing one writes and its responses cannot overtake
+the executing one's (it reads the same MU, or none of the executing stream's reads is still
+unanswered); otherwise its reads start when it starts executing. Read responses go into a
 response FIFO of ``outstanding + 1`` entries, so a response is always accepted. The execute
 pipeline has two stages: S0 pops the head of the FIFO and reads the local buffer (B operand and
 the LOCAL_ACC destination); S1 computes ``post(fn(a, b) >> SHIFT)`` in every lane and delivers
@@ -9,7 +14,8 @@ it (local buffer write, reduction, ``V`` for PACK_SUM, or a write queue for MU w
 appends). The local buffer read ports are transparent to its write port, so step ``k`` sees the
 write of step ``k - 1``. MU writes and appends (tag 2) leave from the write queue with priority
 over reads, so a step that writes takes two request cycles; the stream is ``done`` when every
-step has been executed and every write acknowledged. See :mod:`rdakit.hdl.compute.unit` for the
+step has been executed and every write issued (writes are posted: ``writes_pending`` counts
+their acknowledgements across streams). See :mod:`rdakit.hdl.compute.unit` for the
 timing and the readings of the spec.
 """
 
