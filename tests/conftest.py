@@ -62,6 +62,7 @@ LONG = {
     "sim/test_e2e.py::test_bench_e2e_json_has_the_figures_per_workload_and_configuration":
         "45 s",
     "sim/test_e2e.py::test_adaptation_runs_iterations_and_learns_costs": "35 s",
+    "sim/test_events.py::test_estimates_are_close_to_the_rtl": "2 x 8 s (the RTL in Amaranth)",
     # Measured in the inner loop on an idle 2-core machine (--durations), which took 2 min 44 s
     # with them; the modules they cover keep faster tests in the loop.
     # The host bridge's one simulation (a 31 s module fixture) and every test reading it; the
