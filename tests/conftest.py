@@ -63,6 +63,12 @@ LONG = {
         "45 s",
     "sim/test_e2e.py::test_adaptation_runs_iterations_and_learns_costs": "35 s",
     "sim/test_events.py::test_estimates_are_close_to_the_rtl": "2 x 8 s (the RTL in Amaranth)",
+    # Measured (--durations) when the inner loop had grown to 2 min 01 s with issue 18's tests.
+    "hdl/test_compute_unit.py::test_harness_converts_to_verilog": "4.4 s",
+    "boards/test_boards.py::test_board_top_prepares": "2.7 + 2.5 s",
+    # The readers of hdl/test_system.py's remote_run fixture, whose first reader is above.
+    "hdl/test_system.py::test_every_remote_request_crossed_the_links_once": "5.8 s (setup)",
+    "hdl/test_system.py::test_live_buffers_match_the_model": "(fixture)",
     # Measured in the inner loop on an idle 2-core machine (--durations), which took 2 min 44 s
     # with them; the modules they cover keep faster tests in the loop.
     # The host bridge's one simulation (a 31 s module fixture) and every test reading it; the
