@@ -549,19 +549,28 @@ def dispatch(lw, g, op):
 @template("combine")
 def combine(lw, g, op):
     """out = 0; then expert by expert, each token routed to it (in order, so its rows are
-    taken in order): local = (gate * y_e row) >> shift; out row += local. The indices and
-    gates are staged in the local buffer when they fit."""
+    taken in order): ``(gate * y_e row) >> shift`` added to the token's output row. When the
+    whole output fits the local buffer beside the staged indices and gates, it is accumulated
+    there (one LOCAL_ACC stream a routed token) and added to the zeroed output by one stream at
+    the end; otherwise each routed token is two streams: the product into the local buffer,
+    then ``out row += local`` in place. The indices and gates are staged in the local buffer
+    when they fit."""
     idx, gate, *ys = op.ins
-    li, lo = lw.tensors[idx].layout, lw.tensors[op.out].layout
+    li, lg, lo = (lw.tensors[t].layout for t in (idx, gate, op.out))
     asm, out = g.asm, g.out
     dw, k = lo.cw, li.cols
     if lo.rows == 0:
         for y in ys:
             lw.ref(g, y)
         return
-    ti, tg = stage(lw, g, op, dw, [idx, gate])
-    asm.stream(AluFn.AND, a=ti.ref, a_base=lw.key_of(idx, g.xy)[1], a_stride=0, n=lo.words,
+    local_sum = not (li.dynamic or lg.dynamic) and lo.words + li.words + lg.words <= g.local_top
+    ti, tg = stage(lw, g, op, lo.words if local_sum else dw, [idx, gate])
+    base_i = lw.key_of(idx, g.xy)[1]
+    asm.stream(AluFn.AND, a=ti.ref, a_base=base_i, a_stride=0, n=lo.words,
                d_mode=DMode.APPEND, d_ref=out)
+    if local_sum:
+        asm.stream(AluFn.AND, a=ti.ref, a_base=base_i, a_stride=0, n=lo.words,
+                   d_mode=DMode.LOCAL, d_base=0)
     for e, y in enumerate(ys):
         ry, by = lw.ref(g, y)
         asm.li(R7, by)
@@ -577,11 +586,18 @@ def combine(lw, g, op):
                 if j < k - 1:
                     asm.branch(Op.JMP, do)
             asm.place(do)
-            asm.stream(AluFn.MUL, a=ry, a_base=R7, n=dw, b_mode=BMode.SCALAR, b_val=R6,
-                       shift=op.attrs["shift"], d_mode=DMode.LOCAL, d_base=0)
-            asm.stream(AluFn.ADD, a=out, a_base=R4, n=dw, b_mode=BMode.LOCAL, b_val=0,
-                       b_stride=1, d_mode=DMode.WRITE, d_ref=out, d_base=R4, d_stride=1)
+            if local_sum:
+                asm.stream(AluFn.MUL, a=ry, a_base=R7, n=dw, b_mode=BMode.SCALAR, b_val=R6,
+                           shift=op.attrs["shift"], d_mode=DMode.LOCAL_ACC, d_base=R4)
+            else:
+                asm.stream(AluFn.MUL, a=ry, a_base=R7, n=dw, b_mode=BMode.SCALAR, b_val=R6,
+                           shift=op.attrs["shift"], d_mode=DMode.LOCAL, d_base=0)
+                asm.stream(AluFn.ADD, a=out, a_base=R4, n=dw, b_mode=BMode.LOCAL, b_val=0,
+                           b_stride=1, d_mode=DMode.WRITE, d_ref=out, d_base=R4, d_stride=1)
             asm.alui(AluFn.ADD, R7, R7, dw)
             asm.place(nxt)
         row_loop(lw, g, idx, ti.ref, [ti.offsets(R1), tg.offsets(R3), (R4, 0, dw)], body)
         g.refs.unpin(lw.key_of(y, g.xy)[0])
+    if local_sum:
+        asm.stream(AluFn.ADD, a=out, a_base=0, n=lo.words, b_mode=BMode.LOCAL, b_val=0,
+                   b_stride=1, d_mode=DMode.WRITE, d_ref=out, d_base=0, d_stride=1)

@@ -109,3 +109,20 @@ def test_a_graph_too_large_for_one_cu_keeps_the_work_model():
         x = g.add("relu", x, name=f"r{i}")
     g.output("y", x)
     assert type(cost_model(g.validate(), params=P)) is CostModel
+
+
+@pytest.mark.parametrize("local_words, local_sum", [(64, True), (8, False)])
+def test_combine_accumulates_in_the_local_buffer_when_the_output_fits(local_words, local_sum):
+    # The main job's output (4 tokens x 2 words) fits 64 local words beside the staged indices
+    # and gates: one LOCAL_ACC stream per routed token and one at the end. With 8 words it
+    # does not (nor do the indices and gates, read by READ): two streams per routed token.
+    # Both bit-exact on the interpreter.
+    params = fabric_params(2, 2, prog_len=1024, local_words=local_words)
+    job, _ = compile_workload("moe", sizes=SMALLEST["moe"], params=params)
+    outputs, _, _ = run_job_interp(job)
+    for name, want in job.expected.items():
+        assert (outputs[name] == want).all(), name
+    streams = op_events(job)["combine"]["streams"]
+    routed = SMALLEST["moe"]["tokens"] * SMALLEST["moe"]["k"]
+    # The zeroed output; two staging streams, the zeroed accumulator and the final sum.
+    assert streams == (routed + 5 if local_sum else 2 * routed + 1)
