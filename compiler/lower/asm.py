@@ -112,7 +112,7 @@ class Assembler:
                 set(), collections.defaultdict(set), set())
             self.known = dict(entry)
             for f, v in hoist.items():           # the preheader
-                self._set(f, v)
+                self.field(f, v)
             pre = (set(self.written), {f: set(v) for f, v in self.values.items()})
             self.written, self.values = set(), collections.defaultdict(set)
             head = self.label()
@@ -123,12 +123,17 @@ class Assembler:
                           if (f not in writes or f in hoist) and v not in gone}
             self.reachable = True
             body(head)
-            seen = set(self.written) | {f for f in hoist}
-            # Invariants: one value, from a number or a register the body leaves alone.
-            found = {f: next(iter(vals)) for f, vals in self.values.items()
-                     if len(vals) == 1 and (next(iter(vals))[0] == "n"
-                                            or next(iter(vals))[1] not in self.regs_written)}
-            found = {f: (Reg(v[1]) if v[0] == "r" else v[1]) for f, v in found.items()}
+            seen = self.written | set(hoist)
+            # Invariants: one value, a number or a register the body leaves alone.
+            found = {}
+            for f, vals in self.values.items():
+                (v, *others) = vals
+                if others:
+                    continue
+                if not isinstance(v, tuple):
+                    found[f] = v
+                elif v[1] not in self.regs_written:
+                    found[f] = Reg(v[1])
             new_hoist = {f: v for f, v in {**hoist, **found}.items()
                          if f not in self.values or f in found}
             if writes >= seen and new_hoist == hoist and regs >= self.regs_written:
@@ -163,15 +168,8 @@ class Assembler:
     def field(self, f, v):
         """Set stream field ``f`` to register ``v`` (a :class:`Reg`) or to the value ``v``
         (written only if it is not known to hold it already)."""
-        self._set(f, v)
-
-    def _set(self, f, v):
-        if isinstance(v, Reg):
-            value, tag = _reg_value(v), ("r", int(v))
-        else:
-            value = int(v) & MASK32
-            tag = ("n", value)
-        self.values[f].add(tag)
+        value = _reg_value(v) if isinstance(v, Reg) else int(v) & MASK32
+        self.values[f].add(value)
         if self.known.get(f) == value:
             return
         if isinstance(v, Reg):

@@ -92,10 +92,17 @@ def test_a_loop_head_forgets_the_fields_its_body_writes():
                                              (Op.LOOP, 1)]
 
 
+def _before_and_in_loop(asm):
+    """The code of ``asm`` before its loop's head, and from the head on."""
+    code = asm.assemble(0)
+    head = next(i for i in code if i.op is Op.LOOP).imm
+    return code[:head], code[head:]
+
+
 def test_a_loop_sets_its_invariant_fields_once_before_its_head():
     # A_STRIDE is always 1, N always 5 and A_REF always r9 (which the body leaves alone): they
-    # are set before the loop. A_BASE comes from r1, which the body advances: it stays in the body, and so does
-    # D_MODE, which the body sets to two values.
+    # are set before the loop. A_BASE comes from r1, which the body advances: it stays in the
+    # body, and so does D_MODE, which the body sets to two values.
     asm = Assembler()
     asm.li(R2, 3)
 
@@ -105,9 +112,7 @@ def test_a_loop_sets_its_invariant_fields_once_before_its_head():
         asm.alui(AluFn.ADD, R1, R1, 5)
         asm.branch(Op.LOOP, head, ra=R2)
     asm.loop(body)
-    code = asm.assemble(0)
-    head = next(i for i in code if i.op is Op.LOOP).imm
-    pre, loop = code[:head], code[head:]
+    pre, loop = _before_and_in_loop(asm)
     F = StreamField
     assert {(i.op, i.fn) for i in pre if i.op in (Op.SCFG, Op.SCFGI)} == {
         (Op.SCFG, F.A_REF.value), (Op.SCFGI, F.A_STRIDE.value), (Op.SCFGI, F.N.value)}
@@ -127,9 +132,8 @@ def test_a_loop_head_forgets_fields_set_from_registers_the_body_changes():
         asm.alui(AluFn.ADD, R1, R1, 2)
         asm.branch(Op.LOOP, head, ra=R2)
     asm.loop(body)
-    code = asm.assemble(0)
-    head = next(i for i in code if i.op is Op.LOOP).imm
-    assert Instr(Op.SCFG, fn=StreamField.A_BASE.value, ra=1) in code[head:]
+    _, loop = _before_and_in_loop(asm)
+    assert Instr(Op.SCFG, fn=StreamField.A_BASE.value, ra=1) in loop
 
 
 def test_registers_are_given_as_names_and_emitted_as_numbers():
