@@ -376,7 +376,7 @@ class ScheduleOrder(LoweringPass):
     name: ClassVar[str] = "schedule-order"
 
     def apply(self, plan):
-        start = getattr(plan, "start", None)
+        start = plan.start
         if not start:
             return
         ops = plan.lops

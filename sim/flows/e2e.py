@@ -118,15 +118,17 @@ class RunSpec:
                       for k, v in d.get("sizes", {}).items()}
         return cls(**d)
 
-    def compile(self, cost=None):
+    def compile(self, cost=None, schedule_cost=None):
         """``(CompiledJob, CompileSummary)`` of this spec (raises the compiler's errors):
-        partitioned with ``cost`` (default the work model), its cycles estimated with the
-        workload's event model (:func:`~rdakit.sim.runtime.events.cost_model`)."""
+        partitioned with ``cost`` (default the work model), its cycles estimated with
+        ``schedule_cost`` (default the workload's event model,
+        :func:`~rdakit.sim.runtime.events.cost_model`)."""
         params = self.params
         workload = load_workload(self.workload, self.sizes)
         return compile_workload(workload, params=params, partitioner=self.partitioner,
                                 seed=self.seed, place_steps=self.place_steps, cost=cost,
-                                schedule_cost=cost_model(workload, params=params))
+                                schedule_cost=schedule_cost or cost_model(workload,
+                                                                          params=params))
 
 
 #: The MU counters an iteration's row reports (``allocs``, ``frees``, ``leaked_buffers``,
@@ -326,11 +328,14 @@ async def run_session(host, spec, *, progress=None):
     progress = progress or (lambda stage, done=None, total=None: None)
     params = spec.params
     cost = CostModel(lanes=params.cu.lanes)
+    # The event model depends on the workload and the fabric only: counted once for every
+    # iteration.
+    estimate_cost = cost_model(load_workload(spec.workload, spec.sizes), params=params)
     rows = []
     for i in range(spec.iterations):
         tag = f"iteration {i + 1}/{spec.iterations}: " if spec.iterations > 1 else ""
         progress(f"{tag}compiling")
-        job, summary = spec.compile(cost)
+        job, summary = spec.compile(cost, estimate_cost)
         estimate = max(1, summary.estimated_cycles)
         row, counters = await run_iteration(
             host, job, summary, max_cycles=spec.max_cycles,

@@ -144,8 +144,8 @@ def test_unknown_workload(capsys):
 def _tampered(monkeypatch, tamper):
     original = RunSpec.compile
 
-    def compile_(self, cost=None):
-        job, summary = original(self, cost)
+    def compile_(self, cost=None, schedule_cost=None):
+        job, summary = original(self, cost, schedule_cost)
         tamper(job)
         return job, summary
 
