@@ -17,7 +17,7 @@ from rdakit.compiler.lower.passes import (
     PlaceOutputs,
     ScheduleOrder,
 )
-from rdakit.compiler.lower.registers import R1, R2, R4, R5, REF_REGS, TABLE, Reg, RefFile
+from rdakit.compiler.lower.registers import R1, R2, R4, R5, REF_REGS, TABLE, RefFile, Reg
 from rdakit.hdl.spec.isa import AluFn, DMode, Instr, Op, StreamField
 
 
