@@ -1,19 +1,19 @@
 """Pieces the compute unit's sequencer and stream engine share.
 
-The request tags, the 32-bit ALU (the sequencer's scalar ALU and every lane of the stream
-engine), lane selection in a vector word, the request flit builder, and the check that a tile is
-a compute unit of the fabric.
+The request tags, the stream destination modes that write an MU, the 32-bit ALU (the
+sequencer's scalar ALU and every lane of the stream engine), lane selection in a vector word,
+the request flit builder, and the check that a tile is a compute unit of the fabric.
 """
 
 from amaranth.hdl import Mux, Signal
 from amaranth.lib import data
 from amaranth.utils import exact_log2
 
-from rdakit.hdl.spec.isa import AluFn, StreamField
+from rdakit.hdl.spec.isa import AluFn, DMode, StreamField
 from rdakit.hdl.spec.params import FabricParams
 
-__all__ = ["TAG_BLOCKING", "TAG_READ", "TAG_WRITE", "STREAM_FIELDS", "alu", "lane",
-           "request", "check_cu_tile", "bind_cu_tile"]
+__all__ = ["TAG_BLOCKING", "TAG_READ", "TAG_WRITE", "STREAM_FIELDS", "D_MU_MODES", "alu",
+           "lane", "request", "check_cu_tile", "bind_cu_tile"]
 
 #: Request tags: the response a blocking instruction waits for, stream reads, stream writes.
 TAG_BLOCKING = 0
@@ -23,6 +23,9 @@ TAG_WRITE = 2
 #: The stream configuration registers (``StreamField``), 32 bits each, as the sequencer holds
 #: them and the stream engine reads them; the field of ``StreamField.X`` is named ``x``.
 STREAM_FIELDS = data.StructLayout({f.name.lower(): 32 for f in StreamField})
+
+#: Stream destination modes whose results go to ``D_REF`` in an MU (the others stay in the CU).
+D_MU_MODES = (DMode.WRITE.value, DMode.APPEND.value, DMode.PACK_SUM.value)
 
 
 def check_cu_tile(fabric_params, x, y):

@@ -21,6 +21,7 @@ from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
 
 from rdakit.hdl.compute.common import (
+    D_MU_MODES,
     STREAM_FIELDS,
     TAG_BLOCKING,
     TAG_WRITE,
@@ -41,15 +42,15 @@ _TOKEN_MAX = 0xffff
 _MAX_BMODE = max(m.value for m in BMode)
 _MAX_DMODE = max(m.value for m in DMode)
 
-#: Stream destination modes that send D_REF requests (the others stay in the CU).
-_D_REF_MODES = (DMode.WRITE.value, DMode.APPEND.value, DMode.PACK_SUM.value)
-
 _MU_OP = {
     Op.ALLOC: MUOp.ALLOC, Op.READ: MUOp.READ, Op.VREAD: MUOp.READ, Op.VWRITE: MUOp.WRITE,
     Op.VAPPEND: MUOp.APPEND, Op.LEN: MUOp.LEN, Op.RET: MUOp.RETURN, Op.RETI: MUOp.RETURN,
     Op.ADDW: MUOp.ADD_WEIGHT, Op.INCREF: MUOp.INCREF, Op.DECREF: MUOp.DECREF,
     Op.FADD: MUOp.FETCH_ADD, Op.UNLOCK: MUOp.UNLOCK,
 }
+
+#: The instructions that send an MU a request.
+MU_INSTRUCTIONS = tuple(_MU_OP)
 
 
 #: The instructions that wait until every posted stream write is acknowledged before they
@@ -75,7 +76,7 @@ NONBLOCKING = (Op.ALLOC, Op.READ, Op.LEN)
 #: ``V``, which PACK_SUM uses, or the local buffer (LGET, LSET). SRUN waits while a stream
 #: already waits in the engine; any instruction naming a register (or pair, for ARGMAX) that a
 #: stream's reduction will write waits for that stream (a scoreboard of two entries).
-AFTER_STREAM = (*_MU_OP, *FENCED, Op.VSET, Op.VCLR, Op.LGET, Op.LSET)
+AFTER_STREAM = (*MU_INSTRUCTIONS, *FENCED, Op.VSET, Op.VCLR, Op.LGET, Op.LSET)
 
 
 def _tile_mask(params, kind):
@@ -356,7 +357,7 @@ class Sequencer(wiring.Component):
         ra_is_mu = mu_tiles.bit_select(ra_v[:2 * cb], 1)
         to_is_cu = cu_tiles.bit_select(to[:2 * cb], 1)
         stream_to_mu = (mu_tiles.bit_select(sf[S.A_REF][:2 * cb], 1)
-                        & (~sf[S.D_MODE].matches(*_D_REF_MODES)
+                        & (~sf[S.D_MODE].matches(*D_MU_MODES)
                            | mu_tiles.bit_select(sf[S.D_REF][:2 * cb], 1)))
 
         channel_ok = ir.aux < cp.channels
@@ -391,7 +392,8 @@ class Sequencer(wiring.Component):
         m_pc = Signal(16)
         m_op = Signal(2)          # 0: ALLOC (the reference), 1: READ (a lane), 2: LEN
         m_lane = Signal(4)
-        after_mu = m_pend & (op.matches(*_MU_OP, *FENCED) | Cat(r == m_rd for r in names).any())
+        after_mu = m_pend & (op.matches(*MU_INSTRUCTIONS, *FENCED)
+                             | Cat(r == m_rd for r in names).any())
         m.d.comb += [self.stream_wait.eq(in_run & after_stream),
                      self.mu_waiting.eq((state == _State.WAIT)
                                         | (in_run & after_mu & ~after_stream))]
@@ -420,7 +422,7 @@ class Sequencer(wiring.Component):
                     with m.If(ra_v != 1):
                         m.d.comb += npc.eq(imm)
                     m.d.comb += adv.eq(1)
-                with m.Case(*_MU_OP):
+                with m.Case(*MU_INSTRUCTIONS):
                     with m.If(~ra_is_mu):
                         fail("BAD_DESTINATION")
                     with m.Elif(~fence):

@@ -25,6 +25,7 @@ from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
 
 from rdakit.hdl.compute.common import (
+    D_MU_MODES,
     STREAM_FIELDS,
     TAG_READ,
     TAG_WRITE,
@@ -42,9 +43,6 @@ __all__ = ["StreamEngine", "WQ_DEPTH", "read_response_layout"]
 
 #: Depth of the queue of stream results waiting to be written to an MU.
 WQ_DEPTH = 4
-
-#: Destination modes whose results go to ``D_REF`` in an MU.
-_D_MU_MODES = (DMode.WRITE.value, DMode.APPEND.value, DMode.PACK_SUM.value)
 
 
 def read_response_layout(fabric_params):
@@ -397,7 +395,7 @@ class StreamEngine(wiring.Component):
             m.d.sync += [iss_o.eq(0), iss_i.eq(0), iss_row.eq(f.a_base), iss_idx.eq(f.a_base),
                          iss_done.eq(0), iss_b.eq(for_b)]
 
-        a_writes_mu = sf.d_mode.matches(*_D_MU_MODES)
+        a_writes_mu = sf.d_mode.matches(*D_MU_MODES)
         b_early = (b_valid & ~iss_b & iss_done & ~promote
                    & ~(a_writes_mu & (sf.d_ref[:refw] == b_sf.a_ref[:refw]))
                    & ((sf.a_ref[:mp.mu_id_bits] == b_sf.a_ref[:mp.mu_id_bits])

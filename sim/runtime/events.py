@@ -19,6 +19,7 @@ from rdakit.compiler.graph import MEMORY_KINDS
 from rdakit.compiler.lower import LoweringError
 from rdakit.compiler.partition import PartitionError
 from rdakit.compiler.placement import PlacementError
+from rdakit.hdl.compute.sequencer import MU_INSTRUCTIONS, POSTED
 from rdakit.hdl.spec.isa import Op
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.models.interp import Interpreter, InterpreterError
@@ -28,9 +29,9 @@ __all__ = ["EventCounter", "op_events", "cu_events", "node_events", "event_cost_
            "cost_model", "BLOCKING", "MAX_EVENT_NODES"]
 
 #: Instructions that wait for an MU response, or whose result is waited for soon after (ALLOC,
-#: READ, LEN); the posted ones, RET, RETI, DECREF and VWRITE, count as instructions.
-BLOCKING = frozenset({Op.ALLOC, Op.READ, Op.VREAD, Op.VAPPEND, Op.LEN, Op.ADDW, Op.INCREF,
-                      Op.FADD, Op.UNLOCK})
+#: READ, LEN): every MU instruction but the posted ones (RET, RETI, DECREF, VWRITE), which
+#: count as instructions.
+BLOCKING = frozenset(MU_INSTRUCTIONS) - frozenset(POSTED)
 
 
 class EventCounter(Interpreter):
