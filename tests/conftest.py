@@ -94,6 +94,33 @@ LONG = {
 }
 
 
+# --- The hostile-input suite (issue 19) -----------------------------------------------------
+
+#: Multiplier of every hostile-input test's example count, from ``--hostile-examples`` (1 by
+#: default, what CI runs; e.g. ``pytest --hostile-examples 50 -k hostile`` for the long run).
+HOSTILE_SCALE = 1
+
+
+def pytest_addoption(parser):
+    parser.addoption("--hostile-examples", type=int, default=1, metavar="K",
+                     help="run the hostile-input suite's hypothesis tests with K times their "
+                          "examples (default 1; docs/errors.md)")
+
+
+def pytest_configure(config):
+    global HOSTILE_SCALE
+    HOSTILE_SCALE = max(1, config.getoption("--hostile-examples"))
+
+
+def hostile(examples):
+    """Hypothesis settings of a hostile-input test: ``examples`` in the default suite, times
+    ``--hostile-examples`` for a longer run; no deadline (simulations vary in speed)."""
+    from hypothesis import HealthCheck, settings
+    return settings(max_examples=examples * HOSTILE_SCALE, deadline=None, derandomize=False,
+                    suppress_health_check=[HealthCheck.too_slow,
+                                           HealthCheck.function_scoped_fixture])
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = pathlib.Path(str(item.path)).resolve()
