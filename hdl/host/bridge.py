@@ -12,7 +12,7 @@ from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from rdakit.hdl.fabric.top import Fabric
-from rdakit.hdl.host.uart import UARTRx, UARTTx, check_divisor
+from rdakit.hdl.host.uart import UARTRx, UARTTx, check_divisor, rx_byte_layout
 from rdakit.hdl.spec.frames import (
     FRAME_CRC,
     NO_REPLY,
@@ -25,26 +25,26 @@ from rdakit.hdl.spec.frames import (
 from rdakit.hdl.spec.packets import host_cmd_layout, host_reply_layout
 from rdakit.hdl.spec.params import FabricParams
 
-__all__ = ["HostBridge", "BridgedFabric"]
+__all__ = ["FrameLink", "HostBridge", "BridgedFabric"]
 
 
-class HostBridge(wiring.Component):
-    """UART frames to host-port commands and host-port replies to UART frames.
+class FrameLink(wiring.Component):
+    """Frames in bytes to host-port commands, and answers to frames in bytes: the bridge without
+    its UART.
 
     Parameters
     ----------
     params : FabricParams
-        The fabric whose host port the bridge drives (command and reply layouts).
-    divisor : int
-        UART clocks per bit (at least 4).
+        The fabric whose host port the link drives (command and reply layouts).
     timeout : int
-        Cycles of silence inside a frame after which it is ``TRUNCATED`` (at least 20 bit
-        times: a host may pause between bytes).
+        Cycles of silence inside a frame after which it is ``TRUNCATED`` (at least 1).
 
     Members
     -------
-    rx : In(1), tx : Out(1)
-        The UART lines (idle high).
+    rx : In(stream.Signature(rx_byte_layout))
+        Received bytes, with the UART's ``framing_error`` and ``overrun`` flags.
+    tx : Out(stream.Signature(8))
+        The bytes of the answer frames.
     cmd : Out(stream.Signature(host_cmd_layout(params.mu)))
         Commands to the fabric's host port, one per good ``CMD`` frame.
     reply : In(stream.Signature(host_reply_layout(params.mu)))
@@ -53,26 +53,21 @@ class HostBridge(wiring.Component):
         Frames applied and frames answered with ``ERROR`` (wrapping counters, for LEDs and
         debugging).
 
-    Latency: a command reaches ``cmd`` 3 cycles after the last CRC byte is received; its answer
+    Latency: a command reaches ``cmd`` 3 cycles after the last CRC byte is taken; its answer
     frame starts 2 cycles after the reply (or the command, if it has none) is taken.
     """
 
-    def __init__(self, params, *, divisor, timeout=None):
+    def __init__(self, params, *, timeout):
         if not isinstance(params, FabricParams):
             raise TypeError(f"Params must be a FabricParams, not {params!r}")
-        check_divisor(divisor)
-        if timeout is None:
-            timeout = 200 * divisor
-        if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 20 * divisor:
-            raise TypeError(f"Timeout must be an integer of at least 20 bit times "
-                            f"({20 * divisor} cycles), not {timeout!r}")
+        if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 1:
+            raise TypeError(f"Timeout must be a positive integer, not {timeout!r}")
         self.params = params
-        self.divisor = divisor
         self.timeout = timeout
         p = params.mu
         super().__init__({
-            "rx": In(1, init=1),
-            "tx": Out(1, init=1),
+            "rx": In(stream.Signature(rx_byte_layout)),
+            "tx": Out(stream.Signature(8)),
             "cmd": Out(stream.Signature(host_cmd_layout(p))),
             "reply": In(stream.Signature(host_reply_layout(p))),
             "frames_ok": Out(16),
@@ -84,9 +79,6 @@ class HostBridge(wiring.Component):
         p = self.params.mu
         n_cmd = cmd_bytes(p)
         n_reply = reply_bytes(p)
-        m.submodules.uart_rx = urx = UARTRx(self.divisor)
-        m.submodules.uart_tx = utx = UARTTx(self.divisor)
-        m.d.comb += [urx.rx.eq(self.rx), self.tx.eq(utx.tx)]
 
         # --- receiver: bytes to a checked frame --------------------------------------------
         m.submodules.rx_crc = rx_crc = FRAME_CRC.create()
@@ -106,11 +98,11 @@ class HostBridge(wiring.Component):
         ev_taken = Signal()                # from the core
         pend_error = Signal(FrameError, init=FrameError.BAD_CRC)   # found, to hand over
 
-        byte = urx.o.payload.data
-        uart_bad = urx.o.payload.framing_error | urx.o.payload.overrun
+        byte = self.rx.payload.data
+        uart_bad = self.rx.payload.framing_error | self.rx.payload.overrun
         got = Signal()
         m.d.comb += [
-            got.eq(urx.o.valid & urx.o.ready),
+            got.eq(self.rx.valid & self.rx.ready),
             rx_crc.data.eq(byte),
         ]
         kind_ok = (byte == FrameKind.CMD.value) | (byte == FrameKind.OPEN.value)
@@ -131,7 +123,7 @@ class HostBridge(wiring.Component):
             # What every state inside a frame does: take the byte (into the CRC if ``crc``),
             # count the quiet cycles, and fail on a UART error or a gap of ``timeout`` cycles.
             # The state's own action goes under ``m.If(good)``.
-            m.d.comb += urx.o.ready.eq(1)
+            m.d.comb += self.rx.ready.eq(1)
             m.d.sync += quiet.eq(quiet + 1)
             with m.If(got):
                 m.d.sync += quiet.eq(0)
@@ -143,7 +135,7 @@ class HostBridge(wiring.Component):
 
         with m.FSM(name="rx"):
             with m.State("HUNT"):
-                m.d.comb += urx.o.ready.eq(1)
+                m.d.comb += self.rx.ready.eq(1)
                 # A quiet line ends a run of garbage: the next non-SOF byte is answered again.
                 with m.If(quiet == self.timeout):
                     m.d.sync += garbage.eq(0)
@@ -298,8 +290,8 @@ class HostBridge(wiring.Component):
             for i in range(n_reply):
                 with m.Case(i):
                     m.d.comb += reply_byte.eq(held_reply[8 * i:8 * i + 8])
-        m.d.comb += [utx.i.payload.eq(tx_byte), tx_crc.data.eq(tx_byte)]
-        sent = utx.i.valid & utx.i.ready
+        m.d.comb += [self.tx.payload.eq(tx_byte), tx_crc.data.eq(tx_byte)]
+        sent = self.tx.valid & self.tx.ready
 
         with m.FSM(name="tx"):
             with m.State("IDLE"):
@@ -315,7 +307,7 @@ class HostBridge(wiring.Component):
                     ("SOF", SOF, "SEQ", False), ("SEQ", ans_seq, "KIND", True),
                     ("KIND", ans_kind, "LEN", True), ("LEN", tx_len, "PAYLOAD", True)):
                 with m.State(state):
-                    m.d.comb += [utx.i.valid.eq(1), tx_byte.eq(value),
+                    m.d.comb += [self.tx.valid.eq(1), tx_byte.eq(value),
                                  tx_crc.valid.eq(sent & crc_in)]
                     with m.If(sent):
                         m.next = nxt
@@ -323,7 +315,7 @@ class HostBridge(wiring.Component):
                             with m.If(tx_len == 0):
                                 m.next = "CRC_HI"
             with m.State("PAYLOAD"):
-                m.d.comb += [utx.i.valid.eq(1), tx_crc.valid.eq(sent),
+                m.d.comb += [self.tx.valid.eq(1), tx_crc.valid.eq(sent),
                              tx_byte.eq(Mux(ans_kind == FrameKind.ERROR.value, ans_error,
                                             reply_byte))]
                 with m.If(sent):
@@ -331,14 +323,76 @@ class HostBridge(wiring.Component):
                     with m.If(tx_index + 1 == tx_len):
                         m.next = "CRC_HI"
             with m.State("CRC_HI"):
-                m.d.comb += [utx.i.valid.eq(1), tx_byte.eq(tx_crc.crc[8:])]
+                m.d.comb += [self.tx.valid.eq(1), tx_byte.eq(tx_crc.crc[8:])]
                 with m.If(sent):
                     m.next = "CRC_LO"
             with m.State("CRC_LO"):
-                m.d.comb += [utx.i.valid.eq(1), tx_byte.eq(tx_crc.crc[:8])]
+                m.d.comb += [self.tx.valid.eq(1), tx_byte.eq(tx_crc.crc[:8])]
                 with m.If(sent):
                     m.d.sync += tx_busy.eq(0)
                     m.next = "IDLE"
+        return m
+
+
+class HostBridge(wiring.Component):
+    """UART frames to host-port commands and host-port replies to UART frames: a
+    :class:`FrameLink` between a :class:`~rdakit.hdl.host.uart.UARTRx` and a
+    :class:`~rdakit.hdl.host.uart.UARTTx`.
+
+    Parameters
+    ----------
+    params : FabricParams
+        The fabric whose host port the bridge drives (command and reply layouts).
+    divisor : int
+        UART clocks per bit (at least 4).
+    timeout : int
+        Cycles of silence inside a frame after which it is ``TRUNCATED`` (at least 20 bit
+        times: a host may pause between bytes).
+
+    Members
+    -------
+    rx : In(1), tx : Out(1)
+        The UART lines (idle high).
+    cmd, reply, frames_ok, frames_bad
+        The :class:`FrameLink`'s.
+
+    Latency: the :class:`FrameLink`'s, plus the UART receiver's (a byte is delivered 2 cycles
+    after the middle of its stop bit).
+    """
+
+    def __init__(self, params, *, divisor, timeout=None):
+        if not isinstance(params, FabricParams):
+            raise TypeError(f"Params must be a FabricParams, not {params!r}")
+        check_divisor(divisor)
+        if timeout is None:
+            timeout = 200 * divisor
+        if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 20 * divisor:
+            raise TypeError(f"Timeout must be an integer of at least 20 bit times "
+                            f"({20 * divisor} cycles), not {timeout!r}")
+        self.params = params
+        self.divisor = divisor
+        self.timeout = timeout
+        p = params.mu
+        super().__init__({
+            "rx": In(1, init=1),
+            "tx": Out(1, init=1),
+            "cmd": Out(stream.Signature(host_cmd_layout(p))),
+            "reply": In(stream.Signature(host_reply_layout(p))),
+            "frames_ok": Out(16),
+            "frames_bad": Out(16),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        m.submodules.uart_rx = urx = UARTRx(self.divisor)
+        m.submodules.uart_tx = utx = UARTTx(self.divisor)
+        m.submodules.link = link = FrameLink(self.params, timeout=self.timeout)
+        m.d.comb += [urx.rx.eq(self.rx), self.tx.eq(utx.tx)]
+        wiring.connect(m, urx.o, link.rx)
+        wiring.connect(m, link.tx, utx.i)
+        wiring.connect(m, link.cmd, wiring.flipped(self.cmd))
+        wiring.connect(m, wiring.flipped(self.reply), link.reply)
+        m.d.comb += [self.frames_ok.eq(link.frames_ok), self.frames_bad.eq(link.frames_bad)]
         return m
 
 
