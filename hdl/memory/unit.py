@@ -16,10 +16,58 @@ from rdakit.hdl.memory.free_list import FreeList
 from rdakit.hdl.spec.packets import MUOp, MUStatus, mu_request_layout, mu_response_layout
 from rdakit.hdl.spec.params import AllocMode, MUParams, RefcountMode
 
-__all__ = ["MemoryUnit", "COUNTER_WIDTH", "buffer_entry_layout", "MU_STATES"]
+__all__ = ["MemoryUnit", "COUNTER_WIDTH", "buffer_entry_layout", "MU_STATES", "CHECK_ORDER",
+           "TIMING"]
 
 #: States of the memory unit's control FSM (``obs.state`` is the index in this tuple).
 MU_STATES = ("INIT", "EXEC", "RMW", "ALLOC", "FREE_WALK", "FREE_END", "COPY", "COPY_END")
+
+#: The checks of each operation after the opcode and mode checks, in the order the unit makes
+#: them (the first that fails gives the status). ``docs/memory-unit.md`` is generated from this
+#: (``rdakit docs``); the golden model makes the same checks in the same order.
+CHECK_ORDER = {
+    MUOp.ALLOC: "`data == 0`: BAD_REQUEST; `data > max_weight`: WEIGHT_OVERFLOW; no free slot "
+                "(or, in `single` mode, a buffer already live): OUT_OF_MEMORY; `reserve` mode "
+                "with no region of the smallest class: OUT_OF_MEMORY",
+    MUOp.WRITE: "ref valid; `index >= max_buffer_words`: OUT_OF_RANGE; `virtual`: block of "
+                "`index` unmapped and no free block: OUT_OF_MEMORY; `reserve`: `index >= "
+                "capacity` and no region of the class needed: OUT_OF_MEMORY",
+    MUOp.APPEND: "ref valid; `length == max_buffer_words`: OUT_OF_RANGE; then as WRITE at "
+                 "`index = length`",
+    MUOp.READ: "ref valid; `index >= length`: OUT_OF_RANGE",
+    MUOp.LEN: "ref valid",
+    MUOp.RETURN: "ref valid; `w == 0`: BAD_REQUEST; `w > total - collected`: WEIGHT_OVERFLOW",
+    MUOp.ADD_WEIGHT: "ref valid; `k == 0`: BAD_REQUEST; `total + k > max_weight`: "
+                     "WEIGHT_OVERFLOW",
+    MUOp.INCREF: "ref valid; `count == max_weight`: WEIGHT_OVERFLOW",
+    MUOp.DECREF: "ref valid",
+    MUOp.FETCH_ADD: "ref valid; `index >= length`: OUT_OF_RANGE; `virtual`: block of `index` "
+                    "never mapped (a hole a sparse WRITE left): OUT_OF_RANGE",
+    MUOp.UNLOCK: "as FETCH_ADD; then, in the second execute cycle once the word is read, "
+                 "word `!= data` (the ticket): NOT_OWNER",
+}
+
+#: Execute cycles of each operation that passed its checks, without back-pressure (the latency,
+#: acceptance to response, is one more). A refused request takes one execute cycle, but
+#: NOT_OWNER (found in UNLOCK's second). ``docs/memory-unit.md`` is generated from this; the
+#: golden model counts the same cycles (``MUModel.exec_cycles``), tested against the RTL.
+TIMING = {
+    MUOp.ALLOC: "2: the second reads the entry (generation) of the slot it takes",
+    MUOp.WRITE: "1, also when it maps a new block (`virtual`); a `reserve` growth (`index >= "
+                "capacity`): `length + 3`, the old words copied one per cycle behind one "
+                "cycle of read latency, then the write",
+    MUOp.APPEND: "as WRITE at `index = length`",
+    MUOp.READ: "1",
+    MUOp.LEN: "1",
+    MUOp.RETURN: "1; one that frees the buffer: `2 + max(1, ceil(length / block_words))` in "
+                 "`virtual` (the walk releases one virtual block per cycle), 2 in the others",
+    MUOp.ADD_WEIGHT: "1",
+    MUOp.INCREF: "1",
+    MUOp.DECREF: "as RETURN",
+    MUOp.FETCH_ADD: "2: the first reads the word, the second writes `old + k`",
+    MUOp.UNLOCK: "2: the first reads the word, the second compares it with the ticket and "
+                 "writes `ticket + 1` or answers NOT_OWNER",
+}
 
 #: Width of the performance counters.
 COUNTER_WIDTH = 32
@@ -36,6 +84,8 @@ def buffer_entry_layout(p: MUParams):
     }
     if p.alloc_mode is AllocMode.VIRTUAL:
         fields["tail"] = p.block_bits
+        # Bit v: virtual block v is mapped (its block-table entry is the physical block).
+        fields["mapped"] = p.max_vblocks
     if p.alloc_mode is AllocMode.RESERVE:
         fields["base"] = p.addr_bits
         fields["order"] = range(p.n_orders)
@@ -55,17 +105,24 @@ class MemoryUnit(wiring.Component):
     Members
     -------
     req : In(stream.Signature(mu_request_layout(params)))
-        Requests. After reset the unit clears its tables (one entry per cycle, the larger of
-        ``max_buffers`` and ``max_buffers * max_vblocks`` cycles) before it raises ``ready``.
+        Requests. After reset the unit clears its buffer table, one slot per cycle, and raises
+        ``ready`` ``max_buffers + 1`` cycles after reset (the block table needs no clearing).
     resp : Out(stream.Signature(mu_response_layout(params)))
         Exactly one response per request, in request order, two cycles after acceptance at the
-        earliest.
-    held_words, peak_held_words, live_buffers, free_blocks, free_slots : Out
+        earliest (``docs/memory-unit.md``, Timing, gives every operation's latency).
+    held_words, peak_held_words, live_buffers : Out
         Occupancy: words held for live buffers (see the docs for each mode), their peak since
-        reset, live buffers, free physical blocks (``virtual``) and free buffer slots.
+        reset (it follows ``held_words`` one cycle late), live buffers.
+    free_blocks : Out(range(params.n_blocks + 1))
+        Physical blocks free (``virtual``: on the free-block list or never used since reset);
+        0 in the other modes, which have no blocks.
+    free_slots : Out(range(params.max_buffers + 1))
+        Buffer slots free: ``max_buffers - live_buffers``.
     allocs, frees, copy_cycles, busy_cycles : Out(32)
-        Event counters: successful allocations, buffers freed, cycles spent copying
-        (``reserve`` growth), cycles with a request in execution.
+        Event counters: successful allocations, buffers freed, cycles that copy a word in
+        ``reserve`` growths (one word each: the words copied), and cycles with a request in
+        the execute stage (its execute cycles, plus the cycles it waits there for the response
+        register under back-pressure).
 
     Raises
     ------
@@ -80,7 +137,7 @@ class MemoryUnit(wiring.Component):
     free lists and scratchpad, see :meth:`_observation`). The harnesses' broken variants are
     subclasses that override one of the small steps of :meth:`elaborate` (``_return_overflows``,
     ``_return_frees``, ``_records_tail``, ``_fetch_add``, ``_answer_len``, ``_refuse``,
-    ``_unmap_block``).
+    ``_walk_releases``).
     """
 
     def __init__(self, params=None, *, mu_id=0, _observe=False):
@@ -177,6 +234,8 @@ class MemoryUnit(wiring.Component):
         m.submodules.slots = slots = obs.slots if obs else FreeList(p.max_buffers)
         m.d.comb += self.free_slots.eq(slots.count)
         c.slots = slots
+        c.live = live = Signal.like(self.live_buffers)     # live buffers
+        m.d.comb += self.live_buffers.eq(live)
 
         if c.virtual:
             m.submodules.blocktab = bk = obs.blocktab if obs else BlockTable(p)
@@ -268,7 +327,7 @@ class MemoryUnit(wiring.Component):
         p, e, idx, ob = c.p, c.e, c.idx, c.ob
         need_block = Signal()      # virtual: a block must be taken from the free list
         phys_block = Signal(p.block_bits)
-        mapped = Signal()          # READ: the word lies in a mapped block (else it reads 0)
+        mapped = Signal()          # the word lies in a mapped block (else a READ gives 0)
         addr = Signal(p.addr_bits)
         grow = Signal()            # reserve: the buffer must move to a larger region
         new_order = Signal(range(p.n_orders + 1))
@@ -277,7 +336,8 @@ class MemoryUnit(wiring.Component):
         c.need_block, c.phys_block, c.mapped, c.addr = need_block, phys_block, mapped, addr
         c.grow, c.new_order, c.grow_ok, c.grow_base = grow, new_order, grow_ok, grow_base
         if c.virtual:
-            b, blocks = c.bk.entry, c.blocks
+            blocks = c.blocks
+            m.d.comb += mapped.eq(e.mapped.bit_select(idx[ob:ob + c.vbits], 1))
             with m.If(c.is_append):
                 m.d.comb += [
                     need_block.eq(e.length[:ob] == 0),
@@ -285,13 +345,10 @@ class MemoryUnit(wiring.Component):
                 ]
             with m.Else():
                 m.d.comb += [
-                    need_block.eq(~b.valid),
-                    phys_block.eq(Mux(need_block, blocks.head, b.block)),
+                    need_block.eq(~mapped),
+                    phys_block.eq(Mux(need_block, blocks.head, c.bk.entry)),
                 ]
-            m.d.comb += [
-                mapped.eq(b.valid),
-                addr.eq(Cat(idx[:ob], phys_block)),
-            ]
+            m.d.comb += addr.eq(Cat(idx[:ob], phys_block))
         elif c.reserve:
             rb = exact_log2(p.reserve_words)
             capacity = Const(p.reserve_words, p.length_bits) << e.order
@@ -332,7 +389,18 @@ class MemoryUnit(wiring.Component):
                     else (op == MUOp.RETURN) | (op == MUOp.ADD_WEIGHT)):
             m.d.comb += status.eq(MUStatus.BAD_REQUEST)
         with m.Elif(op == MUOp.ALLOC):
-            pass  # checked in its second cycle, once the slot's entry has been read
+            # Nothing here depends on the slot's entry, which ALLOC reads in its second cycle:
+            # a refused ALLOC is answered in one execute cycle like every error.
+            with m.If(weight == 0):
+                m.d.comb += status.eq(MUStatus.BAD_REQUEST)
+            with m.Elif(weight > max_w):
+                m.d.comb += status.eq(MUStatus.WEIGHT_OVERFLOW)
+            with m.Elif(c.slots.empty | (c.live != 0 if c.single else Const(0))):
+                m.d.comb += status.eq(MUStatus.OUT_OF_MEMORY)
+            if c.reserve:
+                first = c.regions[0]
+                with m.Elif(first.empty & (c.bump + p.reserve_words > p.words)):
+                    m.d.comb += status.eq(MUStatus.OUT_OF_MEMORY)
         with m.Elif(~c.ref_ok):
             m.d.comb += status.eq(MUStatus.BAD_REF)
         with m.Elif((op == MUOp.WRITE) | is_append):
@@ -405,11 +473,10 @@ class MemoryUnit(wiring.Component):
         """Answer a refused request (its status is the error): nothing changes."""
         self._respond(m, c, data=0)
 
-    def _unmap_block(self, m, c):
-        """Clear the block-table entry the free walk releases (``virtual``)."""
-        bk = c.bk
-        m.d.comb += [bk.write_slot.eq(c.slot), bk.write_vblock.eq(c.walk_prev[:c.vbits]),
-                     bk.write_entry.eq(0), bk.write_en.eq(1)]
+    def _walk_releases(self, c):
+        """Whether the free walk releases the block of virtual block ``walk_prev`` (whose
+        block-table entry is on the lookup port): it was looked up, and it is mapped."""
+        return c.walk_pending & c.saved_entry.mapped.bit_select(c.walk_prev[:c.vbits], 1)
 
     # --- Execute stage: state machine --------------------------------------------------------
 
@@ -433,9 +500,7 @@ class MemoryUnit(wiring.Component):
         m.d.sync += held.eq(held_next)
         with m.If(held > self.peak_held_words):
             m.d.sync += self.peak_held_words.eq(held)
-        live = Signal.like(self.live_buffers)
-        m.d.comb += self.live_buffers.eq(live)
-        c.held, c.held_next, c.live = held, held_next, live
+        c.held, c.held_next = held, held_next
 
         # Saved state of multi-cycle operations.
         walk_vb = Signal(c.vbits + 1)      # next virtual block to read
@@ -467,14 +532,15 @@ class MemoryUnit(wiring.Component):
                      c.s2_from_scratch.eq(from_scratch), *fields]
 
     def _init_state(self, m, c):
-        # Clear the buffer table after reset (the block table clears itself) so that no stale
-        # entry survives a reset.
+        # Clear the buffer table after reset, one slot a cycle, so that no stale entry survives
+        # a reset: no slot is live, every generation is 0 and (virtual) no block is mapped, so
+        # the block table needs no clearing.
         p, bt_w, init_i = c.p, c.bt_w, c.init_i
         m.d.comb += [bt_w.addr.eq(init_i), bt_w.en.eq(init_i < p.max_buffers),
                      bt_w.data.eq(0)]
         with m.If(init_i < p.max_buffers):
             m.d.sync += init_i.eq(init_i + 1)
-        with m.Elif(c.bk.ready if c.virtual else Const(1)):
+        with m.Else():
             m.next = "EXEC"
 
     def _exec_state(self, m, c):
@@ -538,14 +604,15 @@ class MemoryUnit(wiring.Component):
                      e_next.length.eq(c.new_len)]
         if c.virtual:
             bk, blocks, ob = c.bk, c.blocks, c.ob
+            vb = c.idx[ob:ob + c.vbits]
             with m.If(c.need_block):
                 m.d.comb += [
                     blocks.pop.eq(1),
                     bk.write_slot.eq(c.slot),
-                    bk.write_vblock.eq(c.idx[ob:ob + c.vbits]),
-                    bk.write_entry.valid.eq(1),
-                    bk.write_entry.block.eq(blocks.head),
+                    bk.write_vblock.eq(vb),
+                    bk.write_block.eq(blocks.head),
                     bk.write_en.eq(1),
+                    e_next.mapped.eq(c.e.mapped | (Const(1, p.max_vblocks) << vb)),
                     c.held_next.eq(c.held + p.block_words),
                 ]
             with m.If(self._records_tail(c)):
@@ -575,52 +642,41 @@ class MemoryUnit(wiring.Component):
                 self._respond(m, c, data=0)
 
     def _alloc_state(self, m, c):
-        # The entry of the slot to take is on the read port now.
+        # An ALLOC that passed its checks (in EXEC, on state that has not changed since): the
+        # entry of the slot to take is on the read port now. The new entry is all zero (no
+        # length, no weight collected, no block mapped) but for live, generation and weight.
         p, e, weight, slots, bt_w = c.p, c.e, c.weight, c.slots, c.bt_w
         single, reserve, held = c.single, c.reserve, c.held
-        alloc_status = Signal(MUStatus)
-        with m.If(weight == 0):
-            m.d.comb += alloc_status.eq(MUStatus.BAD_REQUEST)
-        with m.Elif(weight > c.max_w):
-            m.d.comb += alloc_status.eq(MUStatus.WEIGHT_OVERFLOW)
-        with m.Elif(slots.empty | (c.live != 0 if single else Const(0))):
-            m.d.comb += alloc_status.eq(MUStatus.OUT_OF_MEMORY)
-        if reserve:
-            first = c.regions[0]
-            first_ok = ~first.empty | (c.bump + p.reserve_words <= p.words)
-            with m.Elif(~first_ok):
-                m.d.comb += alloc_status.eq(MUStatus.OUT_OF_MEMORY)
-        m.d.comb += c.resp_next.status.eq(alloc_status)
+        m.d.comb += c.resp_next.status.eq(MUStatus.OK)
         with m.If(c.s2_free):
             m.next = "EXEC"
-            with m.If(alloc_status == MUStatus.OK):
-                new = Signal(c.entry_layout)
-                m.d.comb += [
-                    new.live.eq(1),
-                    new.gen.eq(e.gen),
-                    new.total.eq(weight),
-                    bt_w.addr.eq(slots.head), bt_w.data.eq(new), bt_w.en.eq(1),
-                    slots.pop.eq(1),
-                ]
-                held_alloc = p.words if single else (p.reserve_words if reserve else 0)
-                if reserve:
-                    with m.If(~first.empty):
-                        m.d.comb += [first.pop.eq(1), new.base.eq(first.head)]
-                    with m.Else():
-                        m.d.comb += new.base.eq(c.bump)
-                        m.d.sync += c.bump.eq(c.bump + p.reserve_words)
-                if held_alloc:
-                    m.d.comb += c.held_next.eq(held + held_alloc)
-                m.d.sync += [c.live.eq(c.live + 1), self.allocs.eq(self.allocs + 1)]
-                self._respond(m, c, data=weight, fields=[
-                    c.s2.ref.mu.eq(self.mu_id),
-                    c.s2.ref.buf.eq(Cat(slots.head[:c.sbits], e.gen)),
-                ])
-            with m.Else():
-                self._respond(m, c, data=0)
+            new = Signal(c.entry_layout)
+            m.d.comb += [
+                new.live.eq(1),
+                new.gen.eq(e.gen),
+                new.total.eq(weight),
+                bt_w.addr.eq(slots.head), bt_w.data.eq(new), bt_w.en.eq(1),
+                slots.pop.eq(1),
+            ]
+            held_alloc = p.words if single else (p.reserve_words if reserve else 0)
+            if reserve:
+                first = c.regions[0]
+                with m.If(~first.empty):
+                    m.d.comb += [first.pop.eq(1), new.base.eq(first.head)]
+                with m.Else():
+                    m.d.comb += new.base.eq(c.bump)
+                    m.d.sync += c.bump.eq(c.bump + p.reserve_words)
+            if held_alloc:
+                m.d.comb += c.held_next.eq(held + held_alloc)
+            m.d.sync += [c.live.eq(c.live + 1), self.allocs.eq(self.allocs + 1)]
+            self._respond(m, c, data=weight, fields=[
+                c.s2.ref.mu.eq(self.mu_id),
+                c.s2.ref.buf.eq(Cat(slots.head[:c.sbits], e.gen)),
+            ])
 
     def _free_walk_state(self, m, c):
-        # Read the entry of virtual block walk_vb while releasing walk_prev's.
+        # Read the entry of virtual block walk_vb while releasing walk_prev's block if it is
+        # mapped. The mapped bits go with the whole entry in FREE_END.
         bk, blocks = c.bk, c.blocks
         walk_vb, walk_n = c.walk_vb, c.walk_n
         with m.If(walk_vb < walk_n):
@@ -629,10 +685,9 @@ class MemoryUnit(wiring.Component):
                          bk.lookup_en.eq(1)]
             m.d.sync += [walk_vb.eq(walk_vb + 1), c.walk_prev.eq(walk_vb)]
         m.d.sync += c.walk_pending.eq(walk_vb < walk_n)
-        with m.If(c.walk_pending & bk.entry.valid):
-            m.d.comb += [blocks.push.eq(1), blocks.push_data.eq(bk.entry.block)]
-            self._unmap_block(m, c)
-            m.d.comb += c.held_next.eq(c.held - c.p.block_words)
+        with m.If(self._walk_releases(c)):
+            m.d.comb += [blocks.push.eq(1), blocks.push_data.eq(bk.entry),
+                         c.held_next.eq(c.held - c.p.block_words)]
         with m.If(walk_vb >= walk_n):
             m.next = "FREE_END"
 
@@ -661,14 +716,16 @@ class MemoryUnit(wiring.Component):
 
     def _copy_state(self, m, c):
         # Read word i of the old region while writing word i - 1 to the new one.
+        # The first cycle only reads (the read port's latency); copy_cycles counts the cycles
+        # that copy a word, so it is the number of words copied.
         sp_r, sp_w, copy_i = c.sp_r, c.sp_w, c.copy_i
-        m.d.sync += self.copy_cycles.eq(self.copy_cycles + 1)
         length = c.e.length
         with m.If(copy_i < length):
             m.d.comb += [sp_r.addr.eq(c.copy_src + copy_i), sp_r.en.eq(1)]
         with m.If(copy_i != 0):
             m.d.comb += [sp_w.addr.eq(c.copy_dst + copy_i - 1), sp_w.data.eq(sp_r.data),
                          sp_w.en.eq(1)]
+            m.d.sync += self.copy_cycles.eq(self.copy_cycles + 1)
         m.d.sync += copy_i.eq(copy_i + 1)
         with m.If(copy_i >= length):
             m.next = "COPY_END"

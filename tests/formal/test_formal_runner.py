@@ -48,7 +48,7 @@ def test_unknown_property():
 
 def test_unknown_fault_of_property():
     with pytest.raises(ValueError, match=r"Fault of mu\.blocks must be one of "
-                                         r"'walk_keeps_entry', not 'len_no_response'"):
+                                         r"'walk_frees_holes', not 'len_no_response'"):
         prove("mu.blocks", fault="len_no_response")
 
 
@@ -57,7 +57,7 @@ def test_fault_hooks_validate():
     # building anything.
     with pytest.raises(TypeError, match=r"Fault must be one of 'pop_keeps', not 'x'"):
         formal_harness.free_list_exclusive("x")
-    with pytest.raises(TypeError, match=r"Fault must be one of 'walk_keeps_entry', .*not 'x'"):
+    with pytest.raises(TypeError, match=r"Fault must be one of 'walk_frees_holes', .*not 'x'"):
         formal_harness.mu_blocks("x")
     with pytest.raises(TypeError, match=r"Fault must be one of 'ignore_room', .*not 'x'"):
         formal_harness.router_links("x")

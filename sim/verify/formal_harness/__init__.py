@@ -117,7 +117,7 @@ PROPERTIES = [
                   "every slot is live or free; the free-block count and held words match; the "
                   "pipeline's table reads match the tables.",
         harness=mu_blocks, params=MU_PARAMS_TEXT, depth=6,
-        faults=("walk_keeps_entry",), fault_depth=13),
+        faults=("walk_frees_holes",), fault_depth=13),
     Property(
         name="mu.responses",
         statement="Every accepted request gets exactly one response, in request order (tags "

@@ -33,12 +33,13 @@ class _PopKeepsFreeList(FreeList):
 FREE_LIST_VARIANTS = {None: FreeList, "pop_keeps": _PopKeepsFreeList}
 
 
-class _WalkKeepsEntry(MemoryUnit):
-    """``walk_keeps_entry``: freeing a buffer pushes its blocks onto the free list but leaves
-    them mapped."""
+class _WalkFreesHoles(MemoryUnit):
+    """``walk_frees_holes``: freeing a buffer releases the block-table entry of every virtual
+    block below its length, mapped or not, so the stale entry of a hole (left by a sparse
+    WRITE, or never written since reset) goes onto the free list."""
 
-    def _unmap_block(self, m, c):
-        pass
+    def _walk_releases(self, c):
+        return c.walk_pending
 
 
 class _ReturnNoOverflow(MemoryUnit):
@@ -91,7 +92,7 @@ class _FetchAddStale(MemoryUnit):
 
 
 #: The memory unit under proof (``None``) and its broken variants, by name.
-MU_VARIANTS = {None: MemoryUnit, "walk_keeps_entry": _WalkKeepsEntry,
+MU_VARIANTS = {None: MemoryUnit, "walk_frees_holes": _WalkFreesHoles,
                "return_no_overflow": _ReturnNoOverflow, "return_frees_early": _ReturnFreesEarly,
                "error_writes": _ErrorWrites, "len_no_response": _LenNoResponse,
                "append_no_tail": _AppendNoTail, "fetch_add_stale": _FetchAddStale}
@@ -216,7 +217,12 @@ class MUHarness(Elaboratable):
             m.d.comb += Assert(mu.resp.valid & (mu.resp.payload.as_value() == resp_last))
 
     def _entry(self, slot, vb):
+        """The block-table entry (a physical block) of virtual block ``vb`` of ``slot``."""
         return self.obs.blocktab.obs_entries[slot * self.p.max_vblocks + vb]
+
+    def _mapped(self, slot, vb):
+        """Whether virtual block ``vb`` of ``slot`` is mapped (its bit in the buffer table)."""
+        return self.obs.buftab[slot].mapped[vb]
 
     def _nvb(self, length):
         return (length + (self.p.block_words - 1)) >> self.p.offset_bits
@@ -229,20 +235,16 @@ class MUHarness(Elaboratable):
         a = []   # assertions outside INIT
         s1_slot = obs.s1.ref.buf[:sb]
 
-        # INIT: nothing in flight, free lists at their reset state, tables cleared so far.
+        # INIT: nothing in flight, free lists at their reset state, buffer table cleared so
+        # far (the block table is never cleared: an entry counts only while it is mapped).
         with m.If(init):
             m.d.comb += [Assert(~obs.s1_valid & ~obs.s2_valid & (obs.live == 0)),
                          Assert((slots.obs_n == 0) & (slots.obs_taken == 0)),
                          Assert((blocks.obs_n == 0) & (blocks.obs_taken == 0)),
-                         Assert((obs.init_i <= p.max_buffers) & (mu.held_words == 0)),
-                         Assert(bt.obs_clear <= len(bt.obs_entries))]
+                         Assert((obs.init_i <= p.max_buffers) & (mu.held_words == 0))]
             for k, ent in enumerate(obs.buftab):
                 with m.If(obs.init_i > k):
                     m.d.comb += Assert(ent.as_value() == 0)
-            for k, ent in enumerate(bt.obs_entries):
-                with m.If(bt.obs_clear > k):
-                    m.d.comb += Assert(ent.as_value() == 0)
-        a.append(bt.obs_clear == len(bt.obs_entries))
         a.append(obs.state < len(MU_STATES) - 2)          # no reserve-mode states
         a.append((blocks.obs_n <= p.n_blocks) & (blocks.obs_taken <= p.n_blocks))
         a.append((slots.obs_n <= p.max_buffers) & (slots.obs_taken <= p.max_buffers))
@@ -256,29 +258,35 @@ class MUHarness(Elaboratable):
         a.append(obs.live == popcount([e.live for e in obs.buftab]))
 
         # Blocks: each is exactly one of free or mapped by one (slot, virtual block); mapped
-        # entries belong to live buffers and lie below their length.
+        # virtual blocks belong to live buffers and lie below their length. A free walk of a
+        # slot has released the blocks of its virtual blocks below walk_vb (below walk_prev
+        # while walk_prev's is being released), every one in FREE_END; their mapped bits go
+        # with the whole entry at the end of FREE_END.
+        walking = mu_state(obs, "FREE_WALK")
+        ending = mu_state(obs, "FREE_END")
+
+        def held(s, v):
+            released = (s1_slot == s) & ((walking & (v < obs.walk_vb - obs.walk_pending))
+                                         | ending)
+            return self._mapped(s, v) & ~released
+
         for b in range(p.n_blocks):
             on_stack = [(blocks.obs_n > j) & (blocks.obs_stack[j] == b)
                         for j in range(p.n_blocks)]
-            mapped = [self._entry(s, v).valid & (self._entry(s, v).block == b)
+            mapped = [held(s, v) & (self._entry(s, v) == b)
                       for s in range(p.max_buffers) for v in range(p.max_vblocks)]
             a.append(popcount([Const(b) >= blocks.obs_taken, *on_stack, *mapped]) == 1)
-        n_mapped = popcount([e.valid for e in bt.obs_entries])
+        n_mapped = popcount([held(s, v) for s in range(p.max_buffers)
+                             for v in range(p.max_vblocks)])
         a.append(mu.free_blocks == p.n_blocks - n_mapped)
         a.append(mu.held_words == n_mapped * p.block_words)
 
-        walking = mu_state(obs, "FREE_WALK")
-        ending = mu_state(obs, "FREE_END")
         for s in range(p.max_buffers):
             ent = obs.buftab[s]
             a.append(ent.length <= p.max_buffer_words)
             a.append(ent.collected <= ent.total)
             for v in range(p.max_vblocks):
-                valid = self._entry(s, v).valid
-                # Entries being released by a free walk of this slot are gone below walk_vb.
-                released = (s1_slot == s) & ((walking & (v < obs.walk_vb - obs.walk_pending))
-                                             | ending)
-                a.append(~valid | (ent.live & (v < self._nvb(ent.length)) & ~released))
+                a.append(~self._mapped(s, v) | (ent.live & (v < self._nvb(ent.length))))
 
         # The pipeline: reads presented on acceptance match the tables at execution.
         with m.If(~init):
@@ -300,7 +308,9 @@ class MUHarness(Elaboratable):
                              Assert((obs.status == MUStatus.OK) & (obs.rmw_addr == obs.addr)),
                              Assert(obs.rmw_old == Array(obs.scratch)[obs.rmw_addr])]
             with m.If(mu_state(obs, "ALLOC")):
-                m.d.comb += Assert(obs.s1_valid & (obs.s1.op == MUOp.ALLOC))
+                # An ALLOC that passed its checks in EXEC, on state that has not changed since.
+                m.d.comb += Assert(obs.s1_valid & (obs.s1.op == MUOp.ALLOC)
+                                   & (obs.status == MUStatus.OK))
                 for s in range(p.max_buffers):
                     with m.If(~slots.empty & (slots.head == s)):
                         m.d.comb += Assert(obs.entry == obs.buftab[s])
@@ -311,7 +321,8 @@ class MUHarness(Elaboratable):
                     with m.If(s1_slot == s):
                         ent = obs.buftab[s]
                         m.d.comb += [Assert(ent.live & (obs.entry == ent)),
-                                     Assert(obs.saved.gen == ent.gen)]
+                                     Assert(obs.saved.gen == ent.gen),
+                                     Assert(obs.saved.mapped == ent.mapped)]
                         with m.If(walking):
                             m.d.comb += [
                                 Assert(obs.walk_n == self._nvb(ent.length)),
@@ -343,7 +354,7 @@ class MUHarness(Elaboratable):
         """Everything a request may change: tables, free lists, scratchpad, counts."""
         obs = self.obs
         parts = [e.as_value() for e in obs.buftab] + list(obs.scratch)
-        parts += [e.as_value() for e in obs.blocktab.obs_entries]
+        parts += list(obs.blocktab.obs_entries)
         for fl in (obs.slots, obs.blocks):
             parts += [fl.obs_n, fl.obs_taken, *fl.obs_stack]
         parts += [obs.live, self.mu.held_words]
@@ -490,9 +501,9 @@ class MUHarness(Elaboratable):
                     for v in range(p.max_vblocks):
                         with m.If(w_index[ob:ob + vbits] == v):
                             blk = self._entry(s, v)
-                            m.d.comb += Assert(blk.valid)
+                            m.d.comb += Assert(self._mapped(s, v))
                             for b in range(p.n_blocks):
-                                with m.If(blk.block == b):
+                                with m.If(blk == b):
                                     for o in range(p.block_words):
                                         with m.If(w_index[:ob] == o):
                                             m.d.comb += Assert(
@@ -504,8 +515,8 @@ class MUHarness(Elaboratable):
                     last = (ent.length - 1)[ob:ob + vbits]
                     for v in range(p.max_vblocks):
                         with m.If(last == v):
-                            m.d.comb += Assert(self._entry(s, v).valid
-                                               & (self._entry(s, v).block == ent.tail))
+                            m.d.comb += Assert(self._mapped(s, v)
+                                               & (self._entry(s, v) == ent.tail))
 
 
 
