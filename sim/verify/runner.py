@@ -17,15 +17,24 @@ Toolchain facts this module encodes (checked on the project's machines):
 * Icarus under cocotb's default ``-g2012`` leaves some ``always @*`` outputs at X after reset;
   ``-g2005`` does not.
 
+Builds are cached under :data:`BUILD_ROOT` (the user's cache folder, :mod:`.cache`) by a digest
+of everything that goes into them, published whole and atomically, so that runs at the same
+time share complete builds and never half ones; each run's logs, results and waveforms are in a
+folder of its own.
+
 Long simulations that need no cocotb (``rdakit bench noc``'s sweeps) use a *harness
 executable* instead (:func:`build_harness`, :class:`HarnessProcess`): the same Verilog built by
 Verilator with a small C++ main (``harness_main.cpp``) that sets and reads the design's ports,
 which it learns from the component's metadata, on commands from stdin.
 """
 
+import ast
 import contextlib
 import dataclasses
+import functools
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import pathlib
@@ -40,6 +49,7 @@ from amaranth._toolchain.yosys import find_yosys as find_amaranth_yosys
 from amaranth.back import rtlil
 
 from rdakit.errors import UserError
+from rdakit.sim.verify.cache import cache_root, locked, publish, run_folder, use
 
 __all__ = [
     "SIMULATORS", "CosimFailure", "SimulatorInfo", "simulator_info", "require_simulator",
@@ -68,9 +78,9 @@ def find_yosys():
 #: Oldest Verilator cocotb 2.1 supports.
 MIN_VERILATOR = (5, 36)
 
-#: Where co-simulation builds go (ignored by git). Override with RDAKIT_BUILD_DIR.
-BUILD_ROOT = pathlib.Path(os.environ.get("RDAKIT_BUILD_DIR",
-                                         pathlib.Path(__file__).resolve().parents[2] / "build"))
+#: Where the caches (converted Verilog, simulator builds, harness executables) and the run
+#: folders go: the user's cache folder, or ``RDAKIT_CACHE_DIR`` (:func:`.cache.cache_root`).
+BUILD_ROOT = cache_root()
 
 ICARUS_BUILD_ARGS = ["-g2005"]
 
@@ -249,46 +259,104 @@ def generate_verilog(component, *, name="top"):
     return yosys.run(["-q", "-"], script, ignore_warnings=True)
 
 
-#: The folders whose modules generate gateware: the hardware, the test gateware beside this
-#: runner, and the board tops. Every module under them is part of a cached design's key, so
-#: moving gateware between them never reuses stale Verilog.
-GATEWARE_DIRS = ("hdl", "sim/verify", "boards")
+#: The packages whose modules generate gateware: the hardware, the test gateware beside this
+#: runner, and the board tops. Their modules, and every rdakit module they import, are part of
+#: a cached design's key (:func:`_gateware_sources`), so no change of what the gateware is made
+#: from reuses stale Verilog.
+GATEWARE_PACKAGES = ("rdakit.hdl", "rdakit.sim.verify", "rdakit.boards")
+
+
+@functools.cache
+def _package_folder(name):
+    spec = importlib.util.find_spec(name)
+    locations = spec.submodule_search_locations if spec else None
+    return pathlib.Path(locations[0]) if locations else None
+
+
+def _module_files(name):
+    """The files Python runs to import the rdakit module ``name`` (its packages' ``__init__``
+    and the module), found without importing it; a trailing part naming something inside a
+    module (``from m import f``) is ignored."""
+    parts = name.split(".")
+    base, rest = _package_folder("rdakit"), parts[1:]
+    if len(parts) > 2 and (sub := _package_folder(".".join(parts[:2]))) is not None:
+        base, rest = sub, parts[2:]      # rdakit.hdl lives in hdl/, not rdakit/hdl/
+    files = [base / "__init__.py"]
+    for part in rest:
+        base = base / part
+        if (base / "__init__.py").is_file():
+            files.append(base / "__init__.py")
+        elif base.with_suffix(".py").is_file():
+            files.append(base.with_suffix(".py"))
+            break
+        else:
+            break
+    return [f for f in files if f.is_file()]
+
+
+@functools.cache
+def _gateware_sources():
+    """Every source file a gateware package (:data:`GATEWARE_PACKAGES`) is made from: its
+    modules and, transitively, the rdakit modules they import (anywhere in a module, deferred
+    imports included), sorted."""
+    todo = [p for pkg in GATEWARE_PACKAGES for p in _package_folder(pkg).rglob("*.py")]
+    seen = set()
+    while todo:
+        path = todo.pop().resolve()
+        if path in seen:
+            continue
+        seen.add(path)
+        for node in ast.walk(ast.parse(path.read_bytes(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for module in names:
+                if module.split(".")[0] == "rdakit":
+                    todo += _module_files(module)
+    return sorted(seen)
 
 
 def _hdl_digest():
-    """A digest of every gateware-generating source (:data:`GATEWARE_DIRS`, recursively) and
-    the Amaranth version: part of every cached design's key."""
-    root = pathlib.Path(__file__).resolve().parents[2]
-    h = hashlib.sha256(amaranth.__version__.encode())
-    for folder in GATEWARE_DIRS:
-        for path in sorted((root / folder).rglob("*.py")):
-            h.update(str(path.relative_to(root)).encode() + path.read_bytes())
+    """A digest of every source the gateware is made from (:func:`_gateware_sources`), the
+    Amaranth version and the version of the Yosys that :func:`generate_verilog` runs: part of
+    every cached design's key."""
+    yosys = find_amaranth_yosys(lambda ver: ver >= (0, 40))
+    h = hashlib.sha256(f"{amaranth.__version__}|{yosys.version()}".encode())
+    root = _package_folder("rdakit").parent
+    for path in _gateware_sources():
+        name = os.path.relpath(path, root)
+        h.update(f"\0{name}\0".encode() + path.read_bytes())
     return h.hexdigest()
 
 
-def _cache_path(key, name):
-    digest = hashlib.sha256(f"{key}|{name}|{_hdl_digest()}".encode()).hexdigest()[:24]
-    return BUILD_ROOT / "verilog" / f"{digest}.v"
+def _digest(*parts):
+    return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:16]
 
 
-def _write_atomically(path, text):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+def _verilog_entry(key, make_component, name):
+    """The cache entry (a folder with ``top.v`` and, for a component, ``ports.json``) of the
+    design ``key``, converted from ``make_component()`` if it is not cached."""
+    label = re.sub(r"[^A-Za-z0-9]+", "_", key)[:40].strip("_") + "_" + _digest(key, name)[:8]
+
+    def convert(folder):
+        component = make_component()
+        if hasattr(component, "metadata"):
+            (folder / "ports.json").write_text(json.dumps(design_ports(component)))
+        (folder / "top.v").write_text(generate_verilog(component, name=name))
+
+    return publish(BUILD_ROOT / "verilog", label, _digest(key, name, _hdl_digest()), convert)
 
 
 def cached_verilog(key, make_component, *, name="top"):
     """:func:`generate_verilog` of ``make_component()``, cached under :data:`BUILD_ROOT` by
     ``key`` (a string naming the design and its parameters, e.g. ``repr(params)``) and a digest
-    of the HDL sources, so a large fabric is converted once (a 4x4 fabric takes minutes).
-    ``make_component`` is called only when the Verilog is not cached."""
-    path = _cache_path(key, name)
-    if path.exists():
-        return path.read_text()
-    text = generate_verilog(make_component(), name=name)
-    _write_atomically(path, text)
-    return text
+    of the gateware's sources and tools (:func:`_hdl_digest`), so a large fabric is converted
+    once (a 4x4 fabric takes minutes). ``make_component`` is called only when the Verilog is
+    not cached; runs converting the same design at once convert it once."""
+    return (_verilog_entry(key, make_component, name) / "top.v").read_text()
 
 
 def design_ports(component):
@@ -326,17 +394,17 @@ def cached_design(key, make_component, *, name="top"):
     -------
     (str, list of (str, str, int))
         The Verilog text and the ports.
+
+    Raises
+    ------
+    TypeError
+        If ``make_component()`` is not a component (it has no metadata to take ports from).
     """
-    path = _cache_path(key, name)
-    ports_path = path.with_suffix(".ports.json")
-    if path.exists() and ports_path.exists():
-        return path.read_text(), [tuple(p) for p in json.loads(ports_path.read_text())]
-    component = make_component()
-    ports = design_ports(component)
-    text = generate_verilog(component, name=name)
-    _write_atomically(path, text)
-    _write_atomically(ports_path, json.dumps(ports))
-    return text, ports
+    entry = _verilog_entry(key, make_component, name)
+    if not (entry / "ports.json").exists():
+        raise TypeError(f"Design {key!r} is not a component with metadata, so it has no ports")
+    ports = json.loads((entry / "ports.json").read_text())
+    return (entry / "top.v").read_text(), [tuple(p) for p in ports]
 
 
 # --------------------------------------------------------------------------------------------
@@ -407,7 +475,9 @@ def build_harness(key, make_component, *, build_name):
     The Verilog comes from :func:`cached_design` (``key`` names the design and its parameters,
     as for :func:`cached_verilog`), so a rerun neither converts nor builds the component; an
     executable whose inputs (Verilog, C++ main, flags, Verilator version) are unchanged is
-    reused. Only the executable is kept: the C++ and objects of an 8x8 NoC harness take
+    reused: it is a cache entry (:func:`.cache.publish`), built whole in a folder of its own
+    and published atomically, so concurrent builders never see half of one. Only the
+    executable and its build log are kept: the C++ and objects of an 8x8 NoC harness take
     hundreds of MB.
 
     Parameters
@@ -417,7 +487,8 @@ def build_harness(key, make_component, *, build_name):
     make_component : callable
         Returns the component (with a ``sync`` domain, so ``clk`` and ``rst`` ports).
     build_name : str
-        Name of the build folder under ``BUILD_ROOT / "harness"``.
+        Label of the cache entry under ``BUILD_ROOT / "harness"`` (``<build_name>-<digest>``,
+        the newest two kept).
 
     Returns
     -------
@@ -434,28 +505,33 @@ def build_harness(key, make_component, *, build_name):
     text, ports = cached_design(key, make_component)
     header = _ports_header(ports)
     main = _HARNESS_MAIN.read_text()
-    build_dir = BUILD_ROOT / "harness" / build_name
-    exe = build_dir / "obj_dir" / "harness"
-    stamp = build_dir / "build.key"
-    digest = hashlib.sha256("\0".join([text, header, main, *HARNESS_VERILATOR_ARGS,
-                                        *HARNESS_MAKE_VARS, info.version or ""]).encode())
-    if exe.exists() and stamp.exists() and stamp.read_text() == digest.hexdigest():
-        return HarnessBuild(exe, ports)
-    build_dir.mkdir(parents=True, exist_ok=True)
-    for name, content in (("top.v", text), ("ports.h", header), ("main.cpp", main)):
-        (build_dir / name).write_text(content)
-    env = {**os.environ, **info.env, "MAKEFLAGS": " ".join(HARNESS_MAKE_VARS)}
-    cmd = [info.path, *HARNESS_VERILATOR_ARGS, "--top-module", "top", "-o", "harness",
-           "top.v", "main.cpp"]
-    with open(build_dir / "build.log", "w") as log:
-        res = subprocess.run(cmd, cwd=build_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
-    if res.returncode != 0 or not exe.exists():
-        raise RuntimeError(f"Verilator build failed; see {build_dir / 'build.log'}")
-    for f in exe.parent.iterdir():
-        if f != exe and f.is_file():
-            f.unlink()
-    stamp.write_text(digest.hexdigest())
-    return HarnessBuild(exe, ports)
+    digest = _digest(text, header, main, *HARNESS_VERILATOR_ARGS, *HARNESS_MAKE_VARS,
+                     info.version or "")
+
+    def compile_harness(folder):
+        for name, content in (("top.v", text), ("ports.h", header), ("main.cpp", main)):
+            (folder / name).write_text(content)
+        env = {**os.environ, **info.env, "MAKEFLAGS": " ".join(HARNESS_MAKE_VARS)}
+        cmd = [info.path, *HARNESS_VERILATOR_ARGS, "--top-module", "top", "-o", "harness",
+               "top.v", "main.cpp"]
+        with open(folder / "build.log", "w") as log:
+            res = subprocess.run(cmd, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
+        built = folder / "obj_dir" / "harness"
+        if res.returncode != 0 or not built.exists():
+            # The unfinished entry goes; its log stays, in a folder of this build's own.
+            kept = run_folder(BUILD_ROOT, f"{build_name}-harness-build")
+            shutil.move(folder / "build.log", kept / "build.log")
+            raise RuntimeError(f"Verilator build failed; see {kept / 'build.log'}")
+        os.rename(built, folder / "harness")
+        for f in folder.iterdir():
+            if f.name not in ("harness", "build.log"):
+                if f.is_dir():
+                    shutil.rmtree(f)
+                else:
+                    f.unlink()
+
+    entry = publish(BUILD_ROOT / "harness", build_name, digest, compile_harness)
+    return HarnessBuild(entry / "harness", ports)
 
 
 class HarnessProcess:
@@ -472,8 +548,15 @@ class HarnessProcess:
 
     def __init__(self, build):
         self.index = {name: i for i, (name, _d, _w) in enumerate(build.ports)}
-        self.proc = subprocess.Popen([str(build.exe)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+        # The cache entry is held while the executable starts (eviction waits); once it runs,
+        # removing its file no longer matters.
+        entry = build.exe.parent
+        with locked(entry.parent / f"{entry.name}.lock", shared=True):
+            if not build.exe.exists():
+                raise RuntimeError(f"harness executable {build.exe} was removed from the cache "
+                                   f"(evicted by a newer build); build it again")
+            self.proc = subprocess.Popen([str(build.exe)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True, bufsize=1)
 
     def __enter__(self):
         return self
@@ -528,10 +611,72 @@ def _patched_environ(extra):
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def _importable(folder):
+    """``folder`` first on ``sys.path`` meanwhile: cocotb's runner passes ``sys.path`` to the
+    simulator's Python as ``PYTHONPATH``, and the simulator runs in the run's folder, not in the
+    folder of the test module."""
+    folder = str(pathlib.Path(folder).resolve())
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(folder)
+
+
+_TIMESCALE = ("1ns", "1ps")
+
+#: Files of a Verilator build that a run needs (the rest, C++ and objects, is dropped).
+_VERILATOR_KEEP = ("top", "top.v")
+
+
+def _simulator_build(text, *, simulator, info, env, build_name, build_args, waves, optimize,
+                     log):
+    """The cached simulator build of the Verilog ``text``: a context manager giving its folder
+    (held for the run, see :func:`.cache.use`), built first if missing with its log in ``log``.
+    The key covers the Verilog, the simulator and its version, cocotb (its version and where its
+    libraries are, which a Verilator executable links to), the flags and the build options."""
+    from cocotb_tools import config as cocotb_config  # deferred: cocotb is a test extra
+    from cocotb_tools.runner import get_runner
+
+    digest = _digest(text, simulator, info.version, importlib.metadata.version("cocotb"),
+                     cocotb_config.libs_dir, *build_args, f"waves={bool(waves)}",
+                     f"optimize={bool(optimize)}", *_TIMESCALE)
+
+    def build(folder):
+        source = folder / "top.v"
+        source.write_text(text)
+        with _patched_environ(env):
+            try:
+                get_runner(simulator).build(
+                    sources=[source], hdl_toplevel="top", build_dir=folder, always=True,
+                    build_args=build_args, timescale=_TIMESCALE, waves=waves, log_file=log)
+            except (RuntimeError, SystemExit) as e:   # a tool failed, or is missing
+                raise CosimFailure(f"{simulator} build of {build_name} failed ({e}); "
+                                   f"see {log}") from None
+        if simulator == "verilator":
+            for f in folder.iterdir():
+                if f.name not in _VERILATOR_KEEP:
+                    if f.is_dir():
+                        shutil.rmtree(f)
+                    else:
+                        f.unlink()
+
+    return use(BUILD_ROOT / "sim", f"{build_name}-{simulator}", digest, build)
+
+
 def run_cocotb(component, *, simulator, test_module, test_dir, build_name, config=None,
                testcase=None, waves=False, seed=None, verilog_text=None, extra_env=None,
-               optimize=False):
+               optimize=False, keep=False):
     """Build ``component`` for ``simulator`` and run the cocotb module ``test_module``.
+
+    The simulator build is a cache entry under ``BUILD_ROOT / "sim"`` named by ``build_name``
+    and a digest of the Verilog, the tools and the options: built once, whole, and shared by
+    runs at the same time (:mod:`.cache`). The run itself (the simulator's working folder, its
+    ``build.log`` if it built, ``sim.log``, ``results.xml``, waveforms) is in a new folder under
+    ``BUILD_ROOT / "runs"``, which no other run shares: removed when the run passes (unless
+    ``keep`` or ``waves``), kept and named in the error when it fails.
 
     Parameters
     ----------
@@ -542,29 +687,34 @@ def run_cocotb(component, *, simulator, test_module, test_dir, build_name, confi
     test_module : str
         Module name of the cocotb tests, found in ``test_dir``.
     test_dir : path-like
-        Folder of the test module (added to the simulator's Python path).
+        Folder of the test module (put on the simulator's Python path).
     build_name : str
-        Name of the build folder under :data:`BUILD_ROOT` (one per design and simulator).
+        Label of the build (one per design and simulator) and of the run folder.
     config : dict, optional
         JSON-serializable configuration passed in ``RDAKIT_TB_CONFIG``.
     testcase : str, optional
         Regular expression selecting cocotb tests (``COCOTB_TEST_FILTER``).
     waves : bool
-        Record waveforms (FST on Verilator, VCD-compatible on Icarus) in the build folder.
+        Record waveforms (FST) in the run folder, which is then kept.
     seed : int, optional
         ``COCOTB_RANDOM_SEED``.
     optimize : bool
         Compile Verilator's C++ with optimization (slower to build, faster to run).
+    keep : bool
+        Keep the run folder of a run that passed.
 
     Returns
     -------
     dict
-        ``{"tests": n, "failed": 0, "results": path, "build_dir": path}``.
+        ``{"tests": n, "failed": 0, "build_dir": path, "work_dir": path or None,
+        "results": path or None}``: the build's cache entry, and the run folder and its
+        results file (None when the folder was removed).
 
     Raises
     ------
     CosimFailure
-        If any cocotb test failed, none ran, or the simulator exited abnormally.
+        If the build failed, any cocotb test failed, none ran, or the simulator exited
+        abnormally; the message names the log, in the run folder, which is kept.
     """
     # Deferred: cocotb is a test extra; the harness executable and the CLI run without it.
     from cocotb_tools.runner import get_results, get_runner
@@ -572,44 +722,61 @@ def run_cocotb(component, *, simulator, test_module, test_dir, build_name, confi
     info = simulator_info(simulator)
     if not info.ok:
         raise CosimFailure(f"{simulator} unavailable: {info.problem}; install: {info.install}")
-    build_dir = BUILD_ROOT / "cosim" / f"{build_name}-{simulator}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    source = build_dir / "top.v"
     text = verilog_text if verilog_text is not None else generate_verilog(component)
-    if not source.exists() or source.read_text() != text:   # keep the mtime: Icarus skips
-        source.write_text(text)                             # rebuilding an unchanged design
     env = verilator_env(optimize=optimize) if simulator == "verilator" else {}
     test_env = {"RDAKIT_TB_CONFIG": json.dumps(config or {}), **(extra_env or {})}
     build_args = ICARUS_BUILD_ARGS if simulator == "icarus" else VERILATOR_BUILD_ARGS
     if simulator == "icarus" and waves:
         # cocotb's Icarus wave dumper declares a `string`, which needs -g2012.
         build_args = []
-    results = build_dir / "results.xml"
-    results.unlink(missing_ok=True)
-    log_file = build_dir / "sim.log"
-    with _patched_environ(env):
-        runner = get_runner(simulator)
-        runner.build(sources=[source], hdl_toplevel="top", build_dir=build_dir, always=True,
-                     build_args=build_args, timescale=("1ns", "1ps"), waves=waves,
-                     log_file=build_dir / "build.log")
-        try:
-            runner.test(test_module=test_module, hdl_toplevel="top", test_dir=test_dir,
-                        build_dir=build_dir, test_filter=testcase, seed=seed, waves=waves,
-                        extra_env=test_env, results_xml=str(results), log_file=log_file)
-        except SystemExit as e:
-            # cocotb's runner exits when it detects pytest and a test failed; report below.
-            if not results.exists():
-                raise CosimFailure(f"{simulator} run of {test_module} ended with exit code "
-                                   f"{e.code} and no results; see {log_file}") from None
-    if not results.exists():
-        raise CosimFailure(f"{simulator} run of {test_module} wrote no results; see {log_file}")
-    tests, failed = get_results(results)
-    if tests == 0:
-        raise CosimFailure(f"{simulator} run of {test_module} ran no test; see {log_file}")
-    if failed:
-        raise CosimFailure(f"{simulator}: {failed} of {tests} cocotb tests failed: "
-                           f"{_failures(results)}; see {log_file}")
-    return {"tests": tests, "failed": 0, "results": results, "build_dir": build_dir}
+    work = run_folder(BUILD_ROOT, f"{build_name}-{simulator}")
+    results = work / "results.xml"
+    log_file = work / "sim.log"
+    # The Icarus wave dumper's file is named at build time (in the build's folder); the run
+    # names its own. Verilator's goes to the working folder, the run's.
+    plusargs = [f"+dumpfile_path={work / 'top.fst'}"] if simulator == "icarus" and waves else []
+    try:
+        with _simulator_build(text, simulator=simulator, info=info, env=env,
+                              build_name=build_name,
+                              build_args=build_args, waves=waves, optimize=optimize,
+                              log=work / "build.log") as build_dir, \
+                _patched_environ(env), _importable(test_dir):
+            try:
+                get_runner(simulator).test(
+                    test_module=test_module, hdl_toplevel="top", hdl_toplevel_lang="verilog",
+                    test_dir=work, build_dir=build_dir, test_filter=testcase, seed=seed,
+                    waves=waves, plusargs=plusargs, extra_env=test_env,
+                    results_xml=str(results), log_file=log_file)
+            except SystemExit as e:
+                # cocotb's runner exits when it detects pytest and a test failed; report below.
+                if not results.exists():
+                    raise CosimFailure(f"{simulator} run of {test_module} ended with exit code "
+                                       f"{e.code} and no results; see {log_file}") from None
+            except RuntimeError as e:
+                raise CosimFailure(f"{simulator} run of {test_module} failed ({e}); "
+                                   f"see {log_file}") from None
+        if not results.exists():
+            raise CosimFailure(f"{simulator} run of {test_module} wrote no results; "
+                               f"see {log_file}")
+        tests, failed = get_results(results)
+        if tests == 0:
+            raise CosimFailure(f"{simulator} run of {test_module} ran no test; see {log_file}")
+        if failed:
+            raise CosimFailure(f"{simulator}: {failed} of {tests} cocotb tests failed: "
+                               f"{_failures(results)}; see {log_file}")
+    except KeyboardInterrupt:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    except CosimFailure:
+        raise
+    except BaseException as e:
+        e.add_note(f"rdakit: the run's files are in {work}")
+        raise
+    if not (keep or waves):
+        shutil.rmtree(work, ignore_errors=True)
+        work = results = None
+    return {"tests": tests, "failed": 0, "build_dir": build_dir, "work_dir": work,
+            "results": results}
 
 
 def _failures(results):
