@@ -470,11 +470,13 @@ def _run_cocotb(specs, sim, *, waves, progress):
             raise done["error"]
         rows = json.loads(out.read_text())
         if waves:
-            build_dir = pathlib.Path(done["info"]["build_dir"])
-            dumps = sorted((p for p in build_dir.iterdir() if p.suffix in (".fst", ".vcd")),
+            # The run's own folder (kept because waves were asked), removed once copied.
+            work = pathlib.Path(done["info"]["work_dir"])
+            dumps = sorted((p for p in work.iterdir() if p.suffix in (".fst", ".vcd")),
                            key=lambda p: p.stat().st_mtime)
             if dumps:
                 shutil.copyfile(dumps[-1], waves)
+            shutil.rmtree(work, ignore_errors=True)
     return rows
 
 
