@@ -311,11 +311,6 @@ class _State:
         self.index = {p: i for i, p in enumerate(parts)}
         self.parts = parts
         self.mu_words = mu_words
-        self.touch = [[] for _ in parts]
-        for j, b in enumerate(buffers):
-            ends = ([b.producer] if b.producer is not None else []) + list(b.consumers)
-            for p in sorted(set(ends)):
-                self.touch[self.index[p]].append(j)
         self.pos = [None] * len(parts)   # CU tile index of each partition
         self.mu = [None] * len(buffers)  # MU tile index of each buffer
         self.free = [mu_words] * len(mus)
@@ -403,6 +398,29 @@ def _anneal(state, steps, rng):
     current = state.total()
     best, best_pos, best_mu = current, list(state.pos), list(state.mu)
 
+    # The cost is a sum over the ends of the buffers (producer and consumers) of bytes times
+    # the hops between the end's CU and the buffer's MU, so moving a partition changes it by
+    # its per-MU bytes times the change of its hops to each MU: O(MUs) a move instead of a
+    # walk over every buffer the partition touches (steps times buffers in all).
+    to_mu = np.array([[state.dist(c, m) for m in state.mus] for c in state.cus], np.int64)
+    from_mu = np.array([[state.dist(m, c) for m in state.mus] for c in state.cus], np.int64)
+    wprod = np.zeros((k, nmu), np.int64)   # bytes partition p writes to buffers in MU m
+    wcons = np.zeros((k, nmu), np.int64)   # bytes partition p reads from buffers in MU m
+
+    def account(j, m, sign):
+        b = state.buffers[j]
+        if b.producer is not None:
+            wprod[state.index[b.producer], m] += sign * b.nbytes
+        for c in b.consumers:
+            wcons[state.index[c], m] += sign * b.nbytes
+
+    for j in range(nb):
+        account(j, state.mu[j], 1)
+
+    def moved(p, a, t):
+        """Cost change of partition p's ends when it moves from CU a to CU t."""
+        return int(wprod[p] @ (to_mu[t] - to_mu[a]) + wcons[p] @ (from_mu[t] - from_mu[a]))
+
     def propose():
         # Returns (delta, apply) or None.
         r = rng.random()
@@ -412,17 +430,8 @@ def _anneal(state, steps, rng):
             if t == state.pos[p]:
                 return None
             q = occupant.get(t)
-            touched = sorted(set(state.touch[p]) | (set(state.touch[q]) if q is not None
-                                                      else set()))
-            before = sum(state.buffer_cost(j) for j in touched)
             old = state.pos[p]
-            state.pos[p] = t
-            if q is not None:
-                state.pos[q] = old
-            after = sum(state.buffer_cost(j) for j in touched)
-            state.pos[p] = old
-            if q is not None:
-                state.pos[q] = t
+            delta = moved(p, old, t) + (moved(q, t, old) if q is not None else 0)
 
             def apply():
                 state.pos[p] = t
@@ -432,7 +441,7 @@ def _anneal(state, steps, rng):
                     occupant[old] = q
                 else:
                     del occupant[old]
-            return after - before, apply
+            return delta, apply
         if nb == 0:
             return None
         j = rng.randrange(nb)
@@ -446,6 +455,8 @@ def _anneal(state, steps, rng):
             def apply():
                 state.free[state.mu[j]] += w
                 state.free[m] -= w
+                account(j, state.mu[j], -1)
+                account(j, m, 1)
                 state.mu[j] = m
             return delta, apply
         i = rng.randrange(nb)
@@ -459,6 +470,10 @@ def _anneal(state, steps, rng):
         def apply():
             state.free[mi] += wi - wj
             state.free[mj] += wj - wi
+            account(i, mi, -1)
+            account(j, mj, -1)
+            account(i, mj, 1)
+            account(j, mi, 1)
             state.mu[i], state.mu[j] = mj, mi
         return delta, apply
 

@@ -8,6 +8,8 @@ reset fabric, refusing what the MUs would refuse. Both compute from
 ``tests/compiler/test_lower_capacity.py``).
 """
 
+import heapq
+
 import numpy as np
 
 from rdakit.compiler.lower.layout import LoweringError
@@ -15,6 +17,34 @@ from rdakit.hdl.spec.packets import MUStatus
 from rdakit.hdl.spec.params import AllocMode
 
 __all__ = ["Account", "replay_refs"]
+
+
+class _Buffer:
+    """A buffer of the account: its MU, units, total weight, the stamps of its returned shares,
+    and once every share is back, ``need``: the clock each returning CU's component must reach
+    for the buffer to be certainly free (the latest of its returns on that CU)."""
+
+    __slots__ = ("key", "units", "weight", "rets", "need", "revoked", "dead_for")
+
+    def __init__(self, key, units, weight):
+        self.key, self.units, self.weight = key, units, weight
+        self.rets = []
+        self.need = None
+        self.revoked = False          # a share returned beyond its weight: never free
+        self.dead_for = []            # the views that count it free
+
+
+class _View:
+    """What one CU knows of one MU's buffers: the units and slots of those certainly free by
+    its latest event, how far it has read the MU's log of fully returned buffers, and per CU
+    index a heap of the buffers waiting for that CU's clock to reach a value."""
+
+    __slots__ = ("cursor", "units", "slots", "heaps")
+
+    def __init__(self, n):
+        self.cursor = 0
+        self.units = self.slots = 0
+        self.heaps = [[] for _ in range(n)]
 
 
 class Account:
@@ -30,7 +60,13 @@ class Account:
     counted. Host buffers are allocated before the start (the host's shares of inputs and
     constant pools are returned by the CUs that read them); reference tables are live
     throughout. In ``reserve`` mode the regions of freed buffers are still counted (they return
-    to per-class lists, not to the bump allocator); ``single`` mode has one buffer slot."""
+    to per-class lists, not to the bump allocator); ``single`` mode has one buffer slot.
+
+    The bookkeeping is incremental, so a whole lowering costs about linear time in its
+    buffers rather than a scan of every earlier buffer at each ALLOC: a CU's vector clock only
+    grows, so a buffer free for it stays free; each (MU, CU) view keeps the totals of the
+    buffers free for that CU and files each fully returned buffer under one return it has not
+    heard of yet (a heap per CU component), looked at again only when its clock passes it."""
 
     def __init__(self, params, cus):
         mp = params.mu
@@ -42,9 +78,13 @@ class Account:
         self.index = {cu: i for i, cu in enumerate(cus)}
         self.vc = {cu: [0] * len(cus) for cu in cus}
         self.host = {m: [0, 0] for m in self.mus}    # static totals of the host buffers
-        self.bufs = {m: [] for m in self.mus}        # [key, units, weight, rets]
+        self.total = {m: [0, 0] for m in self.mus}   # units and slots of every buffer added
+        self.done = {m: [] for m in self.mus}        # buffers with every share returned
+        self.views = {}                              # (MU, CU index) -> _View
         self.by_key = {}
+        self.mu_of = {}
         self.peak = {m: [0, 0] for m in self.mus}
+        self._seq = 0                                # ties in the heaps
 
     def units(self, words):
         """Blocks (virtual) or words (reserve: every region of its growth; single) held."""
@@ -82,21 +122,55 @@ class Account:
     # Buffers.
 
     def add(self, m, key, units, weight):
-        rec = [key, units, weight, []]
-        self.bufs[m].append(rec)
-        self.by_key[key] = rec
+        buf = _Buffer(key, units, weight)
+        self.total[m][0] += units
+        self.total[m][1] += 1
+        self.by_key[key] = buf
+        self.mu_of[key] = m
+        if weight == 0:
+            self._complete(m, buf)
+
+    def _complete(self, m, buf):
+        need = {}
+        for i, clock in buf.rets:
+            need[i] = max(need.get(i, 0), clock[i])
+        buf.need = need
+        self.done[m].append(buf)
+
+    def _check(self, view, c, buf, vc):
+        """Count ``buf`` free in ``view`` (of CU index ``c`` at clock ``vc``) if every return
+        happens before, else file it under the first return that does not."""
+        if buf.revoked:
+            return
+        for i, clock in buf.need.items():
+            # An event of CU c itself happens before c's later events only (the stamp of the
+            # query is never a return's, but a return of c at the query's clock is not before).
+            at = clock + 1 if i == c else clock
+            if vc[i] < at:
+                self._seq += 1
+                heapq.heappush(view.heaps[i], (at, self._seq, buf))
+                return
+        view.units += buf.units
+        view.slots += 1
+        buf.dead_for.append(view)
 
     def live(self, m, stamp):
-        """Units and slots of the buffers of MU ``m`` that may be live at event ``stamp``."""
-        u = s = 0
-        for _key, units, weight, rets in self.bufs[m]:
-            dead = weight is not None and len(rets) == weight and all(
-                self.before(r, stamp) for r in rets)
-            if not dead or self.mode is AllocMode.RESERVE:
-                u += units
-            if not dead:
-                s += 1
-        return u, s
+        """Units and slots of the buffers of MU ``m`` that may be live at event ``stamp``.
+
+        The stamps of one CU must come in the order of its events (its clock only grows)."""
+        c, vc = stamp
+        view = self.views.get((m, c))
+        if view is None:
+            view = self.views[(m, c)] = _View(len(vc))
+        log = self.done[m]
+        while view.cursor < len(log):
+            view.cursor += 1
+            self._check(view, c, log[view.cursor - 1], vc)
+        for i, heap in enumerate(view.heaps):
+            while heap and heap[0][0] <= vc[i]:
+                self._check(view, c, heapq.heappop(heap)[2], vc)
+        u, s = self.total[m]
+        return (u if self.mode is AllocMode.RESERVE else u - view.units), s - view.slots
 
     def fits(self, m, units, stamp):
         u, s = self.live(m, stamp)
@@ -108,9 +182,19 @@ class Account:
         self.add(m, key, units, weight)
 
     def ret(self, key, stamp):
-        rec = self.by_key.get(key)
-        if rec is not None:
-            rec[3].append(stamp)
+        buf = self.by_key.get(key)
+        if buf is None or buf.weight is None:
+            return
+        buf.rets.append(stamp)
+        if len(buf.rets) == buf.weight:
+            self._complete(self.mu_of[key], buf)
+        elif len(buf.rets) == buf.weight + 1:
+            # More returns than shares: never certainly free (counted live again).
+            buf.revoked = True
+            for view in buf.dead_for:
+                view.units -= buf.units
+                view.slots -= 1
+            buf.dead_for = []
 
     def room(self, stamp):
         best_u = best_s = 0

@@ -271,27 +271,29 @@ class FuseElementwise(LoweringPass):
     name: ClassVar[str] = "fuse-elementwise"
 
     def apply(self, plan):
+        # One walk in the plan's (topological) order, in linear time. Whether an op folds
+        # into the op producing what it reads does not depend on the folds before it (it
+        # reads one tensor, whose readers and producer's CU no fold changes), so one walk
+        # reaches the fixpoint of folding one pair at a time. The producer of a folded op's
+        # result becomes the op its chain started with, where the next op of the chain folds.
         outputs = {src for _, src in plan.outputs}
-        changed = True
-        while changed:
-            changed = False
-            readers = plan.readers()
-            by_name = {op.name: op for op in plan.lops}
-            for op in plan.lops:
-                if op.kind != "ew" or op.attrs["mode"] is not None:
-                    continue
-                prev = by_name.get(plan.tensors[op.ins[0]].producer)
-                if (prev is None or prev.kind != "ew" or prev.cu != op.cu
-                        or prev.out in outputs or len(readers[prev.out]) != 1):
-                    continue
-                prev.attrs["raw"] = prev.attrs["raw"] + op.attrs["raw"]
-                prev.nodes = prev.nodes + op.nodes
-                del plan.tensors[prev.out]
-                prev.out = op.out
-                plan.tensors[op.out].producer = prev.name
-                plan.lops.remove(op)
-                changed = True
-                break
+        readers = plan.readers()
+        by_name = {op.name: op for op in plan.lops}
+        folded = set()
+        for op in plan.lops:
+            if op.kind != "ew" or op.attrs["mode"] is not None:
+                continue
+            prev = by_name.get(plan.tensors[op.ins[0]].producer)
+            if (prev is None or prev.kind != "ew" or prev.cu != op.cu
+                    or prev.out in outputs or len(readers[prev.out]) != 1):
+                continue
+            prev.attrs["raw"].extend(op.attrs["raw"])
+            prev.nodes.extend(op.nodes)
+            del plan.tensors[prev.out]
+            prev.out = op.out
+            plan.tensors[op.out].producer = prev.name
+            folded.add(op.name)
+        plan.lops[:] = [op for op in plan.lops if op.name not in folded]
         for op in plan.lops:
             if op.kind == "ew":
                 stages = []
@@ -342,18 +344,32 @@ class EliminateDead(LoweringPass):
     name: ClassVar[str] = "eliminate-dead"
 
     def apply(self, plan):
+        # A work list: an op is dead when nobody reads its result (and that result is not a
+        # kept output); dropping it takes it off the readers of what it read, which may leave
+        # their producers dead in turn. Linear in the plan's size.
         kept = set(plan.output_map.values())
-        while True:
-            readers = plan.readers()
-            dead = [op for op in plan.lops if not readers[op.out] and (
-                plan.tensors[op.out].kind == "runtime" or (
-                    plan.tensors[op.out].kind == "output"
-                    and plan.tensors[op.out].buffer not in kept))]
-            if not dead:
-                break
-            for op in dead:
-                plan.lops.remove(op)
-                del plan.tensors[op.out]
+        readers = {t: len(ops) for t, ops in plan.readers().items()}
+        producer = {op.out: op for op in plan.lops}
+
+        def dead(op):
+            t = plan.tensors[op.out]
+            return not readers.get(op.out) and (
+                t.kind == "runtime" or (t.kind == "output" and t.buffer not in kept))
+
+        work = [op for op in plan.lops if dead(op)]
+        dropped = set()
+        while work:
+            op = work.pop()
+            if op.name in dropped:
+                continue
+            dropped.add(op.name)
+            del plan.tensors[op.out]
+            for i in dict.fromkeys(op.ins):
+                readers[i] -= 1
+                p = producer.get(i)
+                if p is not None and p.name not in dropped and dead(p):
+                    work.append(p)
+        plan.lops[:] = [op for op in plan.lops if op.name not in dropped]
         readers = plan.readers()
         for name in [n for n, t in plan.tensors.items()
                      if t.kind in ("const", "input", "aliased") and not readers[n]]:
