@@ -9,6 +9,7 @@ import pathlib
 import re
 
 from rdakit.boards.build import BOARDS, board_preset
+from rdakit.hdl.memory.unit import CHECK_ORDER, TIMING
 from rdakit.hdl.spec.frames import (
     ERROR_DOC,
     FRAME_CRC,
@@ -44,6 +45,18 @@ def _mu_ops():
     lines += ["", "| status | name | meaning |", "|---|---|---|"]
     for st in MUStatus:
         lines.append(f"| {st.value} | `{st.name}` | {STATUS_DOC[st]} |")
+    return "\n".join(lines)
+
+
+def _mu_checks():
+    lines = ["| op | checks after the mode check |", "|---|---|"]
+    lines += [f"| {op.name} | {CHECK_ORDER[op]} |" for op in MUOp]
+    return "\n".join(lines)
+
+
+def _mu_timing():
+    lines = ["| op | execute cycles (latency: one more) |", "|---|---|"]
+    lines += [f"| {op.name} | {TIMING[op]} |" for op in MUOp]
     return "\n".join(lines)
 
 
@@ -104,7 +117,8 @@ def _frames():
 
 #: file name in docs/ -> section name -> function returning the Markdown.
 SECTIONS = {
-    "memory-unit.md": {"ops": _mu_ops, "packets": _mu_packets},
+    "memory-unit.md": {"ops": _mu_ops, "packets": _mu_packets, "checks": _mu_checks,
+                       "timing": _mu_timing},
     "compute-unit.md": {"isa": _isa},
     "verification.md": {"properties": _properties},
     "boards.md": {"frames": _frames},
