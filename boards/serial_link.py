@@ -17,8 +17,11 @@ class SerialPort:
     """Bytes through pyserial. ``timeout`` (seconds) is how long :meth:`read_byte` waits for
     the next byte before it reports a quiet line."""
 
+    timeout_unit = "s"
+
     def __init__(self, url, *, baud, timeout=0.5):
         self.serial = serial.serial_for_url(url, baudrate=baud, timeout=timeout)
+        self.timeout = timeout
 
     async def write(self, data):
         self.serial.write(bytes(data))

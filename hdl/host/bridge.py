@@ -1,10 +1,14 @@
 """The board's host bridge: frames over a UART to and from the fabric's host port.
 
 Format and rules in :mod:`rdakit.hdl.spec.frames` and ``docs/boards.md``. The receiver checks a
-frame completely (kind, length, CRC, no UART error, no gap longer than ``timeout`` cycles)
-before the command it carries reaches the fabric, so a corrupted frame is answered with an
-``ERROR`` frame and changes nothing. One frame is handled at a time: the host sends the next
-frame after the answer to the last one.
+frame completely (kind, length, header check, payload bits, CRC, no UART error, no gap longer
+than ``timeout`` cycles) before the command it carries reaches the fabric, so a corrupted frame
+is answered with an ``ERROR`` frame and changes nothing; a frame is applied at most once (a
+resend, the same SEQ and command again, is answered again). It accepts and answers exactly what
+:class:`~rdakit.hdl.spec.frames.LinkModel` does, on every stream of bytes, UART errors and quiet
+lines (``tests/hdl/test_hostile_link.py``). One frame is handled at a time: the host sends the
+next frame after the answer to the last one; bytes that come while a frame is being handled wait
+in the UART, which drops the ones after the first and flags the next byte taken (overrun).
 """
 
 from amaranth.hdl import Cat, Const, Module, Mux, Signal
@@ -15,6 +19,7 @@ from rdakit.hdl.fabric.top import Fabric
 from rdakit.hdl.host.uart import UARTRx, UARTTx, check_divisor, rx_byte_layout
 from rdakit.hdl.spec.frames import (
     FRAME_CRC,
+    HEADER_CRC,
     NO_REPLY,
     SOF,
     FrameError,
@@ -42,7 +47,8 @@ class FrameLink(wiring.Component):
     Members
     -------
     rx : In(stream.Signature(rx_byte_layout))
-        Received bytes, with the UART's ``framing_error`` and ``overrun`` flags.
+        Received bytes, with the UART's ``framing_error`` and ``overrun`` flags. Not ready
+        while a good frame waits for the core, or an error for its answer to start.
     tx : Out(stream.Signature(8))
         The bytes of the answer frames.
     cmd : Out(stream.Signature(host_cmd_layout(params.mu)))
@@ -79,9 +85,17 @@ class FrameLink(wiring.Component):
         p = self.params.mu
         n_cmd = cmd_bytes(p)
         n_reply = reply_bytes(p)
+        cmd_bits = host_cmd_layout(p).size
 
         # --- receiver: bytes to a checked frame --------------------------------------------
+        # The same states and checks as FrameParser (the reference it is tested against): SOF
+        # hunt, SEQ, KIND (BAD_KIND), LEN (BAD_LENGTH), HCRC (BAD_HEADER: LEN is known good
+        # before a payload byte is read), the payload (BAD_LENGTH for a bit above the command's
+        # in its last byte), the CRC (BAD_CRC). A UART error in a frame is UART, a line quiet
+        # for ``timeout`` cycles inside one is TRUNCATED; nothing of a frame leaves the receiver
+        # before its CRC matched.
         m.submodules.rx_crc = rx_crc = FRAME_CRC.create()
+        m.submodules.rx_hcrc = rx_hcrc = HEADER_CRC.create()
         buf = Signal(8 * n_cmd)            # the payload, zero-filled past LEN
         seq = Signal(8)
         kind = Signal(8)
@@ -90,7 +104,7 @@ class FrameLink(wiring.Component):
         crc_hi = Signal(8)
         crc_lo = Signal(8)
         garbage = Signal()                 # a run of non-SOF bytes was already answered
-        quiet = Signal(range(self.timeout + 1))
+        quiet = Signal(range(self.timeout + 1))    # cycles without a byte, up to ``timeout``
         ev_valid = Signal()                # a frame (or an error) waits for the core
         ev_seq = Signal(8)
         ev_error = Signal(FrameError, init=FrameError.BAD_CRC)
@@ -101,63 +115,71 @@ class FrameLink(wiring.Component):
         byte = self.rx.payload.data
         uart_bad = self.rx.payload.framing_error | self.rx.payload.overrun
         got = Signal()
+        line_quiet = Signal()              # no byte for ``timeout`` cycles, none in this one
         m.d.comb += [
             got.eq(self.rx.valid & self.rx.ready),
+            line_quiet.eq(~got & (quiet == self.timeout)),
             rx_crc.data.eq(byte),
+            rx_hcrc.data.eq(byte),
         ]
         kind_ok = (byte == FrameKind.CMD.value) | (byte == FrameKind.OPEN.value)
         max_len = Mux(kind == FrameKind.CMD.value, n_cmd, 0)
+        # The bits of the command's last payload byte above the layout (none if it is full).
+        top_bits = Const(0)
+        if cmd_bits % 8:
+            top_bits = byte[cmd_bits % 8:]
 
         with m.If(ev_taken):
             m.d.sync += ev_valid.eq(0)
 
-        def fail(error):
-            m.d.sync += [pend_error.eq(error), garbage.eq(1)]
+        def fail(error, *, run=True):
+            # ``run``: the rest of the frame is one run of garbage (not after a quiet line).
+            m.d.sync += [pend_error.eq(error), garbage.eq(run)]
             m.next = "REPORT"
 
         # A byte without a UART error, in a state that takes one.
         good = Signal()
         m.d.comb += good.eq(got & ~uart_bad)
 
-        def take_byte(*, crc):
-            # What every state inside a frame does: take the byte (into the CRC if ``crc``),
-            # count the quiet cycles, and fail on a UART error or a gap of ``timeout`` cycles.
-            # The state's own action goes under ``m.If(good)``.
+        def count_quiet():
             m.d.comb += self.rx.ready.eq(1)
-            m.d.sync += quiet.eq(quiet + 1)
             with m.If(got):
                 m.d.sync += quiet.eq(0)
-                m.d.comb += rx_crc.valid.eq(crc)
+            with m.Elif(quiet != self.timeout):
+                m.d.sync += quiet.eq(quiet + 1)
+
+        def take_byte(*, crc, hcrc=False):
+            # What every state inside a frame does: take the byte (into the CRCs if asked),
+            # count the quiet cycles, and fail on a UART error or a quiet line. The state's
+            # own action goes under ``m.If(good)``.
+            count_quiet()
+            with m.If(got):
+                m.d.comb += [rx_crc.valid.eq(crc), rx_hcrc.valid.eq(hcrc)]
             with m.If(got & uart_bad):
                 fail(FrameError.UART)
-            with m.Elif(~got & (quiet == self.timeout)):
-                fail(FrameError.TRUNCATED)
+            with m.Elif(line_quiet):
+                fail(FrameError.TRUNCATED, run=False)
 
         with m.FSM(name="rx"):
             with m.State("HUNT"):
-                m.d.comb += self.rx.ready.eq(1)
+                count_quiet()
                 # A quiet line ends a run of garbage: the next non-SOF byte is answered again.
-                with m.If(quiet == self.timeout):
+                with m.If(line_quiet):
                     m.d.sync += garbage.eq(0)
-                with m.Else():
-                    m.d.sync += quiet.eq(quiet + 1)
-                with m.If(got):
-                    m.d.sync += quiet.eq(0)
-                    with m.If((byte == SOF) & ~uart_bad):
-                        m.d.sync += [garbage.eq(0), quiet.eq(0), buf.eq(0), index.eq(0),
-                                     seq.eq(0)]
-                        m.d.comb += rx_crc.start.eq(1)
-                        m.next = "SEQ"
-                    with m.Elif(~garbage):
-                        m.d.sync += seq.eq(0)
-                        fail(FrameError.SYNC)
+                with m.If(good & (byte == SOF)):
+                    m.d.sync += [garbage.eq(0), buf.eq(0), index.eq(0), seq.eq(0)]
+                    m.d.comb += [rx_crc.start.eq(1), rx_hcrc.start.eq(1)]
+                    m.next = "SEQ"
+                with m.Elif(got & ~garbage):
+                    m.d.sync += seq.eq(0)
+                    fail(FrameError.SYNC)
             with m.State("SEQ"):
-                take_byte(crc=True)
+                take_byte(crc=True, hcrc=True)
                 with m.If(good):
                     m.d.sync += seq.eq(byte)
                     m.next = "KIND"
             with m.State("KIND"):
-                take_byte(crc=True)
+                take_byte(crc=True, hcrc=True)
                 with m.If(good):
                     m.d.sync += kind.eq(byte)
                     with m.If(kind_ok):
@@ -165,25 +187,35 @@ class FrameLink(wiring.Component):
                     with m.Else():
                         fail(FrameError.BAD_KIND)
             with m.State("LEN"):
-                take_byte(crc=True)
+                take_byte(crc=True, hcrc=True)
                 with m.If(good):
                     m.d.sync += length.eq(byte)
                     with m.If(byte > max_len):
                         fail(FrameError.BAD_LENGTH)
-                    with m.Elif(byte == 0):
+                    with m.Else():
+                        m.next = "HCRC"
+            with m.State("HCRC"):
+                take_byte(crc=True)
+                with m.If(good):
+                    with m.If(byte != rx_hcrc.crc):
+                        fail(FrameError.BAD_HEADER)
+                    with m.Elif(length == 0):
                         m.next = "CRC_HI"
                     with m.Else():
                         m.next = "PAYLOAD"
             with m.State("PAYLOAD"):
                 take_byte(crc=True)
                 with m.If(good):
-                    with m.Switch(index):
-                        for i in range(n_cmd):
-                            with m.Case(i):
-                                m.d.sync += buf[8 * i:8 * i + 8].eq(byte)
-                    m.d.sync += index.eq(index + 1)
-                    with m.If(index + 1 == length):
-                        m.next = "CRC_HI"
+                    with m.If((index == n_cmd - 1) & (top_bits != 0)):
+                        fail(FrameError.BAD_LENGTH)
+                    with m.Else():
+                        with m.Switch(index):
+                            for i in range(n_cmd):
+                                with m.Case(i):
+                                    m.d.sync += buf[8 * i:8 * i + 8].eq(byte)
+                        m.d.sync += index.eq(index + 1)
+                        with m.If(index + 1 == length):
+                            m.next = "CRC_HI"
             with m.State("CRC_HI"):
                 take_byte(crc=False)
                 with m.If(good):
@@ -207,12 +239,16 @@ class FrameLink(wiring.Component):
                                  ev_seq.eq(seq)]
                     m.next = "HUNT"
             with m.State("HOLD"):
-                # ``buf`` and ``seq`` stay until the core has issued the command.
+                # ``buf``, ``kind`` and ``seq`` stay until the core has taken the frame.
                 with m.If(ev_taken):
                     m.next = "HUNT"
 
         # --- core: apply a good frame once, choose the answer -------------------------------
+        # A resend is a CMD with the SEQ and the command of the last one applied (since reset
+        # or OPEN): answered again, not applied. A CMD with that SEQ and another command is a
+        # new frame.
         last_seq = Signal(8)
+        last_buf = Signal(8 * n_cmd)
         have_last = Signal()
         held_kind = Signal(8)              # ACK or REPLY: the answer of the last CMD applied
         held_reply = Signal(8 * n_reply)
@@ -230,7 +266,7 @@ class FrameLink(wiring.Component):
         no_reply = Const(0)
         for k in NO_REPLY:
             no_reply = no_reply | (cmd_kind == k.value)
-        m.d.comb += self.cmd.payload.eq(buf[:host_cmd_layout(p).size])
+        m.d.comb += self.cmd.payload.eq(buf[:cmd_bits])
 
         with m.FSM(name="core"):
             with m.State("IDLE"):
@@ -246,7 +282,7 @@ class FrameLink(wiring.Component):
                         m.d.sync += [have_last.eq(0), ans_kind.eq(FrameKind.ACK.value),
                                      frames_ok.eq(frames_ok + 1)]
                         m.next = "ANSWER"
-                    with m.Elif(have_last & (ev_seq == last_seq)):
+                    with m.Elif(have_last & (ev_seq == last_seq) & (buf == last_buf)):
                         # A resent frame: its command was applied; answer it again.
                         m.d.comb += ev_taken.eq(1)
                         m.d.sync += ans_kind.eq(held_kind)
@@ -257,7 +293,7 @@ class FrameLink(wiring.Component):
                 m.d.comb += self.cmd.valid.eq(1)
                 with m.If(self.cmd.ready):
                     m.d.comb += ev_taken.eq(1)
-                    m.d.sync += [last_seq.eq(ev_seq), have_last.eq(1),
+                    m.d.sync += [last_seq.eq(ev_seq), last_buf.eq(buf), have_last.eq(1),
                                  frames_ok.eq(frames_ok + 1)]
                     with m.If(no_reply):
                         m.d.sync += [held_kind.eq(FrameKind.ACK.value),
@@ -278,6 +314,7 @@ class FrameLink(wiring.Component):
 
         # --- transmitter: the answer frame ------------------------------------------------
         m.submodules.tx_crc = tx_crc = FRAME_CRC.create()
+        m.submodules.tx_hcrc = tx_hcrc = HEADER_CRC.create()
         reply_len = Signal(8)              # held_reply without its trailing zero bytes
         for i in range(n_reply):
             with m.If(held_reply[8 * i:8 * i + 8] != 0):
@@ -290,7 +327,8 @@ class FrameLink(wiring.Component):
             for i in range(n_reply):
                 with m.Case(i):
                     m.d.comb += reply_byte.eq(held_reply[8 * i:8 * i + 8])
-        m.d.comb += [self.tx.payload.eq(tx_byte), tx_crc.data.eq(tx_byte)]
+        m.d.comb += [self.tx.payload.eq(tx_byte), tx_crc.data.eq(tx_byte),
+                     tx_hcrc.data.eq(tx_byte)]
         sent = self.tx.valid & self.tx.ready
 
         with m.FSM(name="tx"):
@@ -301,17 +339,19 @@ class FrameLink(wiring.Component):
                         tx_len.eq(Mux(ans_kind == FrameKind.REPLY.value, reply_len,
                                       Mux(ans_kind == FrameKind.ERROR.value, 1, 0))),
                     ]
-                    m.d.comb += tx_crc.start.eq(1)
+                    m.d.comb += [tx_crc.start.eq(1), tx_hcrc.start.eq(1)]
                     m.next = "SOF"
-            for state, value, nxt, crc_in in (
-                    ("SOF", SOF, "SEQ", False), ("SEQ", ans_seq, "KIND", True),
-                    ("KIND", ans_kind, "LEN", True), ("LEN", tx_len, "PAYLOAD", True)):
+            for state, value, nxt, crc_in, hcrc_in in (
+                    ("SOF", SOF, "SEQ", False, False), ("SEQ", ans_seq, "KIND", True, True),
+                    ("KIND", ans_kind, "LEN", True, True), ("LEN", tx_len, "HCRC", True, True),
+                    ("HCRC", tx_hcrc.crc, "PAYLOAD", True, False)):
                 with m.State(state):
                     m.d.comb += [self.tx.valid.eq(1), tx_byte.eq(value),
-                                 tx_crc.valid.eq(sent & crc_in)]
+                                 tx_crc.valid.eq(sent & crc_in),
+                                 tx_hcrc.valid.eq(sent & hcrc_in)]
                     with m.If(sent):
                         m.next = nxt
-                        if state == "LEN":
+                        if state == "HCRC":
                             with m.If(tx_len == 0):
                                 m.next = "CRC_HI"
             with m.State("PAYLOAD"):

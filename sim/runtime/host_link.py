@@ -1,21 +1,28 @@
 """The host side of the board link: :class:`FramedTransport` speaks the frame protocol
-(:mod:`rdakit.hdl.spec.frames`) over a byte port, as a :class:`~rdakit.sim.runtime.host.HostDriver` transport.
+(:mod:`rdakit.hdl.spec.frames`) over a byte port, as a
+:class:`~rdakit.sim.runtime.host.HostDriver` transport.
 
 A *port* moves bytes: ``async write(data)``, ``async read_byte() -> int | None`` (``None`` when
-the line stayed quiet for the port's timeout) and ``async tick(n)``. :class:`SimUARTPort` is the
-serial line of a :class:`~rdakit.hdl.host.bridge.HostBridge` in Amaranth's simulator, bit by bit;
-``rdakit.boards.serial_link.SerialPort`` is a real serial port through pyserial. The same
-transport and the same driver run on both.
+the line stayed quiet for the port's timeout) and ``async tick(n)``; its ``timeout`` and
+``timeout_unit`` (``"cycles"``, ``"s"``) say how long a quiet line is, for error messages.
+:class:`SimUARTPort` is the serial line of a :class:`~rdakit.hdl.host.bridge.HostBridge` in
+Amaranth's simulator, bit by bit; ``rdakit.boards.serial_link.SerialPort`` is a real serial port
+through pyserial. The same transport and the same driver run on both.
 
 The transport sends one frame and waits for its answer before the next. A frame answered with
 ``ERROR``, or not answered in time, is sent again with the same SEQ (the bridge never applies a
 bad frame, and answers a resent frame it already applied without applying it again), up to
-``retries`` times.
+``retries`` times. Every wait is bounded: for one try, until the line is quiet for the port's
+timeout or :attr:`FramedTransport.max_answer_bytes` bytes came without the answer (a line that
+never stops babbling); after the last try, :class:`LinkError` names the frame's kind and SEQ,
+the tries, the wait of each and the errors answered.
 """
 
 import collections
 
 from rdakit.hdl.spec.frames import (
+    HEADER_BYTES,
+    TRAILER_BYTES,
     BadFrame,
     FrameError,
     FrameKind,
@@ -25,12 +32,17 @@ from rdakit.hdl.spec.frames import (
     int_payload,
     reply_bytes,
 )
+from rdakit.hdl.spec.packets import host_reply_layout
 
 __all__ = ["FramedTransport", "LinkError", "SimUARTPort", "CocotbUARTPort", "uart_bits"]
 
 
+_ERROR_CODES = frozenset(e.value for e in FrameError)
+
+
 class LinkError(RuntimeError):
-    """The board did not answer a frame after every retry."""
+    """The board did not answer a frame after every retry, or answered it with a kind that
+    does not answer it."""
 
 
 class FramedTransport:
@@ -52,16 +64,24 @@ class FramedTransport:
     resends : int
         Frames sent again (after an ``ERROR`` or a timeout).
     bad_answers : int
-        Bytes from the board that did not make a good frame (dropped).
+        Bytes from the board that did not make a good frame, and ``ERROR`` frames without a
+        known code (dropped).
+    max_answer_bytes : int
+        Bytes read while waiting for one answer before the try is given up: the answers of
+        every try of a frame, twice over.
     """
 
     def __init__(self, params, port, *, retries=4):
+        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+            raise ValueError(f"Retries must be a non-negative integer, not {retries!r}")
         self.params = params
         self.port = port
         self.retries = retries
         self.cmd_bytes = cmd_bytes(params.mu)
-        self.parser = FrameParser({FrameKind.REPLY: reply_bytes(params.mu),
-                                   FrameKind.ACK: 0, FrameKind.ERROR: 1})
+        self.parser = FrameParser({FrameKind.REPLY: host_reply_layout(params.mu).size,
+                                   FrameKind.ACK: 0, FrameKind.ERROR: 8})
+        longest = HEADER_BYTES + reply_bytes(params.mu) + TRAILER_BYTES
+        self.max_answer_bytes = 2 * (retries + 1) * longest
         self.seq = 0
         self.opened = False
         self.replies = collections.deque()
@@ -100,6 +120,7 @@ class FramedTransport:
         seq = self.seq
         self.seq = (seq + 1) % 256
         frame = encode_frame(kind, seq, payload)
+        errors = []
         for attempt in range(self.retries + 1):
             if attempt:
                 self.resends += 1
@@ -108,17 +129,23 @@ class FramedTransport:
             if answer is None:
                 continue
             if answer.kind is FrameKind.ERROR:
+                errors.append(FrameError(answer.payload[0]).name)
                 self.errors.append((FrameError(answer.payload[0]), seq))
                 continue
             return answer
+        timeout = getattr(self.port, "timeout", None)
+        quiet = (f"a quiet line of {timeout} {getattr(self.port, 'timeout_unit', '')}".rstrip()
+                 if timeout is not None else "a quiet line")
         raise LinkError(f"no answer to a {FrameKind(kind).name} frame (SEQ {seq}) after "
-                        f"{self.retries + 1} tries; errors: "
-                        f"{[e.name for e, s in self.errors if s == seq]}")
+                        f"{self.retries + 1} tries, each waiting until {quiet} or "
+                        f"{self.max_answer_bytes} bytes without it; errors answered: "
+                        f"{', '.join(errors) or 'none'}")
 
     async def _answer(self, seq):
         """The next good frame with SEQ ``seq`` (other SEQs are stale answers of resent
-        frames, skipped), or ``None`` if the line goes quiet first."""
-        while True:
+        frames, skipped), or ``None`` if the line goes quiet first or ``max_answer_bytes``
+        bytes come without it."""
+        for _ in range(self.max_answer_bytes):
             b = await self.port.read_byte()
             if b is None:
                 self.bad_answers += len(self.parser.timeout())
@@ -127,10 +154,14 @@ class FramedTransport:
                 if isinstance(event, BadFrame):
                     self.bad_answers += 1
                 elif event.seq == seq:
-                    if event.kind is FrameKind.ERROR and len(event.payload) != 1:
+                    if event.kind is FrameKind.ERROR and (
+                            len(event.payload) != 1
+                            or event.payload[0] not in _ERROR_CODES):
                         self.bad_answers += 1
                         continue
                     return event
+        self.bad_answers += len(self.parser.timeout())    # the frame in progress is dropped
+        return None
 
 
 def uart_bits(byte):
@@ -147,6 +178,8 @@ class SimUARTPort:
     queue, which ``read_byte`` takes from. ``timeout`` is in cycles. ``write_bits`` sends raw
     line levels, one a bit time (tests use it for framing errors).
     """
+
+    timeout_unit = "cycles"
 
     def __init__(self, ctx, rx, tx, *, divisor, timeout):
         self.ctx = ctx
@@ -203,6 +236,8 @@ class CocotbUARTPort:
 
     Its methods import cocotb themselves: cocotb is in the ``test`` extra only, and this module
     is also the link to a real board (``rdakit board``), which must run without it."""
+
+    timeout_unit = "cycles"
 
     def __init__(self, dut, *, divisor, timeout):
         self.dut = dut

@@ -9,6 +9,7 @@ import pytest
 
 from rdakit.hdl.host.bridge import BridgedFabric, HostBridge
 from rdakit.hdl.spec.frames import (
+    HEADER_BYTES,
     SOF,
     BadFrame,
     Frame,
@@ -76,8 +77,8 @@ async def raw(port, data, *, bits=None):
         await port.write_bits(bits)
     if data:
         await port.write(data)
-    parser = FrameParser({FrameKind.REPLY: reply_bytes(P.mu), FrameKind.ACK: 0,
-                          FrameKind.ERROR: 1})
+    parser = FrameParser({FrameKind.REPLY: host_reply_layout(P.mu).size, FrameKind.ACK: 0,
+                          FrameKind.ERROR: 8})
     events = []
     while (b := await port.read_byte()) is not None:
         events.extend(parser.feed([b]))
@@ -220,14 +221,21 @@ def test_bridge_counts_frames(session):
 
 def test_frame_parser_matches_the_format():
     """The Python model: a round trip, each error, and resynchronization."""
-    parser = FrameParser({FrameKind.CMD: 4})
+    parser = FrameParser({FrameKind.CMD: 32})
     f = encode_frame(FrameKind.CMD, 7, b"\x01\x02")
     assert parser.feed(f) == [Frame(FrameKind.CMD, 7, b"\x01\x02")]
     assert parser.feed(b"\x00\x01" + f) == [BadFrame(FrameError.SYNC),
                                             Frame(FrameKind.CMD, 7, b"\x01\x02")]
     bad = bytearray(f)
-    bad[4] ^= 1
+    bad[HEADER_BYTES] ^= 1
     assert parser.feed(bad) == [BadFrame(FrameError.BAD_CRC, 7)]
+    bad = bytearray(f)
+    bad[3] ^= 1                         # LEN: found by the header check
+    assert parser.feed(bad) == [BadFrame(FrameError.BAD_HEADER, 7)]
+    assert FrameParser({FrameKind.CMD: 12}).feed(
+        encode_frame(FrameKind.CMD, 2, b"\x01\x10")) == [BadFrame(FrameError.BAD_LENGTH, 2)]
+    assert parser.feed(b"\x00") == [] and parser.line_error() == []   # one run
+    assert parser.feed(f[:3]) == [] and parser.line_error() == [BadFrame(FrameError.UART, 7)]
     assert parser.feed(encode_frame(FrameKind.CMD, 1, b"12345")) == [
         BadFrame(FrameError.BAD_LENGTH, 1)]
     assert parser.feed(f[:3]) == [] and parser.timeout() == [BadFrame(FrameError.TRUNCATED, 7)]
