@@ -9,13 +9,19 @@ control) into a switch (a 1 x N mesh of routers, one per cluster, per network) t
 to the destination cluster's bridge tile. Requests and responses keep separate links and
 switches, as inside a fabric, so responses always drain.
 
+A request for an MU of a cluster that does not exist (``clusters`` below ``2**cluster_bits``)
+is answered where it would enter the request switch: a response with status ``BAD_DESTINATION``
+goes back to its requester over the response switch, so a CU halts with ``MU_ERROR`` and a host
+port replies instead of waiting forever. A token or a reference for such a cluster is dropped
+there (nothing waits for it) and counted in ``dropped``.
+
 Every cluster keeps its own host port (``cmd[k]``, ``reply[k]``): bitstreams, starts, status and
 counters are per cluster, and any host port's MU requests reach every cluster's MUs.
 """
 
 import dataclasses
 
-from amaranth.hdl import Module
+from amaranth.hdl import Module, Mux, Signal
 from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
@@ -23,6 +29,8 @@ from rdakit.hdl.cluster.bridge import Link, check_link_params
 from rdakit.hdl.fabric.top import Fabric
 from rdakit.hdl.noc.mesh import Mesh
 from rdakit.hdl.spec.packets import (
+    MsgKind,
+    MUStatus,
     host_cmd_layout,
     host_reply_layout,
     msg_layout,
@@ -127,8 +135,9 @@ class System(wiring.Component):
     link_busy : Out(32).array(clusters)
         Beat-cycles of each cluster's two outgoing links (request link plus response link).
     dropped : Out(32)
-        Packets addressed to a cluster that does not exist (with ``clusters`` below
-        ``2**cluster_bits``), dropped at the switch; such a request never gets a response.
+        Tokens and references addressed to a cluster that does not exist (with ``clusters``
+        below ``2**cluster_bits``), dropped at the switch. (A request for such a cluster is
+        not dropped: it is answered with ``BAD_DESTINATION``.)
     """
 
     def __init__(self, params: SystemParams):
@@ -150,8 +159,8 @@ class System(wiring.Component):
         })
 
     def host_port(self, k):
-        """``cmd`` and ``reply`` of cluster ``k``, as :class:`~rdakit.sim.runtime.host.AmaranthTransport`
-        wants them."""
+        """``cmd`` and ``reply`` of cluster ``k``, as
+        :class:`~rdakit.sim.runtime.host.AmaranthTransport` wants them."""
         return _HostPort(self.cmd[k], self.reply[k])
 
     def elaborate(self, platform):
@@ -167,6 +176,8 @@ class System(wiring.Component):
                 rows=1, cols=n, payload_shape=shape, coord_bits=scb, depth=fp.noc_depth,
                 queues=fp.noc_queues)
         fabrics = []
+        # Clusters that do not exist have IDs (n < 2**cluster_bits): requests for them.
+        phantom_ids = n < (1 << fp.cluster_bits)
         for k in range(n):
             f = m.submodules[f"cluster{k}"] = Fabric(fp, cluster=k, bridge=sp.bridge)
             fabrics.append(f)
@@ -174,21 +185,11 @@ class System(wiring.Component):
             wiring.connect(m, f.reply, wiring.flipped(self.reply[k]))
             m.d.comb += [self.configured[k].eq(f.configured), self.done[k].eq(f.done),
                          self.error[k].eq(f.error)]
-            busy = []
+            links = {}
             for name, shape in shapes.items():
-                link = m.submodules[f"link{k}_{name}"] = Link(
+                link = links[name] = m.submodules[f"link{k}_{name}"] = Link(
                     shape, width=sp.link_width, latency=sp.link_latency, depth=sp.link_depth)
                 wiring.connect(m, getattr(f, f"bridge_{name}_out"), link.i)
-                inj = switches[name].inject[k]
-                pay = link.o.payload
-                dst = pay.ref.mu[2 * cb:] if name == "req" else pay.body.dst.cluster
-                m.d.comb += [
-                    inj.valid.eq(link.o.valid),
-                    link.o.ready.eq(inj.ready),
-                    inj.payload.payload.eq(pay),
-                    inj.payload.dst.x.eq(dst),
-                    inj.payload.dst.y.eq(0),
-                ]
                 ej = switches[name].eject[k]
                 arrive = getattr(f, f"bridge_{name}_in")
                 m.d.comb += [
@@ -198,8 +199,47 @@ class System(wiring.Component):
                 ]
                 counter = self.req_packets[k] if name == "req" else self.rsp_packets[k]
                 m.d.comb += counter.eq(link.packets)
-                busy.append(link.busy_cycles)
-            m.d.comb += self.link_busy[k].eq(busy[0] + busy[1])
+            m.d.comb += self.link_busy[k].eq(links["req"].busy_cycles
+                                              + links["rsp"].busy_cycles)
+
+            # Into the switches, each packet to the cluster it names.
+            req, rsp = links["req"].o, links["rsp"].o
+            req_inj, rsp_inj = switches["req"].inject[k], switches["rsp"].inject[k]
+            to = req.payload.ref.mu[2 * cb:]
+            m.d.comb += [
+                req_inj.payload.payload.eq(req.payload), req_inj.payload.dst.x.eq(to),
+                req_inj.payload.dst.y.eq(0), rsp_inj.payload.dst.y.eq(0),
+            ]
+            if not phantom_ids:
+                m.d.comb += [
+                    req_inj.valid.eq(req.valid), req.ready.eq(req_inj.ready),
+                    rsp_inj.valid.eq(rsp.valid), rsp.ready.eq(rsp_inj.ready),
+                    rsp_inj.payload.payload.eq(rsp.payload),
+                    rsp_inj.payload.dst.x.eq(rsp.payload.body.dst.cluster),
+                ]
+                continue
+            # A request for a cluster that does not exist would be dropped by the request
+            # switch, and its requester would wait forever: it becomes a BAD_DESTINATION
+            # response to the requester instead, taking the response switch's injection that
+            # cycle (the response link's packet waits; valid never depends on ready).
+            phantom = Signal(name=f"phantom{k}")
+            answer = Signal(shapes["rsp"], name=f"phantom{k}_answer")
+            m.d.comb += [
+                phantom.eq(req.valid & (to >= n)),
+                answer.kind.eq(MsgKind.RESPONSE),
+                answer.body.op.eq(req.payload.op),
+                answer.body.status.eq(MUStatus.BAD_DESTINATION),
+                answer.body.dst.eq(req.payload.src),
+                answer.body.tag.eq(req.payload.tag),
+                answer.body.ref.eq(req.payload.ref),
+                req_inj.valid.eq(req.valid & ~phantom),
+                req.ready.eq(Mux(phantom, rsp_inj.ready, req_inj.ready)),
+                rsp_inj.valid.eq(rsp.valid | phantom),
+                rsp.ready.eq(rsp_inj.ready & ~phantom),
+                rsp_inj.payload.payload.eq(Mux(phantom, answer, rsp.payload)),
+                rsp_inj.payload.dst.x.eq(Mux(phantom, req.payload.src.cluster,
+                                             rsp.payload.body.dst.cluster)),
+            ]
         m.d.comb += self.dropped.eq(sum(
             (switches[name].rejected[k] for name in shapes for k in range(n)), start=0)[:32])
         return m

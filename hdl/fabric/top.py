@@ -7,14 +7,16 @@ responses with that bit go to the host instead of the tile's unit.
 
 With ``cluster_bits`` (``docs/clusters.md``) the fabric is one cluster of a
 :class:`~rdakit.hdl.cluster.system.System`: requests leaving a tile are stamped with the
-cluster, and requests for another cluster's MU and responses for another cluster's requester are routed to
-the bridge tile, which hands them to the ``bridge_*`` ports and injects what arrives on them.
+cluster, and requests for another cluster's MU and responses for another cluster's requester are
+routed to the bridge tile, which hands them to the ``bridge_*`` ports and injects what arrives on
+them.
 """
 
 from amaranth.hdl import Cat, Const, Module, Mux, Signal
 from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
+from rdakit.hdl.compute.sequencer import _tile_mask
 from rdakit.hdl.compute.unit import ComputeUnit
 from rdakit.hdl.fabric.config_loader import ConfigLoader, LoadStatus
 from rdakit.hdl.memory.unit import MemoryUnit
@@ -36,7 +38,8 @@ from rdakit.hdl.spec.packets import (
 )
 from rdakit.hdl.spec.params import FabricParams
 
-__all__ = ["Fabric", "MUTile", "HostPort"]
+__all__ = ["Fabric", "MUTile", "HostPort", "Merge"]
+
 
 class MUTile(wiring.Component):
     """A memory unit with its network adapters, counters and configuration-space reads.
@@ -126,7 +129,7 @@ class MUTile(wiring.Component):
         return m
 
 
-class _Merge(wiring.Component):
+class Merge(wiring.Component):
     """Two streams into one, round robin between waiting inputs; the output is registered
     (valid never depends on the output's ready)."""
 
@@ -161,6 +164,15 @@ class HostPort(wiring.Component):
     start and status (``docs/fabric.md``). One command at a time: a command with a reply is
     finished when its reply has been taken.
 
+    Every command with a reply gets it, whatever its fields. An MU request whose reference
+    does not name an MU tile of the grid (a CU, or coordinates off the grid: the layout is a
+    constant table here, as in the CU's sequencer) is not sent: it is answered at once with
+    ``BAD_DESTINATION`` (the MU is never asked, nothing changes). A request for an MU of a
+    cluster that does not exist is answered the same way by the system's cluster switch
+    (:class:`~rdakit.hdl.cluster.system.System`). ``CFG_READ`` of a tile off the grid replies
+    ``ok`` = 0 and ``word`` = 0. ``LOAD_BEGIN`` also stops every CU still running (``stop``),
+    so a job that failed or hung never keeps the next one from starting.
+
     Members
     -------
     cmd : In(stream.Signature(host_cmd_layout(mu)))
@@ -171,7 +183,10 @@ class HostPort(wiring.Component):
         Responses to them (the top tag bit set).
     loader_* / bus_* : the configuration loader and the configuration-bus master.
     start : Out(1)
-        One-cycle pulse to every CU.
+        One-cycle pulse to every CU and MU tile.
+    stop : Out(1)
+        One-cycle pulse to every CU, the cycle after ``LOAD_BEGIN``'s broadcast has disabled
+        them all: a CU started while disabled stops (``docs/compute-unit.md``).
     all_done, any_error, misrouted : In(1)
         Aggregated CU state and the fabric's misrouted-message flag.
     """
@@ -195,6 +210,7 @@ class HostPort(wiring.Component):
             "bus_wdata": Out(32),
             "bus_rdata": In(32),
             "start": Out(1),
+            "stop": Out(1),
             "all_done": In(1),
             "any_error": In(1),
             "misrouted": In(1),
@@ -222,6 +238,12 @@ class HostPort(wiring.Component):
             m.d.sync += run_cycles.eq(run_cycles + 1)
             with m.If(self.all_done):
                 m.d.sync += running.eq(0)
+        with m.If(loader.begin):
+            m.d.sync += running.eq(0)
+        # LOAD_BEGIN's broadcast disables every CU; a start pulse the next cycle stops those
+        # still running (a disabled CU that starts goes idle), so a failed or hung job cannot
+        # keep the next one from starting.
+        m.d.sync += self.stop.eq(loader.begin)
 
         status = Signal(32)
         m.d.comb += [
@@ -246,8 +268,14 @@ class HostPort(wiring.Component):
             self.bus_wdata.eq(loader.bus_wdata),
         ]
 
-        # Host MU requests: the top tag bit marks them; src is tile (0, 0).
+        # Host MU requests: the top tag bit marks them; src is tile (0, 0). A request whose
+        # reference does not name an MU tile of the grid is answered here (BAD_DESTINATION):
+        # sent, it would be dropped as misrouted (a CU tile) or at injection (off the grid),
+        # and the port would wait forever for its response.
         host_bit = host_tag_bit(p)
+        mu_tiles = Const(_tile_mask(params, "M"), 1 << 2 * cb)
+        names_mu = mu_tiles.bit_select(cmd.req.ref.mu[:2 * cb], 1)
+        on_grid = (cmd.x < params.cols) & (cmd.y < params.rows)
         req = Signal(mu_request_layout(p))
         m.d.comb += [
             req.eq(cmd.req),
@@ -270,15 +298,26 @@ class HostPort(wiring.Component):
                         with m.Case(HostCmd.LOAD_WORD):
                             m.d.comb += [loader.words.valid.eq(1), self.cmd.ready.eq(1)]
                         with m.Case(HostCmd.MU_REQUEST):
-                            m.d.comb += self.req_out.valid.eq(1)
-                            with m.If(self.req_out.ready):
+                            with m.If(~names_mu):
                                 m.d.comb += self.cmd.ready.eq(1)
-                                m.next = "WAIT_RESP"
+                                m.d.sync += [
+                                    reply_valid.eq(1), reply.ok.eq(0),
+                                    reply.resp.op.eq(cmd.req.op),
+                                    reply.resp.status.eq(MUStatus.BAD_DESTINATION),
+                                    reply.resp.tag.eq(cmd.req.tag & ~(1 << host_bit)),
+                                    reply.resp.ref.eq(cmd.req.ref),
+                                ]
+                            with m.Else():
+                                m.d.comb += self.req_out.valid.eq(1)
+                                with m.If(self.req_out.ready):
+                                    m.d.comb += self.cmd.ready.eq(1)
+                                    m.next = "WAIT_RESP"
                         with m.Case(HostCmd.CFG_READ):
                             with m.If(~loader.bus_we):
-                                m.d.comb += [self.bus_re.eq(1), self.bus_x.eq(cmd.x),
+                                m.d.comb += [self.bus_re.eq(on_grid), self.bus_x.eq(cmd.x),
                                              self.bus_y.eq(cmd.y), self.bus_addr.eq(cmd.addr),
                                              self.cmd.ready.eq(1)]
+                                m.d.sync += reply.ok.eq(on_grid)
                                 m.next = "READ"
                         with m.Case(HostCmd.START):
                             m.d.comb += self.cmd.ready.eq(1)
@@ -307,7 +346,7 @@ class HostPort(wiring.Component):
                         self.resp_in.payload.payload.body.tag & ~(1 << host_bit))
                     m.next = "IDLE"
             with m.State("READ"):
-                m.d.sync += [reply_valid.eq(1), reply.word.eq(self.bus_rdata)]
+                m.d.sync += [reply_valid.eq(1), reply.word.eq(Mux(reply.ok, self.bus_rdata, 0))]
                 m.next = "IDLE"
         return m
 
@@ -425,7 +464,7 @@ class Fabric(wiring.Component):
                     m, x, y, req_in, req_eject, rsp_in, rsp_eject)
             if (x, y) == (0, 0):
                 # The host shares this tile's ports: merge its requests, split the responses.
-                m.submodules.host_merge = merge = _Merge(req_flit)
+                m.submodules.host_merge = merge = Merge(req_flit)
                 wiring.connect(m, merge.o, req_in)
                 wiring.connect(m, host.req_out, merge.b)
                 req_in = merge.a
@@ -443,7 +482,7 @@ class Fabric(wiring.Component):
                 m.d.comb += req_eject.ready.eq(1)
                 with m.If(req_eject.valid):
                     m.d.sync += misrouted.eq(1)
-                m.d.comb += cu.start.eq(host.start)
+                m.d.comb += cu.start.eq(host.start | host.stop)
                 done_bits.append(cu.done)
                 error_bits.append(cu.error)
                 unit_cfg = cu.cfg
@@ -506,7 +545,7 @@ class Fabric(wiring.Component):
             # Requests and responses from other clusters join this tile's injections; those
             # ejected here for other clusters leave through the bridge.
             for name, flit, inj in (("req", req_flit, req_in), ("rsp", msg_flit, rsp_in)):
-                merge = m.submodules[f"bridge_{name}_merge"] = _Merge(flit)
+                merge = m.submodules[f"bridge_{name}_merge"] = Merge(flit)
                 wiring.connect(m, merge.o, inj)
                 arrive = getattr(self, f"bridge_{name}_in")
                 pay = arrive.payload

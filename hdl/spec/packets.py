@@ -2,8 +2,8 @@
 
 The RTL, the golden models, the testbenches, the NoC and the compiler all import these. Layouts
 depend on a parameter set (field widths), so they are built by cached functions of a frozen
-:class:`~rdakit.hdl.spec.params.MUParams`. A :class:`amaranth.lib.data.Struct` places its first field
-in the low bits of the flat vector.
+:class:`~rdakit.hdl.spec.params.MUParams`. A :class:`amaranth.lib.data.Struct` places its first
+field in the low bits of the flat vector.
 """
 
 import functools
@@ -46,6 +46,7 @@ class MUStatus(enum.Enum, shape=3):
     WEIGHT_OVERFLOW = 4
     BAD_REQUEST = 5
     NOT_OWNER = 6
+    BAD_DESTINATION = 7
 
 
 #: What each operation does: its request fields and its response ``data``. The docs table in
@@ -82,6 +83,10 @@ STATUS_DOC = {
     MUStatus.BAD_REQUEST: ("unknown opcode, an operation of the other reference-counting mode, "
                            "or a zero weight"),
     MUStatus.NOT_OWNER: "UNLOCK with a ticket that is not the one being served",
+    MUStatus.BAD_DESTINATION: ("the reference names no MU (a tile that is not an MU, a tile "
+                               "off the grid, a cluster that does not exist): answered by the "
+                               "fabric's host port or the system's cluster switch, never by an "
+                               "MU"),
 }
 
 
