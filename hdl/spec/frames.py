@@ -31,10 +31,10 @@ from amaranth.lib import crc, enum
 from rdakit.hdl.spec.packets import HostCmd, host_cmd_layout, host_reply_layout
 from rdakit.hdl.spec.params import MUParams
 
-__all__ = ["SOF", "FrameKind", "FrameError", "FRAME_CRC", "HEADER_CRC", "NO_REPLY", "KIND_DOC",
-           "ERROR_DOC", "frame_crc", "header_crc", "cmd_bytes", "reply_bytes", "int_payload",
-           "encode_frame", "Frame", "BadFrame", "FrameParser", "LinkModel", "Applied",
-           "HEADER_BYTES", "TRAILER_BYTES"]
+__all__ = ["SOF", "FrameKind", "FrameError", "FRAME_CRC", "HEADER_CRC", "NO_REPLY", "FIELD_DOC",
+           "KIND_DOC", "ERROR_DOC", "frame_crc", "header_crc", "cmd_bytes", "reply_bytes",
+           "int_payload", "encode_frame", "Frame", "BadFrame", "FrameParser", "LinkModel",
+           "Applied", "HEADER_BYTES", "TRAILER_BYTES"]
 
 #: The first byte of every frame.
 SOF = 0xA5
@@ -70,6 +70,27 @@ class FrameError(enum.Enum, shape=8):
     UART = 6
     BAD_HEADER = 7
 
+
+def _crc_text(name, crc):
+    alg = crc.algorithm
+    digits = (alg.crc_width + 3) // 4
+    return (f"polynomial 0x{alg.polynomial:0{digits}X}, initial 0x{alg.initial_crc:0{digits}X}, "
+            f"reflected {alg.reflect_input}/{alg.reflect_output}, "
+            f"xor 0x{alg.xor_output:0{digits}X} ({name})")
+
+
+#: The bytes of a frame: (byte offsets, field, meaning), for the docs.
+FIELD_DOC = [
+    ("0", "`SOF`", f"0x{SOF:02X}"),
+    ("1", "`SEQ`", "sequence number, echoed in the answer"),
+    ("2", "`KIND`", "`FrameKind` below"),
+    ("3", "`LEN`", "payload bytes"),
+    ("4", "`HCRC`", "CRC-8 of bytes 1 to 3, checked before the payload is read: "
+                    + _crc_text("CRC-8/AUTOSAR", HEADER_CRC)),
+    ("5 ... 4+LEN", "payload", "little-endian, trailing zero bytes left out"),
+    ("5+LEN, 6+LEN", "`CRC`", "CRC-16 of bytes 1 to 4+LEN, high byte first: "
+                              + _crc_text("CRC-16/CCITT-FALSE", FRAME_CRC)),
+]
 
 KIND_DOC = {
     FrameKind.CMD: ("host", "a packed host command (trailing zero bytes left out)",

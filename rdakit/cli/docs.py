@@ -12,9 +12,8 @@ from rdakit.boards.build import BOARDS, board_preset
 from rdakit.hdl.memory.unit import CHECK_ORDER, TIMING
 from rdakit.hdl.spec.frames import (
     ERROR_DOC,
-    FRAME_CRC,
+    FIELD_DOC,
     KIND_DOC,
-    SOF,
     FrameError,
     FrameKind,
     cmd_bytes,
@@ -89,18 +88,9 @@ def _properties():
 
 
 def _frames():
-    alg = FRAME_CRC.algorithm
-    lines = ["| byte | field | meaning |", "|---|---|---|",
-             f"| 0 | `SOF` | 0x{SOF:02X} |",
-             "| 1 | `SEQ` | sequence number, echoed in the answer |",
-             "| 2 | `KIND` | `FrameKind` below |",
-             "| 3 | `LEN` | payload bytes |",
-             "| 4 ... 3+LEN | payload | little-endian, trailing zero bytes left out |",
-             f"| 4+LEN, 5+LEN | `CRC` | CRC-16 of bytes 1 to 3+LEN, high byte first: "
-             f"polynomial 0x{alg.polynomial:04X}, initial 0x{alg.initial_crc:04X}, "
-             f"reflected {alg.reflect_input}/{alg.reflect_output}, "
-             f"xor 0x{alg.xor_output:04X} (CRC-16/CCITT-FALSE) |",
-             "", "| kind | value | from | payload | answer |", "|---|---|---|---|---|"]
+    lines = ["| byte | field | meaning |", "|---|---|---|"]
+    lines += [f"| {at} | {field} | {meaning} |" for at, field, meaning in FIELD_DOC]
+    lines += ["", "| kind | value | from | payload | answer |", "|---|---|---|---|---|"]
     for k in FrameKind:
         frm, payload, answer = KIND_DOC[k]
         lines.append(f"| `{k.name}` | 0x{k.value:02X} | {frm} | {payload} | {answer} |")
