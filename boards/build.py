@@ -6,9 +6,15 @@ relative to it) and returns a :class:`BuildResult`: utilization per resource as 
 it, the Fmax nextpnr reports for the fabric's clock, and whether the design fits. A design that
 does not fit is a result too (``fits`` false, ``problem`` naming the resource short), not an
 exception: the bench searches sizes by building until one does not fit.
+
+A build runs in a new folder beside the build folder and replaces it only when it is done, under
+a lock, so an interrupted build leaves the previous one whole and two builds into the same
+folder leave one of them, whole. A build folder holds :data:`MARKER`; a folder that exists and is
+neither empty nor a build folder is never replaced (it is the user's).
 """
 
 import dataclasses
+import hashlib
 import importlib
 import json
 import os
@@ -16,14 +22,19 @@ import pathlib
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 
 from rdakit.boards.top import BoardTop
 from rdakit.hdl.host.uart import baud_divisor
+from rdakit.sim.verify.cache import cache_root, locked, make_folder
 from rdakit.sim.verify.runner import find_tool
 
 __all__ = ["BOARDS", "BoardSpec", "BuildResult", "board_spec", "board_preset", "build",
-           "parse_utilization", "parse_fmax", "tool_env", "RESOURCE_NAMES"]
+           "parse_utilization", "parse_fmax", "tool_env", "RESOURCE_NAMES", "MARKER"]
+
+#: The file that marks a folder as a board build folder, which a new build may replace.
+MARKER = ".rdakit-board-build"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,11 +163,48 @@ def _short_resource(util, family):
             for bel, used, avail in over]
 
 
+def _is_build_folder(folder):
+    """Whether ``folder`` may be replaced by a build: it is empty, holds :data:`MARKER`, or is
+    a build folder of an rdakit before the marker (Amaranth's ``build_top.sh`` and our
+    ``build.log``)."""
+    names = {p.name for p in folder.iterdir()}
+    return not names or MARKER in names or {"build_top.sh", "build.log"} <= names
+
+
+def _check_build_folder(build_dir):
+    """A ValueError naming ``build_dir`` if a build must not go there."""
+    if build_dir.is_dir():
+        if not _is_build_folder(build_dir):
+            raise ValueError(f"Build folder {build_dir} exists and is not an rdakit board build "
+                             f"folder (no {MARKER}); give a new or empty folder, nothing in it "
+                             f"was changed")
+    elif build_dir.exists() or build_dir.is_symlink():
+        raise ValueError(f"Build folder {build_dir} exists and is not a folder")
+
+
+def _replace_folder(work, build_dir):
+    """Put the finished build ``work`` at ``build_dir``, replacing the build folder there; under
+    a lock, so that builds into the same folder finishing together replace it one at a time."""
+    key = hashlib.sha256(str(build_dir.resolve()).encode()).hexdigest()[:16]
+    with locked(make_folder(cache_root() / "locks") / f"board-{key}.lock"):
+        _check_build_folder(build_dir)
+        old = None
+        if build_dir.exists():
+            old = pathlib.Path(tempfile.mkdtemp(prefix=f".{build_dir.name}.", suffix=".old",
+                                                dir=build_dir.parent))
+            os.rename(build_dir, old / "build")
+        os.rename(work, build_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def build(board, params, *, build_dir, clock_hz=None, baud=None, seed=1, log=None):
     """Build ``params``'s fabric with its host bridge for ``board``; return a BuildResult.
 
     ``log`` (a callable) receives progress lines. The build folder keeps every product:
-    ``top.rpt`` (Yosys), ``top.tim`` (nextpnr's log), ``report.json``, the bitstream.
+    ``top.rpt`` (Yosys), ``top.tim`` (nextpnr's log), ``report.json``, the bitstream. It
+    replaces an earlier build folder at ``build_dir`` when it is complete (see the module's
+    documentation); a ``build_dir`` that is something else is a ValueError.
     """
     spec = board_spec(board)
     clock_hz = clock_hz or spec.default_clock_hz
@@ -165,11 +213,33 @@ def build(board, params, *, build_dir, clock_hz=None, baud=None, seed=1, log=Non
         raise ValueError(f"Clock of a {spec.title} build must be its {spec.osc_hz / 1e6:g} MHz "
                          f"oscillator (no PLL on iCE40 builds), not {clock_hz / 1e6:g} MHz")
     baud_divisor(clock_hz, baud)       # a bad baud rate fails before anything is built
+    build_dir = pathlib.Path(build_dir).absolute()
+    _check_build_folder(build_dir)
+    try:
+        build_dir.parent.mkdir(parents=True, exist_ok=True)
+        work = pathlib.Path(tempfile.mkdtemp(prefix=f".{build_dir.name}.", suffix=".tmp",
+                                             dir=build_dir.parent))
+    except OSError as e:
+        raise ValueError(f"Cannot create build folder {build_dir}: {e.strerror or e}") from None
+    try:
+        result = _build_in(work, spec, params, clock_hz=clock_hz, baud=baud, seed=seed,
+                           log=log)
+        (work / MARKER).write_text("rdakit board build folder: rdakit board build replaces "
+                                   "it\n")
+        _replace_folder(work, build_dir)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return dataclasses.replace(
+        result, build_dir=str(build_dir),
+        bitstream=result.bitstream and str(build_dir / pathlib.Path(result.bitstream).name),
+        problem=result.problem and result.problem.replace(str(work), str(build_dir)))
+
+
+def _build_in(build_dir, spec, params, *, clock_hz, baud, seed, log):
+    """:func:`build` in the new empty folder ``build_dir``."""
     top = BoardTop(params, clock_hz=clock_hz, baud=baud)
     platform = spec.create_platform()
-    build_dir = pathlib.Path(build_dir)
-    if build_dir.exists():
-        shutil.rmtree(build_dir)
     # A design that misses the clock is still placed, routed and packed: the bench reports
     # its Fmax, and a board can run it with a slower --clock-mhz.
     overrides = {"nextpnr_opts": f"--report report.json --seed {seed} --timing-allow-fail"}
@@ -217,7 +287,7 @@ def build(board, params, *, build_dir, clock_hz=None, baud=None, seed=1, log=Non
             if not util and "synth" not in problem.lower() and not text:
                 problem = (f"synthesis failed (exit {proc.returncode}); see "
                            f"{build_dir}/build.log")
-    return BuildResult(board=board, fits=fits, utilization=util, fmax_mhz=fmax,
+    return BuildResult(board=spec.name, fits=fits, utilization=util, fmax_mhz=fmax,
                        clock_mhz=clock_hz / 1e6, problem=problem, seconds=seconds,
                        build_dir=str(build_dir),
                        bitstream=str(bitstream) if fits and bitstream.exists() else None)
