@@ -1,1 +1,2 @@
-"""Flows across layers: compile, run on a simulated fabric or system, check and report (rdakit run)."""
+"""Flows across layers: compile, run on a simulated fabric or system, check and report
+(rdakit run)."""

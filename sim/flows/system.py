@@ -17,10 +17,10 @@ with work (``busy_cycles - wait_cycles``: running, but not waiting for a token o
 from another CU; the injected loop counts). Measured cycles are several times the cost
 model's estimates (MU round trips, NoC and link latency), so the monitor first calibrates: the
 cluster that ran fastest relative to its work sets the model-to-RTL ratio, and every cluster's
-busy time is divided by it. :func:`~rdakit.compiler.partition.clusters.observed_clusters` then turns the
-difference between calibrated time and the work given into a load, and the next iteration's
-partition sees it: work moves away from a cluster that turned out slower than the compiler
-thought.
+busy time is divided by it. :func:`~rdakit.compiler.partition.clusters.observed_clusters` then
+turns the difference between calibrated time and the work given into a load, and the next
+iteration's partition sees it: work moves away from a cluster that turned out slower than the
+compiler thought.
 """
 
 import dataclasses
@@ -32,9 +32,16 @@ from rdakit.compiler.system_compile import compile_system, system_view
 from rdakit.hdl.cluster.system import System
 from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
 from rdakit.hdl.spec.isa import Instr, Op, decode
+from rdakit.sim.flows.e2e import cycle_budget
 from rdakit.sim.runtime.clusters import release_buffers, run_system, setup_buffers
-from rdakit.sim.runtime.host import AmaranthTransport, HostDriver
+from rdakit.sim.runtime.counters import read_mu_counters
+from rdakit.sim.runtime.host import AmaranthTransport, HostDriver, HostError, NoReply
+from rdakit.sim.runtime.job import abandon
 from rdakit.sim.verify.amaranth_sim import simulate
+
+#: How far below the measured cycles a system's estimate may be (``docs/clusters.md``: 4.5 to
+#: 26 times), for the cycle budget.
+ESTIMATE_SLACK = 5
 
 __all__ = ["SystemRunSpec", "run_system_session", "run_compiled", "check_outputs",
            "inject_load", "busy_times", "calibrated"]
@@ -60,8 +67,11 @@ class SystemRunSpec:
         compiler).
     seed, place_steps :
         The buffer placement.
-    max_cycles : int
-        Cycles after which a run that is not done counts as hung.
+    max_cycles : int or None
+        Cycles after which a run that is not done counts as hung; ``None`` (the default) is
+        :func:`~rdakit.sim.flows.e2e.cycle_budget` of the iteration's estimate times
+        :data:`ESTIMATE_SLACK` (the system's estimates are up to 26 times low,
+        ``docs/clusters.md``) plus the injected loads.
     """
 
     workload: str
@@ -74,7 +84,7 @@ class SystemRunSpec:
     delays: dict = dataclasses.field(default_factory=dict)
     seed: int = 0
     place_steps: int = 20000
-    max_cycles: int = 2_000_000
+    max_cycles: int | None = None
 
     def __post_init__(self):
         n = self.system.clusters
@@ -90,6 +100,13 @@ class SystemRunSpec:
         if self.cus is not None and len(self.cus) != n:
             raise ValueError(f"cus must give one number per cluster ({n}), not {self.cus!r}")
         system_view(self.system)   # the compiler's view of the system must exist
+
+    def budget(self, estimate):
+        """Cycles an iteration estimated at ``estimate`` cycles may run before it counts as
+        hung."""
+        if self.max_cycles is not None:
+            return self.max_cycles
+        return cycle_budget(ESTIMATE_SLACK * max(1, int(estimate))) + sum(self.delays.values())
 
     def compile(self, clusters):
         """:func:`~rdakit.compiler.system_compile.compile_system` for ``clusters``."""
@@ -176,15 +193,34 @@ async def run_compiled(hosts, system_job, *, delays=None, max_cycles=2_000_000):
     one HostDriver per cluster): set up the buffers, run every cluster (``run_system``; a CU
     error raises RuntimeError), read the outputs and counters, release the host's weight.
     ``delays``: cluster -> injected load (:func:`inject_load`). Returns ``(outputs, cycles,
-    counters, live buffers per cluster)``."""
-    refs = await setup_buffers(hosts, system_job)
-    delays = delays or {}
-    configs = [inject_load(c, delays[k]) if c is not None and delays.get(k) else c
-               for k, c in enumerate(system_job.bind(refs))]
-    cycles = await run_system(hosts, configs, max_cycles=max_cycles)
-    counters = [await h.counters() for h in hosts]
-    outputs = {name: await hosts[0].read_vectors(refs[name]) for name in system_job.outputs}
-    await release_buffers(hosts, system_job, refs)
+    counters, live buffers per cluster)``. On any error every cluster's CUs are stopped and
+    the buffers the host allocated freed (:func:`~rdakit.sim.runtime.job.abandon`) before it
+    is raised."""
+    refs = {}
+    live_before = [await read_mu_counters(h, ["live_buffers"]) for h in hosts]
+    try:
+        refs = await setup_buffers(hosts, system_job, refs)
+        delays = delays or {}
+        configs = [inject_load(c, delays[k]) if c is not None and delays.get(k) else c
+                   for k, c in enumerate(system_job.bind(refs))]
+        cycles = await run_system(hosts, configs, max_cycles=max_cycles)
+        counters = [await h.counters() for h in hosts]
+        outputs = {name: await hosts[0].read_vectors(refs[name])
+                   for name in system_job.outputs}
+        await release_buffers(hosts, system_job, refs)
+    except NoReply:
+        raise
+    except Exception as e:
+        try:
+            for k, h in enumerate(hosts):
+                mine = [refs[b.name] for b in system_job.buffers
+                        if b.name in refs and b.mu[2] == k]
+                left = await abandon(h, mine, live_before[k])
+                if left:
+                    e.add_note(f"cluster {k}: {left}")
+        except Exception as cleanup:
+            e.add_note(f"cleaning up after the job failed too: {cleanup}")
+        raise
     live = [sum(t.get("live_buffers", 0) for t in (await h.counters()).values()) for h in hosts]
     return outputs, cycles, counters, live
 
@@ -206,8 +242,8 @@ def run_system_session(spec, *, progress=None):
 
     async def tb(ctx):
         nonlocal specs
-        hosts = [HostDriver(sp.fabric, AmaranthTransport(ctx, system.host_port(k)))
-                 for k in range(n)]
+        hosts = [HostDriver(sp.fabric, AmaranthTransport(ctx, system.host_port(k)),
+                            clusters=n, cluster=k) for k in range(n)]
         for it in range(spec.iterations):
             if it:
                 progress(f"iteration {it + 1}: compiling")
@@ -218,9 +254,11 @@ def run_system_session(spec, *, progress=None):
             progress(f"iteration {it + 1}: running")
             try:
                 outputs, cycles, counters, live = await run_compiled(
-                    hosts, cs.system_job, delays=spec.delays, max_cycles=spec.max_cycles)
-            except RuntimeError as e:
-                row.update(cycles=None, numpy="not run", hw_error=str(e), leaked_buffers=0)
+                    hosts, cs.system_job, delays=spec.delays,
+                    max_cycles=spec.budget(row.get("estimated_cycles") or 1))
+            except (RuntimeError, HostError, TimeoutError) as e:
+                message = " ".join([str(e), *getattr(e, "__notes__", ())])
+                row.update(cycles=None, numpy="not run", hw_error=message, leaked_buffers=0)
                 rows.append(row)
                 return
             finish = [cycles.get(k, 0) for k in range(n)]

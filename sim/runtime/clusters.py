@@ -110,10 +110,11 @@ async def run_system(hosts, configs, *, max_cycles=1_000_000):
     return cycles
 
 
-async def setup_buffers(hosts, job):
+async def setup_buffers(hosts, job, refs=None):
     """Allocate and fill the job's buffers, each through its own cluster's host port; returns
-    their references by name."""
-    refs = {}
+    their references by name (in ``refs`` if given, filled as they are allocated, so that a
+    caller can free those allocated before an error)."""
+    refs = {} if refs is None else refs
     for b in job.buffers:
         host = hosts[b.mu[2]]
         refs[b.name] = await host.alloc(b.mu, b.weight)

@@ -1,6 +1,7 @@
 """End to end (``rdakit run``): compile, run on the RTL, check against numpy and the
 interpreter, report, adapt; and the errors."""
 
+import asyncio
 import json
 import pathlib
 import re
@@ -293,3 +294,40 @@ def test_bench_e2e_json_has_the_figures_per_workload_and_configuration(tmp_path,
 def test_bench_e2e_rejects_unknown_names():
     assert main(["bench", "e2e", "--workloads", "resnet"]) == 2
     assert main(["bench", "e2e", "--partitioners", "magic"]) == 2
+
+
+def test_cycle_budget_follows_the_estimate():
+    """A run counts as hung after 20 times its estimate (at least 50,000 cycles), not after a
+    fixed five million: seconds of simulation rather than hours, and the reason is given;
+    ``max_cycles`` still overrides it."""
+    spec = RunSpec("mlp")
+    assert spec.budget(1000) == (50_000, "20 x the estimate of 1000 cycles, at least 50000")
+    assert spec.budget(10_000)[0] == 200_000
+    assert RunSpec("mlp", max_cycles=123).budget(10_000) == (123, "max_cycles")
+    with pytest.raises(ValueError, match=r"^max_cycles must be a positive integer or None, "
+                                         r"not 0$"):
+        RunSpec("mlp", max_cycles=0)
+
+
+def test_a_hung_run_is_reported_with_its_budget(monkeypatch):
+    """A run that does not finish within its budget is a row with a hardware error that names
+    the budget, the estimate it came from and the CUs still running, not a hang."""
+    from rdakit.sim.runtime.host import HostTimeout
+
+    async def hang(host, job, *, max_cycles, **kwargs):
+        raise HostTimeout(f"the fabric was not done {max_cycles} cycles after START")
+
+    spec = RunSpec("mlp", sizes=SMALLEST["mlp"], fabric=FABRIC_2X2)
+
+    class Host:                  # what run_session asks of the host before the run
+        params = spec.params
+
+        async def cfg_read(self, x, y, addr):
+            return 0
+
+    monkeypatch.setattr(e2e, "run_job", hang)
+    rows = asyncio.run(e2e.run_session(Host(), spec))
+    assert rows[0]["hw_error"].startswith("not done within its budget of 50000 cycles (20 x "
+                                          "the estimate of ")
+    assert rows[0]["hw_error"].endswith("the fabric was not done 50000 cycles after START")
+    assert e2e.failed(rows)
