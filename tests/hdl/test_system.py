@@ -258,3 +258,46 @@ def test_tokens_and_references_cross_clusters():
     np.testing.assert_array_equal(outputs["y"], a)
     assert frees == 1
     assert rsp0 >= 2        # the reference and the tokens left cluster 0 over its link
+
+
+def test_request_for_a_cluster_that_does_not_exist_is_answered():
+    """Three clusters with cluster IDs of 2 bits, so cluster 3 has an ID but no fabric: a CU
+    of cluster 0 that ALLOCs in it halts with MU_ERROR (at the ALLOC, as for any refusal)
+    instead of waiting forever, a host port's request for it is answered with
+    BAD_DESTINATION, and the system goes on: nothing is dropped, and a buffer in cluster 2 is
+    allocated, filled and read back."""
+    from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig, write_bitstream
+    from rdakit.hdl.spec.isa import assemble
+
+    fp = fabric_params(1, 2, cluster_bits=2, lanes=1, mu_words=64, max_buffers=4, prog_len=8)
+    sp = SystemParams(fp, clusters=3, link_latency=3)
+    nowhere = fp.mu_id(1, 0, 3)
+    program = assemble(f"""
+        LI r1, {nowhere}
+        ALLOC r2, r1, 1
+        ALUI ADD, r3, r2, 1
+        HALT
+    """)
+
+    async def body(ctx, system, hosts):
+        status, _ = await hosts[0].load(write_bitstream(
+            FabricConfig(fp, {(0, 0): TileConfig(program=program)})))
+        await hosts[0].start()
+        st = await hosts[0].wait_done(max_cycles=2_000)
+        cu = (await hosts[0].counters())[(0, 0)]
+        resp = await hosts[1].mu_request({"op": MUOp.LEN, "tag": 3,
+                                          "ref": {"mu": nowhere, "buf": 5}})
+        ref = await hosts[1].alloc((1, 0, 2))
+        await hosts[1].append_vectors(ref, [[7]])
+        back = (await hosts[0].read_vectors(ref)).tolist()
+        await hosts[1].release(ref)
+        return status, st, cu, resp, back, int(ctx.get(system.dropped))
+
+    status, st, cu, resp, back, dropped = run_on_system(sp, body)
+    assert status.name == "OK"
+    assert st["error"] and st["done"]
+    assert (cu["error_code"], cu["pc"]) == (1, 1)          # MU_ERROR at the ALLOC refused
+    assert (resp["status"], resp["op"], resp["tag"], resp["ref"]) == (
+        MUStatus.BAD_DESTINATION, MUOp.LEN, 3, {"mu": nowhere, "buf": 5})
+    assert back == [[7]]
+    assert dropped == 0
