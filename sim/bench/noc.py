@@ -41,6 +41,7 @@ from amaranth.back import rtlil
 from cocotb.clock import Clock
 from cocotb.triggers import FallingEdge, Timer
 
+from rdakit.files import atomic_path
 from rdakit.hdl.noc.router import Router, check_mesh_params
 from rdakit.hdl.spec.packets import mu_request_layout
 from rdakit.hdl.spec.params import MUParams
@@ -471,5 +472,6 @@ def _plot(all_points, patterns, mesh, depth, path):
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)

@@ -8,6 +8,8 @@ import re
 from rich.console import Console
 from rich.table import Table
 
+from rdakit.files import atomic_write
+
 __all__ = ["Report"]
 
 
@@ -72,10 +74,9 @@ class Report:
                        key="figures")
         if json_path is not None:
             path = pathlib.Path(json_path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"bench": self.bench, "figures": self.figures,
-                                        "tables": self.tables, "titles": self.titles},
-                                       indent=2, default=_jsonable) + "\n")
+            atomic_write(path, json.dumps({"bench": self.bench, "figures": self.figures,
+                                           "tables": self.tables, "titles": self.titles},
+                                          indent=2, default=_jsonable) + "\n")
             self.console.print(f"wrote {path}")
 
 
