@@ -7,7 +7,7 @@ answered with ERROR frames and change nothing in the fabric."""
 import numpy as np
 import pytest
 
-from rdakit.hdl.host.bridge import BridgedFabric, HostBridge
+from rdakit.hdl.host.bridge import BridgedFabric, FrameLink, HostBridge
 from rdakit.hdl.spec.frames import (
     HEADER_BYTES,
     SOF,
@@ -260,4 +260,8 @@ def test_init_wrong_params():
     with pytest.raises(TypeError, match=r"^Timeout must be an integer of at least 20 bit times "
                                         r"\(80 cycles\), not 79$"):
         HostBridge(P, divisor=4, timeout=79)
+    with pytest.raises(TypeError, match=r"^Timeout must be a positive integer, not 0$"):
+        FrameLink(P, timeout=0)
+    with pytest.raises(TypeError, match=r"^Params must be a FabricParams, not None$"):
+        FrameLink(None, timeout=10)
 
