@@ -11,6 +11,7 @@ from rdakit.hdl.spec.bitstream import (
     HEADER,
     BitstreamError,
     FabricConfig,
+    LoadStatus,
     TileConfig,
     listing,
     params_hash,
@@ -71,19 +72,28 @@ def test_listing_disassembles():
     assert "local[0] = [1, -2]" in text
 
 
-@pytest.mark.parametrize("mutate,message", [
-    (lambda d: d[:10], r"^Bitstream is truncated: 10 bytes, shorter than the 24-byte header$"),
-    (lambda d: b"XXXX" + d[4:], r"^Bad magic b'XXXX': not an rdakit bitstream"),
-    (lambda d: d[:20] + b"\0\0\0\0" + d[24:], r"^Header CRC mismatch"),
-    (lambda d: reheader(d, version=7), r"^Unknown bitstream format version 7"),
-    (lambda d: reheader(d, phash=1), r"^Bitstream was built for other fabric parameters"),
+@pytest.mark.parametrize("mutate,message,status", [
+    (lambda d: d[:12], r"^Bitstream is truncated: 12 bytes, shorter than the 24-byte header$",
+     LoadStatus.LOADING),
+    (lambda d: d[:10], r"^Bitstream is 10 bytes, not a whole number of 32-bit words$", None),
+    (lambda d: b"XXXX" + d[4:], r"^Bad magic b'XXXX': not an rdakit bitstream",
+     LoadStatus.BAD_MAGIC),
+    (lambda d: d[:20] + b"\0\0\0\0" + d[24:], r"^Header CRC mismatch", LoadStatus.HEADER_CRC),
+    (lambda d: reheader(d, version=7), r"^Unknown bitstream format version 7",
+     LoadStatus.BAD_VERSION),
+    (lambda d: reheader(d, flags=2), r"^Unknown bitstream flags 0x0002", LoadStatus.BAD_VERSION),
+    (lambda d: reheader(d, phash=1), r"^Bitstream was built for other fabric parameters",
+     LoadStatus.BAD_PARAMS),
     (lambda d: d[:-4], r"^Bitstream is truncated: the header announces \d+ payload words, "
-                       r"the file holds \d+$"),
-    (lambda d: d[:30] + bytes([d[30] ^ 1]) + d[31:], r"^Payload CRC mismatch"),
+                       r"the file holds \d+$", LoadStatus.LOADING),
+    (lambda d: d + b"\0" * 8, r"^Bitstream has 2 words after its payload", LoadStatus.TRAILING),
+    (lambda d: d[:30] + bytes([d[30] ^ 1]) + d[31:], r"^Payload CRC mismatch",
+     LoadStatus.PAYLOAD_CRC),
 ])
-def test_malformed(mutate, message):
-    with pytest.raises(BitstreamError, match=message):
+def test_malformed(mutate, message, status):
+    with pytest.raises(BitstreamError, match=message) as e:
         read_bitstream(mutate(write_bitstream(config())), P)
+    assert e.value.status is status
 
 
 def payload_bitstream(words):
@@ -98,11 +108,25 @@ def payload_bitstream(words):
     ([0 << 24 | 0 << 16 | 1, 0x0000 << 16 | 18] + [0] * 18,
      r"^tile \(0, 0\): program of more than 8 instructions \(prog_len\)$"),
     ([0 << 24 | 0 << 16 | 1, 0x5000 << 16 | 1, 0],
-     r"^tile \(0, 0\): address 0x5000 is not in a compute unit's configuration space$"),
-    ([0 << 24 | 0 << 16 | 2, 0x3000 << 16 | 1, 1], r"^Bitstream is truncated inside a record "
+     r"^tile \(0, 0\): address 0x5000 is not a writable word of a compute unit's "
+     r"configuration space \(program, registers, CONTROL, local buffer\)$"),
+    ([0 << 24 | 0 << 16 | 1, 0x3001 << 16 | 1, 0], r"^tile \(0, 0\): address 0x3001 is not a "
+                                                   r"writable word"),
+    ([0 << 24 | 0 << 16 | 1, 0x2010 << 16 | 1, 0],
+     r"^tile \(0, 0\): register r16 does not exist \(regs = 16\)$"),
+    ([0 << 24 | 0 << 16 | 1, 0x8080 << 16 | 1, 0],
+     r"^tile \(0, 0\): local word 64 is outside the local buffer \(64 words\)$"),
+    ([0 << 24 | 0 << 16 | 2, 0x3000 << 16 | 1, 1], r"^The payload ends inside a record "
                                                    r"header of tile \(0, 0\)$"),
-    ([0 << 24 | 0 << 16 | 1, 0x3000 << 16 | 2, 1], r"^Bitstream is truncated inside a record "
+    ([0 << 24 | 0 << 16 | 1, 0x3000 << 16 | 2, 1], r"^The payload ends inside a record "
                                                    r"of tile \(0, 0\)$"),
+    ([0 << 24 | 0 << 16 | 0], r"^tile \(0, 0\): a section with no records$"),
+    ([0 << 24 | 0 << 16 | 1, 0x3000 << 16 | 0], r"^tile \(0, 0\): a record at 0x3000 with no "
+                                                r"words$"),
+    ([0 << 24 | 2 << 16 | 1, 0x3000 << 16 | 1, 1, 0 << 24 | 0 << 16 | 1, 0x3000 << 16 | 1, 1],
+     r"^tile \(0, 0\) comes after tile \(2, 0\): sections must be in row-major order"),
+    ([0 << 24 | 0 << 16 | 1, 0x3000 << 16 | 1, 1, 0 << 24 | 0 << 16 | 1, 0x2000 << 16 | 1, 1],
+     r"^tile \(0, 0\) has a second section \(one section a tile\)$"),
 ])
 def test_malformed_payload(words, message):
     with pytest.raises(BitstreamError, match=message):
