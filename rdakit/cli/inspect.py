@@ -18,7 +18,10 @@ def _inspect(args):
     try:
         config = read_bitstream(data, params)
     except BitstreamError as e:
-        raise UserError(f"{args.file}: {e}") from None
+        # The status is what the fabric's LOAD_STATUS would say for the same file.
+        said = f" (the fabric's loader refuses it: {e.status.name})" \
+            if e.status is not None else ""
+        raise UserError(f"{args.file}: {e}{said}") from None
     print(listing(config))
     return 0
 
