@@ -10,6 +10,7 @@ import re
 
 from rdakit.boards.build import BOARDS, board_preset
 from rdakit.hdl.memory.unit import CHECK_ORDER, TIMING
+from rdakit.hdl.spec.bitstream import LOAD_STATUS_DOC, LoadStatus
 from rdakit.hdl.spec.frames import (
     ERROR_DOC,
     FIELD_DOC,
@@ -105,6 +106,12 @@ def _frames():
     return "\n".join(lines)
 
 
+def _load_status():
+    lines = ["| status | code | meaning |", "|---|---|---|"]
+    lines += [f"| `{st.name}` | {st.value} | {LOAD_STATUS_DOC[st]} |" for st in LoadStatus]
+    return "\n".join(lines)
+
+
 #: file name in docs/ -> section name -> function returning the Markdown.
 SECTIONS = {
     "memory-unit.md": {"ops": _mu_ops, "packets": _mu_packets, "checks": _mu_checks,
@@ -112,6 +119,7 @@ SECTIONS = {
     "compute-unit.md": {"isa": _isa},
     "verification.md": {"properties": _properties},
     "boards.md": {"frames": _frames},
+    "bitstream.md": {"load-status": _load_status},
 }
 
 
