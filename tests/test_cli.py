@@ -35,10 +35,11 @@ def test_verilog_mu_writes_a_module(tmp_path):
 def test_verilog_mu_rejects_bad_parameter(tmp_path):
     r = rdakit("verilog", "mu", "--words", "1000", "-o", str(tmp_path / "x.v"))
     assert r.returncode == 2
-    assert r.stderr.strip() == "rdakit: error: words must be a power of two, not 1000"
+    assert r.stderr.strip() == ("rdakit: error: --words must be a power of two from 32 to "
+                                "65536, not 1000")
     r = rdakit("verilog", "mu", "--mu-id", "99", "-o", str(tmp_path / "x.v"))
     assert r.returncode == 2
-    assert "MU ID must be an integer from 0 to 63" in r.stderr
+    assert "--mu-id must be from 0 to 63" in r.stderr
 
 
 def test_doctor_lists_simulators():

@@ -5,6 +5,13 @@ being the top-level subparsers action; ``rdakit verilog`` and ``rdakit bench`` a
 subcommands (``rdakit.cli.verilog``, ``rdakit.cli.bench``). A command sets ``func`` (called with
 the parsed arguments, returning an exit code) through ``set_defaults``. Options shared by
 several commands, each with one spelling and one parser, are in :mod:`rdakit.cli.options`.
+
+:func:`main` checks everything the user typed before the command does any work: argparse the
+syntax and the ranges of numbers, then the checks the command registered
+(:func:`~rdakit.cli.options.add_check`: fabric and MU parameters, sizes, ...), then the output
+paths (:func:`~rdakit.cli.outputs.check_outputs`). A refusal prints ``rdakit: error: ...``
+naming the option, with no traceback, and exits 2; exit 1 is kept for a mismatch, a hardware
+error or a failed benchmark run.
 """
 
 import argparse
@@ -21,6 +28,8 @@ from rdakit.cli import (
     verify,
     verilog,
 )
+from rdakit.cli.options import run_checks
+from rdakit.cli.outputs import check_outputs
 from rdakit.errors import UserError
 
 __all__ = ["main", "build_parser", "COMMANDS", "UserError"]
@@ -40,10 +49,22 @@ def build_parser():
     return parser
 
 
+def _refuse_empty_values(argv):
+    """argparse reads ``--x=--`` as an empty list, a value of no option's type: refused."""
+    for item in argv:
+        option, sep, value = item.partition("=")
+        if item.startswith("-") and sep and value == "--":
+            raise UserError(f"{option} needs a value, not '--'")
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        _refuse_empty_values(argv)
+        args = parser.parse_args(argv)
+        run_checks(args)
+        check_outputs(args)
         return args.func(args) or 0
     except UserError as e:
         print(f"rdakit: error: {e}", file=sys.stderr)

@@ -4,22 +4,29 @@ Every bench's options are parsed here and its measurements run by its own module
 ``sim/bench/`` (``rdakit.sim.bench.<name>``), which knows nothing of the command line.
 """
 
+import math
 import pathlib
 import sys
 
 from rdakit.cli.board import check_board, params_for
 from rdakit.cli.options import (
+    MAX_PLACE_STEPS,
+    RUN_PROG_LEN,
+    add_check,
     add_fabric_arguments,
     add_grid_argument,
     add_mu_arguments,
+    add_number,
     add_system_arguments,
+    dashed,
     fabric_dict,
-    fabric_from_args,
+    max_grid,
     mu_params_from_args,
     parse_grid,
     system_from_args,
 )
-from rdakit.cli.run import RUN_PROG_LEN, progress_bar
+from rdakit.cli.outputs import add_output, image_suffixes
+from rdakit.cli.run import progress_bar
 from rdakit.compiler.partition.clusters import LinkModel
 from rdakit.compiler.workloads import WORKLOADS
 from rdakit.errors import UserError
@@ -34,7 +41,16 @@ from rdakit.sim.flows.e2e import BACKENDS
 from rdakit.sim.models.noc import PATTERNS
 from rdakit.sim.verify.runner import require_simulator_or_raise
 
-__all__ = ["register"]
+__all__ = ["register", "MAX_CYCLES", "MAX_REFINE", "MAX_SCENARIOS"]
+
+#: Cycles of ``bench noc``'s warm-up and of each measured rate: Verilator simulates a 4x4 mesh
+#: at some hundred thousand cycles a second, and every rate of every pattern takes them.
+MAX_CYCLES = 1_000_000
+_CYCLES = "every rate of every pattern simulates them"
+#: Bisection steps of ``bench noc`` around saturation.
+MAX_REFINE = 20
+#: Random scenarios a scheme of ``bench race``.
+MAX_SCENARIOS = 100_000
 
 
 # --- mu and fabric ----------------------------------------------------------------------------
@@ -44,53 +60,65 @@ def _bench_mu(args):
 
 
 def _bench_fabric(args):
-    fabric_from_args(args)      # a UserError naming a bad option before anything runs
     return bench_fabric(fabric_dict(args), simulator=args.sim, quick=args.quick,
                         json_path=args.json)
 
 
 # --- noc --------------------------------------------------------------------------------------
 
-def _bench_noc(args):
+def _check_noc(args):
+    """Every option of ``bench noc``, before anything is built or simulated."""
+    rows, cols = parse_grid(args.fabric)
+    high = max_grid()
+    if not (1 <= rows <= high and 1 <= cols <= high):
+        raise UserError(f"--fabric must be ROWSxCOLS with 1 to {high} rows and columns (the "
+                        f"largest fabric), not {args.fabric!r}")
     try:
-        rows, cols = parse_grid(args.fabric)
         check_mesh_params(rows=rows, cols=cols, coord_bits=None, depth=args.depth,
                           queues="voq", counter_bits=32)
-        patterns = list(PATTERNS) if args.pattern == "all" else [args.pattern]
-        # Once each: every structure's tables are keyed by its name.
-        structures = tuple(dict.fromkeys(q.strip() for q in args.queues.split(",")))
-        for q in structures:
-            if q not in QUEUE_KINDS:
-                raise TypeError(f"queues must be a comma-separated list of "
-                                f"{', '.join(QUEUE_KINDS)}, not {args.queues!r}")
-        rates = None
-        if args.rates:
-            rates = [float(r) for r in args.rates.split(",")]
-            for r in rates:
-                if not 0 < r <= 1:
-                    raise ValueError(f"rates must be between 0 and 1 flits/node/cycle, "
-                                     f"not {r!r}")
-        hotspot = None
-        if args.hotspot:
-            hotspot = tuple(int(v) for v in args.hotspot.split(","))
-            if len(hotspot) != 2 or not (0 <= hotspot[0] < cols and 0 <= hotspot[1] < rows):
-                raise ValueError(f"hotspot must be X,Y inside the {rows}x{cols} mesh, "
-                                 f"not {args.hotspot!r}")
-        if not 0 <= args.hot_fraction <= 1:
-            raise ValueError(f"hot_fraction must be between 0 and 1, not {args.hot_fraction!r}")
-        for name in ("warmup", "measure"):
-            if getattr(args, name) < 1:
-                raise ValueError(f"{name} must be at least 1 cycle, not {getattr(args, name)!r}")
     except (TypeError, ValueError) as e:
-        raise UserError(str(e)) from None
+        raise UserError(f"{dashed(str(e).split(' ', 1)[0])} {str(e).split(' ', 1)[1]}") \
+            from None
+    args.patterns = list(PATTERNS) if args.pattern == "all" else [args.pattern]
+    # Once each: every structure's tables are keyed by its name.
+    args.structures = tuple(dict.fromkeys(q.strip() for q in args.queues.split(",")))
+    for q in args.structures:
+        if q not in QUEUE_KINDS:
+            raise UserError(f"--queues must be a comma-separated list of "
+                            f"{', '.join(QUEUE_KINDS)}, not {args.queues!r}")
+    args.rate_list = None
+    if args.rates:
+        try:
+            args.rate_list = [float(r) for r in args.rates.split(",")]
+        except ValueError:
+            args.rate_list = [math.nan]
+        if not all(0 < r <= 1 for r in args.rate_list):
+            raise UserError(f"--rates must be injection rates above 0 and at most 1 "
+                            f"flits/node/cycle separated by commas, not {args.rates!r}")
+    args.hotspot_xy = None
+    if args.hotspot:
+        try:
+            args.hotspot_xy = tuple(int(v) for v in args.hotspot.split(","))
+        except ValueError:
+            args.hotspot_xy = ()
+        x_y = args.hotspot_xy
+        if len(x_y) != 2 or not (0 <= x_y[0] < cols and 0 <= x_y[1] < rows):
+            raise UserError(f"--hotspot must be X,Y inside the {rows}x{cols} mesh, "
+                            f"not {args.hotspot!r}")
+    args.mesh = (rows, cols)
+
+
+def _bench_noc(args):
+    rows, cols = args.mesh
     require_simulator_or_raise(args.simulator)
     # Deferred: the NoC bench module is also a cocotb test module and imports cocotb, an
     # optional dependency (rdakit[test]) that the other commands do without.
     from rdakit.sim.bench.noc import run_bench
 
-    report = run_bench(rows=rows, cols=cols, patterns=patterns, structures=structures,
-                       depth=args.depth, simulator=args.simulator, warmup=args.warmup,
-                       measure=args.measure, refine=args.refine, rates=rates, hotspot=hotspot,
+    report = run_bench(rows=rows, cols=cols, patterns=args.patterns,
+                       structures=args.structures, depth=args.depth, simulator=args.simulator,
+                       warmup=args.warmup, measure=args.measure, refine=args.refine,
+                       rates=args.rate_list, hotspot=args.hotspot_xy,
                        hot_fraction=args.hot_fraction, json_path=args.json,
                        plot_path=args.plot, area=not args.no_area)
     if report.figures["delivery_errors"]:
@@ -102,15 +130,17 @@ def _bench_noc(args):
 
 # --- race -------------------------------------------------------------------------------------
 
-def _bench_race(args):
-    if args.scenarios < 1:
-        raise UserError(f"--scenarios must be at least 1, not {args.scenarios}")
-    schemes = tuple(args.schemes.split(",")) if args.schemes else race.SCHEMES
-    bad = [s for s in schemes if s not in race.SCHEMES]
+def _check_race(args):
+    args.scheme_list = tuple(args.schemes.split(",")) if args.schemes else race.SCHEMES
+    bad = [s for s in args.scheme_list if s not in race.SCHEMES]
     if bad:
         raise UserError(f"--schemes must be a comma-separated list of "
                         f"{', '.join(race.SCHEMES)}, not {bad[0]!r}")
     require_simulator_or_raise(args.sim)
+
+
+def _bench_race(args):
+    schemes = args.scheme_list
     rows = race.run_race(args.scenarios, simulator=args.sim, schemes=schemes, seed=args.seed,
                          optimize=args.sim == "verilator")
     report = Report("race")
@@ -140,13 +170,16 @@ def _bench_race(args):
 
 # --- clusters ---------------------------------------------------------------------------------
 
-def _bench_clusters(args):
-    sp = system_from_args(args)
-    workloads = args.workloads.split(",")
-    for w in workloads:
+def _check_clusters(args):
+    for w in args.workloads.split(","):
         if w not in WORKLOADS:
             raise UserError(f"--workloads takes names of {', '.join(sorted(WORKLOADS))}, "
                             f"not {w!r}")
+
+
+def _bench_clusters(args):
+    sp = system_from_args(args)
+    workloads = args.workloads.split(",")
     fp = sp.fabric
     report = Report("clusters")
     link = f"{sp.link_width} wires, {sp.link_latency} cycles"
@@ -200,8 +233,7 @@ def _bench_calibrate(args):
 
 # --- e2e --------------------------------------------------------------------------------------
 
-def _bench_e2e(args):
-    fabric = fabric_dict(args)
+def _check_e2e(args):
     names = args.partitioners.split(",") if args.partitioners else None
     workloads = tuple(args.workloads.split(",")) if args.workloads else e2e.WORKLOADS
     for w in workloads:
@@ -214,6 +246,12 @@ def _bench_e2e(args):
             raise UserError(f"--partitioners takes a subset of {','.join(known)}, not {n!r}")
     if args.sim != "amaranth":
         require_simulator_or_raise(args.sim)
+    args.workload_list, args.partitioner_list = workloads, names
+
+
+def _bench_e2e(args):
+    fabric = fabric_dict(args)
+    names, workloads = args.partitioner_list, args.workload_list
     report = Report("e2e")
     report.console.print(f"{','.join(workloads)} on a {fabric['rows']}x{fabric['cols']} fabric "
                          f"with {args.sim}")
@@ -237,17 +275,27 @@ def _bench_e2e(args):
 
 # --- boards -----------------------------------------------------------------------------------
 
-def _bench_boards(args):
-    boards = list(dict.fromkeys(args.boards.split(",")))  # once each: tables keyed by board
-    for b in boards:
+def _check_boards(args):
+    args.board_list = list(dict.fromkeys(args.boards.split(",")))  # tables keyed by board
+    for b in args.board_list:
         check_board(b)
-    grids = [parse_grid(g, "--grids") for g in args.grids.split(",")]
+    args.grid_list = [parse_grid(g, "--grids") for g in args.grids.split(",")]
     try:
-        mu_words = ([int(w) for w in args.bench_mu_words.split(",")]
-                    if args.bench_mu_words else None)
+        args.mu_word_list = ([int(w) for w in args.bench_mu_words.split(",")]
+                             if args.bench_mu_words else None)
     except ValueError:
         raise UserError(f"--mu-words must be numbers separated by commas, not "
                         f"{args.bench_mu_words!r}") from None
+    for b in args.board_list:             # every build's parameters, before the first build
+        for grid in args.grid_list:
+            params_for(b, args, grid=grid, grid_option="--grids")
+        for words in args.mu_word_list or ():
+            params_for(b, args, grid=args.grid_list[-1], grid_option="--grids",
+                       mu_words=words)
+
+
+def _bench_boards(args):
+    boards, grids, mu_words = args.board_list, args.grid_list, args.mu_word_list
     return bench_boards(boards, grids=grids, mu_words=mu_words, root=pathlib.Path(args.root),
                         json_path=args.json,
                         params_for=lambda board, grid, **changes: params_for(
@@ -271,7 +319,7 @@ def register(commands):
                     "traces in every allocation mode, and yosys cell counts.")
     add_mu_arguments(p)
     p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
-    p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    add_output(p, "--json", metavar="FILE", help="also write the figures to FILE")
     p.set_defaults(func=_bench_mu)
 
     p = sub.add_parser(
@@ -284,7 +332,7 @@ def register(commands):
     p.set_defaults(mu_words=2048)
     p.add_argument("--sim", choices=["verilator", "icarus"], default="verilator")
     p.add_argument("--quick", action="store_true", help="the matrix-vector product only")
-    p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    add_output(p, "--json", metavar="FILE", help="also write the figures to FILE")
     p.set_defaults(func=_bench_fabric)
 
     p = sub.add_parser(
@@ -303,22 +351,25 @@ def register(commands):
     p.add_argument("--depth", type=int, default=4, help="entries per queue (default: 4)")
     p.add_argument("--simulator", choices=("verilator", "icarus"), default="verilator",
                    help="simulator (default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=1000, help="warm-up cycles (default: 1000)")
-    p.add_argument("--measure", type=int, default=3000,
+    add_number(p, "--warmup", low=1, high=MAX_CYCLES, reason=_CYCLES, default=1000,
+               help="warm-up cycles (default: 1000)")
+    add_number(p, "--measure", low=1, high=MAX_CYCLES, reason=_CYCLES, default=3000,
                    help="measurement cycles per rate (default: 3000)")
-    p.add_argument("--refine", type=int, default=3,
+    add_number(p, "--refine", low=0, high=MAX_REFINE,
+               reason="each step halves the interval: 20 reach 1e-6", default=3,
                    help="bisection steps around saturation (default: 3)")
     p.add_argument("--rates", default=None, metavar="R,R,...",
                    help="explicit injection rates in flits/node/cycle (default: fractions of "
                         "the pattern's limit)")
     p.add_argument("--hotspot", default=None, metavar="X,Y",
                    help="hot tile of the hotspot pattern (default: the middle)")
-    p.add_argument("--hot-fraction", type=float, default=0.25,
+    add_number(p, "--hot-fraction", kind=float, low=0, high=1, default=0.25,
                    help="share of hotspot traffic to the hot tile (default: 0.25)")
     p.add_argument("--no-area", action="store_true", help="skip the router area (yosys)")
-    p.add_argument("--plot", default=None, metavar="PNG",
+    add_output(p, "--plot", default=None, metavar="PNG", suffixes=image_suffixes,
                    help="latency-throughput plot (default: build/bench/noc-RxC-PATTERN.png)")
-    p.add_argument("--json", default=None, metavar="FILE", help="write the figures as JSON")
+    add_output(p, "--json", default=None, metavar="FILE", help="write the figures as JSON")
+    add_check(p, _check_noc)
     p.set_defaults(func=_bench_noc)
 
     p = sub.add_parser(
@@ -329,13 +380,15 @@ def register(commands):
                     "with 2 to 4 weight bits. Prints per scheme the premature frees, leaks, "
                     "double frees, reference-counting messages and the latency from the last "
                     "use to the free.")
-    p.add_argument("--scenarios", type=int, default=1000, metavar="N",
+    add_number(p, "--scenarios", low=1, high=MAX_SCENARIOS, reason="each is a simulation",
+               default=1000, metavar="N",
                    help="random scenarios per scheme (default: %(default)s)")
     p.add_argument("--sim", choices=["verilator", "icarus"], default="verilator")
     p.add_argument("--schemes", metavar="LIST",
                    help="comma-separated subset of counter,gated,token,partial (default: all)")
-    p.add_argument("--seed", type=int, default=0, help="scenario seed (default: 0)")
-    p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    add_number(p, "--seed", low=0, default=0, help="scenario seed (default: 0)")
+    add_output(p, "--json", metavar="FILE", help="also write the figures to FILE")
+    add_check(p, _check_race)
     p.set_defaults(func=_bench_race)
 
     p = sub.add_parser(
@@ -354,7 +407,8 @@ def register(commands):
                    help="also compile the workloads (smallest sizes) across 2 and 4 clusters "
                         "of 2x2 with every cross-cluster partitioner and run them on the RTL "
                         "(tens of minutes)")
-    p.add_argument("--json", metavar="FILE", help="write the figures to FILE")
+    add_output(p, "--json", metavar="FILE", help="write the figures to FILE")
+    add_check(p, _check_clusters)
     p.set_defaults(func=_bench_clusters)
 
     p = sub.add_parser(
@@ -363,8 +417,8 @@ def register(commands):
                     "round-robin, static, METIS, Mt-KaHyPar) on workloads, random layered "
                     "DAGs and 2-D grids: cut, imbalance, seconds and estimated makespan.")
     p.add_argument("--quick", action="store_true", help="small graphs only (smoke test)")
-    p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
-    p.add_argument("--seed", type=int, default=0, help="seed of the DQN training")
+    add_output(p, "--json", metavar="FILE", help="also write the figures to FILE")
+    add_number(p, "--seed", low=0, default=0, help="seed of the DQN training")
     p.set_defaults(func=_bench_partition)
 
     p = sub.add_parser(
@@ -375,7 +429,7 @@ def register(commands):
                     "fitting its two constants.")
     p.add_argument("--quick", action="store_true", help="fewer workloads (smoke test)")
     p.add_argument("--no-rtl", action="store_true", help="skip the RTL run")
-    p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    add_output(p, "--json", metavar="FILE", help="also write the figures to FILE")
     p.set_defaults(func=_bench_calibrate)
 
     p = sub.add_parser(
@@ -391,10 +445,11 @@ def register(commands):
     p.add_argument("--workloads", metavar="LIST", help="subset of mlp,decoder,moe")
     p.add_argument("--partitioners", metavar="LIST",
                    help="comma-separated subset of the partitioners (default: all)")
-    p.add_argument("--place-steps", type=int, default=20000,
+    add_number(p, "--place-steps", low=0, high=MAX_PLACE_STEPS, default=20000,
                    help="annealing steps of the placement (default: %(default)s)")
-    p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    add_output(p, "--json", metavar="FILE", help="also write the figures to FILE")
     add_fabric_arguments(p, default="4x4")
+    add_check(p, _check_e2e)
     p.set_defaults(func=_bench_e2e, prog_len=RUN_PROG_LEN)
 
     p = sub.add_parser(
@@ -408,6 +463,8 @@ def register(commands):
     p.add_argument("--mu-words", dest="bench_mu_words",
                    help="MU sizes to try on the largest grid, e.g. 512,1024,2048 (default: "
                         "twice and four times the preset's)")
-    p.add_argument("--root", default="build/bench-boards", help="build folders under this")
-    p.add_argument("--json", metavar="FILE")
+    add_output(p, "--root", default="build/bench-boards", folder=True,
+               help="build folders under this")
+    add_output(p, "--json", metavar="FILE")
+    add_check(p, _check_boards)
     p.set_defaults(func=_bench_boards)

@@ -6,7 +6,15 @@ import serial
 
 from rdakit.boards.build import BOARDS, board_preset, board_spec, build
 from rdakit.boards.serial_link import board_host
-from rdakit.cli.options import add_fabric_arguments, parse_grid
+from rdakit.cli.options import (
+    add_check,
+    add_fabric_arguments,
+    add_number,
+    checked_params,
+    dashed,
+    parse_grid,
+)
+from rdakit.cli.outputs import add_output
 from rdakit.errors import UserError
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.bench.report import Report
@@ -14,18 +22,26 @@ from rdakit.sim.runtime.host_link import LinkError
 from rdakit.sim.runtime.job import run_job
 from rdakit.sim.verify import kernels
 
-__all__ = ["register", "params_for", "check_board", "WORKLOADS"]
+__all__ = ["register", "params_for", "check_board", "WORKLOADS", "DEFAULT_GRID"]
+
+#: Bounds of the board commands' numbers, each with its reason.
+MAX_CLOCK_MHZ = 1000
+MAX_TIMEOUT = 3600
 
 #: Kernels ``rdakit board run`` knows: name -> (builder in rdakit.sim.runtime.job, size keyword).
 WORKLOADS = {"vector-add": ("vector_add", "n"), "matvec": ("matvec", "m"),
              "moe": ("moe_fanout", "n")}
 
+#: The grid of the board commands unless --fabric says otherwise.
+DEFAULT_GRID = "1x2"
+
 _FABRIC_OPTIONS = ("lanes", "prog_len", "local_words", "mu_words", "block_words", "max_buffers",
                    "weight_bits", "noc_depth", "noc_queues", "alloc_mode", "refcount")
 
 
-def params_for(board, args, *, grid=None, **changes):
-    """The FabricParams of a board build: the board's preset, then the options given."""
+def params_for(board, args, *, grid=None, grid_option="--fabric", **changes):
+    """The FabricParams of a board build: the board's preset, then the options given; a
+    UserError naming the option that is refused (``grid_option`` for the grid)."""
     options = board_preset(board)
     for name in _FABRIC_OPTIONS:
         value = getattr(args, name, None)
@@ -33,10 +49,11 @@ def params_for(board, args, *, grid=None, **changes):
             options[name] = value
     options.update(changes)
     rows, cols = grid or parse_grid(args.fabric)
-    try:
-        return fabric_params(rows, cols, layout=getattr(args, "layout", None), **options)
-    except (TypeError, ValueError) as e:
-        raise UserError(str(e)) from None
+    kw = dict(rows=rows, cols=cols, layout=getattr(args, "layout", None), **options)
+    base_rows, base_cols = parse_grid(DEFAULT_GRID)
+    base = dict(board_preset(board), rows=base_rows, cols=base_cols, layout=None)
+    return checked_params(fabric_params, kw, base,
+                          lambda k: grid_option if k in ("grid", "rows", "cols") else dashed(k))
 
 
 def check_board(board):
@@ -120,10 +137,16 @@ def _presets():
                                           for k, v in board_preset(b).items()) for b in BOARDS)
 
 
-def _fabric_options(p, default_grid):
-    add_fabric_arguments(p, default=default_grid)
+def _check(args):
+    check_board(args.board)
+    params_for(args.board, args)
+
+
+def _fabric_options(p):
+    add_fabric_arguments(p, default=DEFAULT_GRID, check=False)
     # The board's preset (rdakit.boards.build.board_preset) fills what is not given.
     p.set_defaults(**{name: None for name in _FABRIC_OPTIONS})
+    add_check(p, _check)
 
 
 def register(commands):
@@ -139,12 +162,13 @@ def register(commands):
                     "fit. Fabric options not given take the board's preset, not the defaults "
                     "listed below: " + _presets() + ".")
     p.add_argument("board", help="icebreaker or ulx3s")
-    _fabric_options(p, "1x2")
-    p.add_argument("--clock-mhz", type=float,
+    _fabric_options(p)
+    add_number(p, "--clock-mhz", kind=float, low=0, low_open=True, high=MAX_CLOCK_MHZ,
+               reason="beyond any FPGA's fabric",
                    help="fabric clock (default: 12 on iCEBreaker, 50 on ULX3S through a PLL)")
-    p.add_argument("--baud", type=int, help="UART baud rate (default: the board's)")
-    p.add_argument("--build-dir", help="build folder (default: build/BOARD-RxC)")
-    p.add_argument("--json", metavar="FILE", help="write the figures to FILE")
+    add_number(p, "--baud", low=1, help="UART baud rate (default: the board's)")
+    add_output(p, "--build-dir", folder=True, help="build folder (default: build/BOARD-RxC)")
+    add_output(p, "--json", metavar="FILE", help="write the figures to FILE")
     p.set_defaults(func=_build)
 
     p = sub.add_parser(
@@ -156,8 +180,10 @@ def register(commands):
     p.add_argument("board", help="icebreaker or ulx3s")
     p.add_argument("workload", choices=sorted(WORKLOADS))
     p.add_argument("--port", required=True, help="serial port, e.g. /dev/ttyUSB0")
-    p.add_argument("--baud", type=int, help="UART baud rate (default: the board's)")
-    p.add_argument("--size", type=int, help="kernel size (vector words, matrix rows)")
-    p.add_argument("--timeout", type=float, default=0.5, help="seconds to wait for an answer")
-    _fabric_options(p, "1x2")
+    add_number(p, "--baud", low=1, help="UART baud rate (default: the board's)")
+    add_number(p, "--size", low=1, help="kernel size (vector words, matrix rows)")
+    add_number(p, "--timeout", kind=float, low=0, low_open=True, high=MAX_TIMEOUT,
+               reason="an answer takes milliseconds", default=0.5,
+               help="seconds to wait for an answer")
+    _fabric_options(p)
     p.set_defaults(func=_run)

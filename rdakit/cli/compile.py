@@ -1,45 +1,144 @@
 """``rdakit compile``: a workload partitioned, placed and lowered to a bitstream."""
 
-import pathlib
-
-from rdakit.cli.options import add_fabric_arguments, fabric_from_args, parse_sizes
+from rdakit.cli.options import (
+    AUTO,
+    MAX_PLACE_STEPS,
+    RUN_PROG_LEN,
+    add_check,
+    add_fabric_arguments,
+    add_number,
+    check_sizes,
+    fabric_candidates,
+    parse_sizes,
+)
+from rdakit.cli.outputs import add_input, add_output
 from rdakit.compiler.compile import bitstream_for, compile_workload, load_workload
 from rdakit.compiler.graph import GraphError
 from rdakit.compiler.lower import LoweringError
 from rdakit.compiler.partition import STRATEGIES, PartitionError
 from rdakit.compiler.placement import PlacementError
 from rdakit.errors import UserError
+from rdakit.files import atomic_write
 from rdakit.hdl.spec.bitstream import listing
+from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.runtime.events import cost_model
 
-__all__ = ["register", "parse_sizes"]
+__all__ = ["register", "parse_sizes", "add_workload_arguments", "load_or_explain",
+           "choose_fabric", "FIT_ERRORS"]
+
+#: What the compiler raises when a workload does not fit a fabric.
+FIT_ERRORS = (LoweringError, PlacementError, PartitionError)
+
+
+def load_or_explain(args):
+    """The :class:`~rdakit.compiler.workloads.Workload` of ``args.workload`` with the sizes of
+    ``--size``, or a UserError saying why not."""
+    try:
+        return load_workload(args.workload, args.sizes)
+    except (GraphError, FileNotFoundError) as e:
+        raise UserError(str(e)) from None
+    except (TypeError, ValueError) as e:
+        if not args.sizes:
+            raise UserError(str(e)) from None
+        key = str(e).split(" ", 1)[0]
+        raise UserError(f"--size {e}" if key in args.sizes else f"--size: {e}") from None
+    except MemoryError:
+        raise UserError(f"{args.workload} with --size {args.sizes} needs more memory than this "
+                        f"machine has") from None
+
+
+def _hint(error):
+    """A hint after the compiler's message when a larger program memory may help."""
+    return " (a larger --prog-len, fabric or another partitioner may fit)" \
+        if "prog_len" in str(error) else ""
+
+
+def _grid(kw):
+    return f"{kw['rows']}x{kw['cols']} with {kw['mu_words']}-word MUs"
+
+
+def choose_fabric(workload, candidates, *, name, partitioner, seed, place_steps):
+    """The first fabric of ``candidates`` (keyword dicts of :func:`fabric_params`, from
+    :func:`~rdakit.cli.options.fabric_candidates`) on which the compiler fits ``workload``
+    (called ``name``, as the user typed it), and a sentence saying so (``None`` if there was
+    no choice: one candidate, not tried here).
+
+    Raises
+    ------
+    UserError
+        If the workload fits none; the message gives the compiler's reason on the last.
+    """
+    if len(candidates) == 1:
+        return candidates[0], None
+    for kw in candidates:
+        try:
+            compile_workload(workload, params=fabric_params(**kw), partitioner=partitioner,
+                             seed=seed, place_steps=place_steps)
+        except FIT_ERRORS as e:
+            last = e
+            continue
+        return kw, (f"fabric {_grid(kw)}: the smallest that fits {workload.name} "
+                    f"(--fabric {kw['rows']}x{kw['cols']} --mu-words {kw['mu_words']} gives "
+                    f"the same)")
+    first, largest = candidates[0], candidates[-1]
+    grids = list(dict.fromkeys(f"{kw['rows']}x{kw['cols']}" for kw in candidates))
+    where = f"the {grids[0]} fabric" if len(grids) == 1 else \
+        f"any fabric --fabric auto tries ({grids[0]} to {grids[-1]})"
+    raise UserError(f"{name} does not fit {where} with MUs of {first['mu_words']} to "
+                    f"{largest['mu_words']} words; on {_grid(largest)}: {last}{_hint(last)}")
+
+
+def _check(args):
+    args.sizes = parse_sizes(args.size)
+    check_sizes(args.workload, args.sizes, fabric_candidates(args))
 
 
 def _compile(args):
-    params = fabric_from_args(args)
-    sizes = parse_sizes(args.size)
+    workload = load_or_explain(args)
+    kw, chosen = choose_fabric(workload, fabric_candidates(args), name=args.workload,
+                               partitioner=args.partitioner, seed=args.seed,
+                               place_steps=args.place_steps)
+    params = fabric_params(**kw)
     try:
-        workload = load_workload(args.workload, sizes)
         job, summary = compile_workload(workload, params=params,
                                         partitioner=args.partitioner, seed=args.seed,
                                         place_steps=args.place_steps,
                                         schedule_cost=cost_model(workload, params=params))
-    except (LoweringError, PlacementError, PartitionError, GraphError, FileNotFoundError) as e:
-        hint = " (a larger --prog-len, fabric or another partitioner may fit)" \
-            if "prog_len" in str(e) else ""
-        raise UserError(f"{e}{hint}") from None
-    except (TypeError, ValueError) as e:
-        raise UserError(str(e)) from None
+    except FIT_ERRORS as e:
+        raise UserError(f"{e}{_hint(e)}") from None
     for line in summary.lines():
         print(line)
+    if chosen:
+        print(chosen)
     if args.output:
         data = bitstream_for(job)
-        pathlib.Path(args.output).write_bytes(data)
+        atomic_write(args.output, data)
         print(f"wrote {args.output} ({len(data)} bytes)")
     if args.listing:
-        pathlib.Path(args.listing).write_text(listing(job.config) + "\n")
+        atomic_write(args.listing, listing(job.config) + "\n")
         print(f"wrote {args.listing}")
     return 0
+
+
+def add_workload_arguments(p):
+    """The workload and compilation options of ``rdakit compile`` and ``rdakit run``: the
+    workload (an input: no output may overwrite a graph file), ``--size``, ``--partitioner``,
+    ``--seed``, ``--place-steps`` and the fabric with ``--fabric auto``."""
+    p.add_argument("workload", metavar="WORKLOAD",
+                   help="mlp, decoder, moe, switch, mixtral, or a Python file")
+    add_input(p, "workload", "WORKLOAD")
+    p.add_argument("--size", action="append", default=[], metavar="KEY=VALUE",
+                   help="a size option of the workload builder, e.g. batch=4 or "
+                        "sizes=64,128,64 (repeatable)")
+    p.add_argument("--partitioner", default="multilevel", choices=sorted(STRATEGIES),
+                   help="partitioning strategy (default: %(default)s)")
+    add_number(p, "--seed", low=0, default=0, help="seed of the placement (default 0)")
+    add_number(p, "--place-steps", low=0, high=MAX_PLACE_STEPS,
+               reason="about 10 us a step: a million take tens of seconds", default=20000,
+               help=f"annealing steps of the placement, at most {MAX_PLACE_STEPS} "
+                    f"(default: %(default)s)")
+    add_fabric_arguments(p, auto=True)
+    p.set_defaults(prog_len=RUN_PROG_LEN)
 
 
 def register(commands):
@@ -50,18 +149,12 @@ def register(commands):
                     "write the bitstream. Prints the parts, the cut, the balance, the "
                     "estimated cycles, the instructions of every CU and the buffers of every "
                     "MU. The bitstream holds the references a freshly reset fabric gives the "
-                    "host buffers (allocated in order: constant pools, inputs, outputs).")
-    c.add_argument("workload", metavar="WORKLOAD",
-                   help="mlp, decoder, moe, switch, mixtral, or a Python file")
-    c.add_argument("--size", action="append", default=[], metavar="KEY=VALUE",
-                   help="a size option of the workload builder, e.g. batch=4 or "
-                        "sizes=64,128,64 (repeatable)")
-    c.add_argument("--partitioner", default="multilevel", choices=sorted(STRATEGIES),
-                   help="partitioning strategy (default: %(default)s)")
-    c.add_argument("-o", "--output", metavar="FILE", help="write the bitstream to FILE")
-    c.add_argument("--listing", metavar="FILE", help="also write a readable listing to FILE")
-    c.add_argument("--seed", type=int, default=0, help="seed of the placement (default 0)")
-    c.add_argument("--place-steps", type=int, default=20000,
-                   help="annealing steps of the placement (default: %(default)s)")
-    add_fabric_arguments(c)
+                    "host buffers (allocated in order: constant pools, inputs, outputs). With "
+                    f"--fabric {AUTO} (the default) the smallest fabric on which the workload "
+                    "fits is chosen and named. CU program length defaults to "
+                    f"{RUN_PROG_LEN} here, as in rdakit run and rdakit inspect.")
+    add_workload_arguments(c)
+    add_output(c, "-o", "--output", metavar="FILE", help="write the bitstream to FILE")
+    add_output(c, "--listing", metavar="FILE", help="also write a readable listing to FILE")
+    add_check(c, _check)
     c.set_defaults(func=_compile)

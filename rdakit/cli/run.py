@@ -12,18 +12,23 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from rdakit.cli.compile import FIT_ERRORS, add_workload_arguments, choose_fabric, load_or_explain
 from rdakit.cli.options import (
-    add_fabric_arguments,
+    AUTO,
+    RUN_PROG_LEN,
+    add_check,
     check_clusters,
+    check_sizes,
+    checked_params,
+    dashed,
+    fabric_candidates,
     fabric_dict,
     fabric_from_args,
     parse_grid,
     parse_sizes,
 )
-from rdakit.compiler.lower import LoweringError
-from rdakit.compiler.partition import STRATEGIES, PartitionError
+from rdakit.cli.outputs import add_output, image_suffixes
 from rdakit.compiler.partition.clusters import CLUSTER_STRATEGIES
-from rdakit.compiler.placement import PlacementError
 from rdakit.errors import UserError
 from rdakit.hdl.cluster.system import SystemParams
 from rdakit.sim.bench.report import Report
@@ -33,15 +38,18 @@ from rdakit.sim.verify.runner import require_simulator_or_raise
 
 __all__ = ["register", "progress_bar", "RUN_PROG_LEN"]
 
-#: ``rdakit run``'s program length unless --prog-len says otherwise: compiled programs are
-#: hundreds of instructions long (the fabric commands' default, 64, suits hand-written kernels).
-RUN_PROG_LEN = 2048
+#: The iterations of ``--adapt``: each compiles and simulates the whole workload again.
+MAX_ADAPT = 100
+
+#: Cycles ``--inject-load`` may add before a cluster starts: every one is simulated, and
+#: Amaranth's simulator takes minutes for a million cycles of a system.
+MAX_INJECT_LOAD = 1_000_000
 
 
-def spec_from_args(args, *, iterations=1):
+def spec_from_args(args, *, iterations=1, fabric=None):
     return e2e.RunSpec(workload=args.workload, sizes=parse_sizes(args.size),
-                   fabric=fabric_dict(args), partitioner=args.partitioner, seed=args.seed,
-                   iterations=iterations, place_steps=args.place_steps)
+                       fabric=fabric or fabric_dict(args), partitioner=args.partitioner,
+                       seed=args.seed, iterations=iterations, place_steps=args.place_steps)
 
 
 def compile_or_explain(spec, cost=None):
@@ -49,7 +57,7 @@ def compile_or_explain(spec, cost=None):
     params = spec.params
     try:
         return spec.compile(cost)
-    except (LoweringError, PlacementError, PartitionError) as e:
+    except FIT_ERRORS as e:
         raise UserError(f"{spec.workload} does not fit the {params.rows}x{params.cols} fabric: "
                         f"{e}") from None
     except (TypeError, ValueError, OSError) as e:
@@ -78,20 +86,40 @@ def progress_bar(enabled):
         yield update
 
 
-def _run(args):
-    if args.adapt is not None and args.adapt < 1:
-        raise UserError(f"--adapt takes a number of iterations >= 1, not {args.adapt}")
+def _check(args):
+    """Every option of ``rdakit run``, before anything is compiled or simulated."""
+    if args.adapt is not None and not 1 <= args.adapt <= MAX_ADAPT:
+        raise UserError(f"--adapt takes a number of iterations >= 1 and at most {MAX_ADAPT} "
+                        f"(each is a whole run), not {args.adapt}")
+    args.sizes = parse_sizes(args.size)
     if args.clusters is not None:
-        return _run_clusters(args)
-    for opt in ("slow_cluster", "inject_load", "cluster_cus"):
+        args.system_spec = system_spec_from_args(args)
+        return
+    for opt in ("slow_cluster", "inject_load", "cluster_cus", "link_width"):
         if getattr(args, opt) is not None:
             raise UserError(f"--{opt.replace('_', '-')} needs --clusters N")
-    spec = spec_from_args(args, iterations=args.adapt or 1)
-    params = spec.params
-    _, summary = compile_or_explain(spec)
+    check_sizes(args.workload, args.sizes, fabric_candidates(args))
     if args.sim != "amaranth":
         require_simulator_or_raise(args.sim)
+
+
+def _waves_suffixes(args):
+    return ("an FST", (".fst",)) if args.sim == "verilator" else ("a VCD", (".vcd",))
+
+
+def _run(args):
+    if args.clusters is not None:
+        return _run_clusters(args)
+    workload = load_or_explain(args)
+    kw, chosen = choose_fabric(workload, fabric_candidates(args), name=args.workload,
+                               partitioner=args.partitioner, seed=args.seed,
+                               place_steps=args.place_steps)
+    spec = spec_from_args(args, iterations=args.adapt or 1, fabric=kw)
+    params = spec.params
+    _, summary = compile_or_explain(spec)
     report = Report("run")
+    if chosen:
+        report.console.print(chosen)
     report.console.print(f"[bold]{summary.graph}[/bold] on a {params.rows}x{params.cols} fabric "
                          f"({params.cu.lanes} lanes) with {args.sim}; partitioner "
                          f"{summary.partitioner}")
@@ -155,6 +183,10 @@ def system_spec_from_args(args):
     UserError naming the problem. The clusters' coordinates are wide enough for the grid of
     all clusters side by side (the compiler's view of the system, docs/clusters.md)."""
     n = check_clusters(args.clusters)
+    if args.fabric == AUTO:
+        args.fabric = "2x2"                     # each cluster's fabric: auto picks no system
+    if args.mu_words is None:
+        args.mu_words = fabric_dict(args)["mu_words"]
     if args.sim != "amaranth":
         raise UserError(f"--clusters runs in the built-in simulator only (--sim amaranth), not "
                         f"{args.sim}; the cocotb tests run systems on Icarus and Verilator "
@@ -172,8 +204,9 @@ def system_spec_from_args(args):
         if not 0 <= args.slow_cluster < n:
             raise UserError(f"--slow-cluster must name a cluster from 0 to {n - 1}, not "
                             f"{args.slow_cluster}")
-        if args.inject_load < 0:
-            raise UserError(f"--inject-load must be cycles >= 0, not {args.inject_load}")
+        if not 0 <= args.inject_load <= MAX_INJECT_LOAD:
+            raise UserError(f"--inject-load must be cycles from 0 to {MAX_INJECT_LOAD} (each "
+                            f"is simulated), not {args.inject_load}")
         delays[args.slow_cluster] = args.inject_load
     cus = None
     if args.cluster_cus is not None:
@@ -186,9 +219,12 @@ def system_spec_from_args(args):
         if len(cus) != n or any(not 0 <= k <= ncu for k in cus):
             raise UserError(f"--cluster-cus takes {n} numbers from 0 to {ncu} (the CUs of a "
                             f"cluster), not {args.cluster_cus!r}")
+    check_sizes(args.workload, args.sizes, [fabric_dict(args)])
+    links = dict(fabric=params, clusters=n, link_width=args.link_width,
+                 link_latency=args.link_latency)
+    system = checked_params(SystemParams, links,
+                            dict(links, link_width=None, link_latency=20), dashed)
     try:
-        system = SystemParams(params, clusters=n, link_width=args.link_width,
-                              link_latency=args.link_latency)
         return SystemRunSpec(args.workload, system, sizes=parse_sizes(args.size), cus=cus,
                              strategy=args.cluster_partitioner, inner=args.partitioner,
                              iterations=args.adapt or 1, delays=delays, seed=args.seed,
@@ -198,7 +234,7 @@ def system_spec_from_args(args):
 
 
 def _run_clusters(args):
-    spec = system_spec_from_args(args)
+    spec = args.system_spec
     sp = spec.system
     fp = sp.fabric
     report = Report("run")
@@ -211,7 +247,7 @@ def _run_clusters(args):
     with progress_bar(not args.quiet and report.console.is_terminal) as progress:
         try:
             rows = run_system_session(spec, progress=progress)
-        except (LoweringError, PlacementError, PartitionError) as e:
+        except FIT_ERRORS as e:
             raise UserError(f"{spec.workload} does not fit {sp.clusters} clusters of "
                             f"{fp.rows}x{fp.cols}: {e}") from None
     keys = ("iteration", "partitioner", "cycles", "finish", "busy", "work", "loads",
@@ -233,19 +269,6 @@ def _run_clusters(args):
                                   "every buffer of every cluster freed")
 
 
-def add_run_arguments(p):
-    """The workload and compilation options of ``rdakit run`` (also used by benches)."""
-    p.add_argument("--size", action="append", default=[], metavar="KEY=VALUE",
-                   help="a size option of the workload builder, e.g. tokens=8 (repeatable)")
-    p.add_argument("--partitioner", default="multilevel", choices=sorted(STRATEGIES),
-                   help="partitioning strategy (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the placement (default 0)")
-    p.add_argument("--place-steps", type=int, default=20000,
-                   help="annealing steps of the placement (default: %(default)s)")
-    add_fabric_arguments(p)
-    p.set_defaults(prog_len=RUN_PROG_LEN)
-
-
 def register(commands):
     p = commands.add_parser(
         "run", help="compile a workload, run it on a simulated fabric and check it",
@@ -256,24 +279,25 @@ def register(commands):
                     "utilization, NoC flits, MU peak memory and buffers allocated and freed. "
                     "Exits 1 on a mismatch, a CU error or a leaked buffer; 2 when the workload "
                     f"does not fit. CU program length defaults to {RUN_PROG_LEN} here.")
-    p.add_argument("workload", metavar="WORKLOAD",
-                   help="mlp, decoder, moe, switch, mixtral, or a Python file")
+    add_workload_arguments(p)
     p.add_argument("--sim", choices=e2e.BACKENDS, default="amaranth",
                    help="simulator: amaranth (built in, no tools), icarus or verilator "
                         "(default: %(default)s)")
-    p.add_argument("--waves", metavar="FILE",
-                   help="write waveforms to FILE (VCD; FST with verilator)")
-    p.add_argument("--report", metavar="FILE.json", help="write the full report as JSON")
-    p.add_argument("--plot", metavar="FILE.png", help="write a heatmap of tile utilization")
-    p.add_argument("--profile", nargs="?", const=True, default=None, metavar="FILE.png",
-                   help="print where each CU's cycles went (the hardware's cycle accounting: "
-                        "stream steps, waits, fences, MU round trips, stream start-up, "
-                        "instructions); with FILE.png also a stacked bar chart of it")
+    add_output(p, "--waves", metavar="FILE", suffixes=_waves_suffixes,
+               help="write waveforms to FILE (.vcd; .fst with verilator)")
+    add_output(p, "--report", metavar="FILE.json", help="write the full report as JSON")
+    add_output(p, "--plot", metavar="FILE.png", suffixes=image_suffixes,
+               help="write a heatmap of tile utilization (.png or another image format "
+                    "matplotlib writes)")
+    add_output(p, "--profile", nargs="?", const=True, default=None, metavar="FILE.png",
+               suffixes=image_suffixes,
+               help="print where each CU's cycles went (the hardware's cycle accounting: "
+                    "stream steps, waits, fences, MU round trips, stream start-up, "
+                    "instructions); with FILE.png also a stacked bar chart of it")
     p.add_argument("--adapt", type=int, metavar="N",
                    help="run N iterations; after each, feed the measured per-CU costs into "
                         "the cost model, re-partition and reload")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    add_run_arguments(p)
 
     g = p.add_argument_group("a system of clusters (docs/clusters.md); --fabric is each "
                              "cluster's")
@@ -294,4 +318,5 @@ def register(commands):
     g.add_argument("--inject-load", type=int, metavar="CYCLES",
                    help="cycles cluster K is busy with other work before it starts; the "
                         "compiler is not told")
+    add_check(p, _check)
     p.set_defaults(func=_run)

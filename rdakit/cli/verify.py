@@ -1,5 +1,7 @@
 """``rdakit verify``: run the formal proofs and print a table of their results."""
 
+from rdakit.cli.options import add_check
+from rdakit.cli.outputs import add_output
 from rdakit.errors import UserError
 from rdakit.sim.bench.report import Report
 from rdakit.sim.verify.formal import FormalError, sby_available
@@ -24,16 +26,20 @@ def run_properties(props, *, faults=False, report=None):
     return rows
 
 
+def _check(args):
+    try:
+        args.props = [get_property(n) for n in args.property] if args.property else [
+            p for p in PROPERTIES if p.ci or args.all]
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
 def _verify(args):
     if args.list:
         for prop in PROPERTIES:
             print(f"{prop.name:23} {'ci ' if prop.ci else '   '}{prop.statement}")
         return 0
-    try:
-        props = [get_property(n) for n in args.property] if args.property else [
-            p for p in PROPERTIES if p.ci or args.all]
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    props = args.props
     missing = sby_available()
     if missing:
         raise UserError(missing)
@@ -64,5 +70,6 @@ def register(commands):
     p.add_argument("--faults", action="store_true",
                    help="also run each broken variant, which must fail with a counterexample")
     p.add_argument("--list", action="store_true", help="list the properties and exit")
-    p.add_argument("--json", metavar="FILE", help="also write the results to a JSON file")
+    add_output(p, "--json", metavar="FILE", help="also write the results to a JSON file")
+    add_check(p, _check)
     p.set_defaults(func=_verify)

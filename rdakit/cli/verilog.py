@@ -5,24 +5,30 @@ the request and response meshes side by side), ``fabric`` (a whole fabric with i
 and ``system`` (clusters joined by bridges).
 """
 
-import pathlib
+import re
 
 from rdakit.cli.options import (
+    add_check,
     add_fabric_arguments,
     add_grid_argument,
     add_mu_arguments,
     add_system_arguments,
+    dashed,
     fabric_from_args,
+    fabric_params,
+    max_grid,
     mu_params_from_args,
     parse_grid,
     system_from_args,
 )
+from rdakit.cli.outputs import add_output
 from rdakit.errors import UserError
+from rdakit.files import atomic_write
 from rdakit.hdl.cluster.system import System
 from rdakit.hdl.fabric.top import Fabric
 from rdakit.hdl.memory.unit import MemoryUnit
 from rdakit.hdl.noc.mesh import DualMesh, Mesh
-from rdakit.hdl.noc.router import Router
+from rdakit.hdl.noc.router import Router, check_mesh_params
 from rdakit.hdl.spec.packets import mu_request_layout, mu_response_layout
 from rdakit.hdl.spec.params import MUParams
 from rdakit.sim.verify.runner import generate_verilog, lint_waiver_header
@@ -39,46 +45,111 @@ def write_verilog(args, component, what):
     if args.output == "-":
         print(text, end="")
     else:
-        path = pathlib.Path(args.output)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        print(f"wrote {path}: module {args.name}, {len(text.splitlines())} lines ({what})")
+        atomic_write(args.output, text)
+        print(f"wrote {args.output}: module {args.name}, {len(text.splitlines())} lines "
+              f"({what})")
     return 0
 
 
+def _check_name(args):
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_$]*", args.name):
+        raise UserError(f"--name must be a Verilog identifier (a letter or _, then letters, "
+                        f"digits, _ or $), not {args.name!r}")
+
+
 def add_output_arguments(parser, default_name="top", *, name_help="name of the top module"):
-    parser.add_argument("-o", "--output", required=True, metavar="FILE",
-                        help="Verilog file to write ('-' for standard output)")
+    """``-o FILE`` (``-``: standard output; checked before any work) and ``--name``."""
+    add_output(parser, "-o", "--output", required=True, metavar="FILE", dash=True,
+               help="Verilog file to write ('-' for standard output)")
     parser.add_argument("--name", default=default_name,
                         help=f"{name_help} (default: %(default)s)")
+    add_check(parser, _check_name)
 
 
 # --- mu ---------------------------------------------------------------------------------------
 
+def _check_mu_id(args):
+    bits = mu_params_from_args(args).mu_id_bits
+    if not 0 <= args.mu_id < 1 << bits:
+        raise UserError(f"--mu-id must be from 0 to {(1 << bits) - 1} (the MU IDs of "
+                        f"--mu-id-bits {bits}), not {args.mu_id}")
+
+
 def _verilog_mu(args):
     params = mu_params_from_args(args)
-    try:
-        mu = MemoryUnit(params, mu_id=args.mu_id)
-    except (TypeError, ValueError) as e:
-        raise UserError(str(e)) from None
+    mu = _mesh_errors(lambda: MemoryUnit(params, mu_id=args.mu_id))
     return write_verilog(args, mu, f"{params.alloc_mode.value}, {params.refcount.value}, "
                                    f"{params.words} words")
 
 
 # --- router and noc ---------------------------------------------------------------------------
 
+def _widest_packet():
+    """The widest packet of any fabric's memory network (the most lanes fabric_params takes):
+    the bound of ``--payload``'s width."""
+    lanes = max(n for n in (1 << k for k in range(8)) if not _refused(lambda n=n: fabric_params(
+        lanes=n)))
+    mu = fabric_params(lanes=lanes).mu
+    return max(mu_request_layout(mu).size, mu_response_layout(mu).size)
+
+
+def _refused(make):
+    try:
+        make()
+    except (TypeError, ValueError):
+        return True
+    return False
+
+
 def _payload_shape(text):
     """``mu-request``/``mu-response`` (the memory network's packets, default MU parameters) or
-    a width in bits."""
+    a width in bits, at most the widest packet of any fabric."""
     if text == "mu-request":
         return mu_request_layout(MUParams())
     if text == "mu-response":
         return mu_response_layout(MUParams())
     try:
-        return int(text)
+        width = int(text)
     except ValueError:
-        raise UserError(f"payload must be one of {', '.join(PAYLOADS)} or a width in bits, "
+        raise UserError(f"--payload must be one of {', '.join(PAYLOADS)} or a width in bits, "
                         f"not {text!r}") from None
+    widest = _widest_packet()
+    if not 1 <= width <= widest:
+        raise UserError(f"--payload must be a width from 1 to {widest} bits (the widest packet "
+                        f"of any fabric), not {width}")
+    return width
+
+
+def _mesh_errors(make):
+    """``make()``, its TypeError or ValueError a UserError naming the option (``--fabric``
+    for the grid)."""
+    try:
+        return make()
+    except (TypeError, ValueError) as e:
+        text = str(e)
+        key = text.split(" ", 1)[0]
+        option = "--fabric" if key in ("rows", "cols") else dashed(key)
+        raise UserError(f"{option}{text[len(key):]}") from None
+
+
+def _check_mesh(args):
+    """The grid, queue and payload options of ``verilog router`` and ``verilog noc``, before
+    anything is built: the grid at most the largest fabric's (a larger mesh takes minutes to
+    generate, and no fabric uses it)."""
+    rows, cols = parse_grid(args.fabric)
+    high = max_grid()
+    if not (1 <= rows <= high and 1 <= cols <= high):
+        raise UserError(f"--fabric must be ROWSxCOLS with 1 to {high} rows and columns (the "
+                        f"largest fabric), not {args.fabric!r}")
+    _mesh_errors(lambda: check_mesh_params(rows=rows, cols=cols, coord_bits=args.coord_bits,
+                                           depth=args.depth, queues=args.queues,
+                                           counter_bits=args.counter_bits))
+    _payload_shape(args.payload)
+    if getattr(args, "x", None) is not None:
+        for name, value, bound in (("--x", args.x, cols), ("--y", args.y, rows)):
+            if not 0 <= value < bound:
+                raise UserError(f"{name} must be from 0 to {bound - 1} on a {rows}x{cols} "
+                                f"mesh, not {value}")
 
 
 def _add_noc_arguments(p):
@@ -96,16 +167,15 @@ def _add_noc_arguments(p):
     p.add_argument("--counter-bits", type=int, default=32, metavar="N",
                    help="width of the per-router counters (default: %(default)s)")
     add_output_arguments(p)
+    add_check(p, _check_mesh)
 
 
 def _verilog_router(args):
     rows, cols = parse_grid(args.fabric)
-    try:
-        router = Router(payload_shape=_payload_shape(args.payload), x=args.x, y=args.y,
-                        rows=rows, cols=cols, coord_bits=args.coord_bits,
-                        depth=args.depth, queues=args.queues, counter_bits=args.counter_bits)
-    except (TypeError, ValueError) as e:
-        raise UserError(str(e)) from None
+    router = _mesh_errors(lambda: Router(
+        payload_shape=_payload_shape(args.payload), x=args.x, y=args.y, rows=rows, cols=cols,
+        coord_bits=args.coord_bits, depth=args.depth, queues=args.queues,
+        counter_bits=args.counter_bits))
     return write_verilog(args, router, f"router ({args.x}, {args.y}) of {rows}x{cols}, "
                                        f"{args.queues} queues of {args.depth}, "
                                        f"{router.flit.size}-bit flits")
@@ -115,7 +185,8 @@ def _verilog_noc(args):
     rows, cols = parse_grid(args.fabric)
     kw = dict(rows=rows, cols=cols, coord_bits=args.coord_bits, depth=args.depth,
               queues=args.queues, counter_bits=args.counter_bits)
-    try:
+
+    def make():
         if args.dual:
             if args.payload in PAYLOADS:
                 p = MUParams()
@@ -124,13 +195,11 @@ def _verilog_noc(args):
                     kw["coord_bits"] = p.coord_bits
             else:
                 req = rsp = _payload_shape(args.payload)
-            noc = DualMesh(request_shape=req, response_shape=rsp, **kw)
-            what = "request and response meshes"
-        else:
-            noc = Mesh(payload_shape=_payload_shape(args.payload), **kw)
-            what = f"mesh, {noc.flit.size}-bit flits"
-    except (TypeError, ValueError) as e:
-        raise UserError(str(e)) from None
+            return DualMesh(request_shape=req, response_shape=rsp, **kw), \
+                "request and response meshes"
+        noc = Mesh(payload_shape=_payload_shape(args.payload), **kw)
+        return noc, f"mesh, {noc.flit.size}-bit flits"
+    noc, what = _mesh_errors(make)
     return write_verilog(args, noc, f"{rows}x{cols} {what}, {args.queues} queues of "
                                     f"{args.depth}")
 
@@ -167,6 +236,7 @@ def register(commands):
     add_mu_arguments(p)
     p.add_argument("--mu-id", type=int, default=0, help="this MU's ID (default: 0)")
     add_output_arguments(p)
+    add_check(p, _check_mu_id)
     p.set_defaults(func=_verilog_mu)
 
     p = sub.add_parser(
@@ -195,8 +265,7 @@ def register(commands):
                        description="Write the Verilog of an R x C fabric with its host "
                                    "port (docs/fabric.md).")
     add_fabric_arguments(p)
-    p.add_argument("-o", "--output", required=True, metavar="FILE")
-    p.add_argument("--name", default="top", help="top module name (default: %(default)s)")
+    add_output_arguments(p, name_help="top module name")
     p.set_defaults(func=_verilog_fabric)
 
     p = sub.add_parser(

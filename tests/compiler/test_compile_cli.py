@@ -11,10 +11,11 @@ import pytest
 
 from rdakit.cli import main
 from rdakit.cli.compile import parse_sizes
+from rdakit.cli.options import AUTO_GRIDS
 from rdakit.compiler.compile import bitstream_for, compile_workload
 from rdakit.compiler.cost import CostModel
 from rdakit.compiler.partition import partition
-from rdakit.compiler.workloads import mlp
+from rdakit.compiler.workloads import WORKLOADS, mlp
 from rdakit.hdl.spec.bitstream import read_bitstream
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.bench.calibrate import CalibratedCostModel, fit
@@ -67,7 +68,7 @@ def test_compile_a_graph_file(tmp_path, capsys):
     assert main(["compile", str(path), "--prog-len", "256", "-o", str(tmp_path / "t.bit")]) == 0
     assert capsys.readouterr().out.startswith("graph tiny: 5 nodes, partitioner multilevel\n")
     assert main(["compile", str(path), "--size", "batch=2"]) == 2
-    assert capsys.readouterr().err == ("rdakit: error: size options apply to built-in "
+    assert capsys.readouterr().err == ("rdakit: error: --size applies to built-in "
                                        "workloads, not to graph files\n")
 
 
@@ -77,17 +78,39 @@ def test_compile_a_graph_file(tmp_path, capsys):
     (["mlp", "--size", "batch"], "--size must be KEY=VALUE, not 'batch'"),
     (["mlp", "--size", "batch=x"], "--size batch must be an integer or integers separated "
                                    "by commas, not 'x'"),
-    (["mlp", "--size", "batch=0"], "batch must be a positive integer, not 0"),
-    (["mlp", *MLP, "--prog-len", "32"],
+    (["mlp", "--size", "batch=0"], "--size batch must be a positive integer, not 0"),
+    (["mlp", *MLP, "--prog-len", "32", "--fabric", "2x2", "--mu-words", "1024"],
      "The program of CU (1, 1) (2 ops: 'fc0', 'bias0') is 48 instructions long but prog_len is "
      "32 (a larger --prog-len, fabric or another partitioner may fit)"),
-    (["mlp"], "Constant 'w1' (transposed) needs 2048 words but an MU buffer holds at most 1024 "
-              "(max_buffer_words)"),
+    (["mlp", "--fabric", "2x2", "--mu-words", "1024"],
+     "Constant 'w1' (transposed) needs 2048 words but an MU buffer holds at most 1024 "
+     "(max_buffer_words)"),
     (["mlp", *MLP, "--fabric", "2"], "--fabric must be ROWSxCOLS like 4x4, not '2'"),
 ])
 def test_compile_errors(args, message, capsys):
     assert main(["compile", *args, "--place-steps", "200"]) == 2
     assert capsys.readouterr().err == f"rdakit: error: {message}\n"
+
+
+@pytest.mark.parametrize("workload", sorted(set(WORKLOADS) - {"mlp"}))
+def test_every_workload_compiles_at_its_default_sizes(workload, tmp_path, capsys):
+    """``rdakit compile NAME`` with no option: ``--fabric auto`` picks the smallest fabric of
+    :data:`AUTO_GRIDS` (and MU size) the workload fits and names it (mlp: the hostile-input
+    suite, tests/test_hostile_cli.py)."""
+    assert main(["compile", workload, "-o", str(tmp_path / "w.bit")]) == 0
+    out = capsys.readouterr().out
+    chosen = [line for line in out.splitlines() if line.startswith("fabric ")]
+    assert len(chosen) == 1 and "the smallest that fits" in chosen[0], out
+    assert chosen[0].split()[1] in {f"{r}x{c}" for r, c in AUTO_GRIDS}, out
+    assert (tmp_path / "w.bit").read_bytes()[:4] == b"RDAB"
+
+
+def test_the_main_job_stays_on_2x2(capsys):
+    """``--fabric auto`` keeps the README's main job on the 2x2 fabric with 1024-word MUs."""
+    assert main(["compile", "moe", "--size", "tokens=4", "--size", "d_model=8", "--size",
+                 "d_ff=8", "--size", "experts=4"]) == 0
+    assert ("fabric 2x2 with 1024-word MUs: the smallest that fits moe_t4_d8_f8_e4_k2 "
+            "(--fabric 2x2 --mu-words 1024 gives the same)") in capsys.readouterr().out
 
 
 def test_parse_sizes():
