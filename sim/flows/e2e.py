@@ -36,6 +36,7 @@ from rdakit.compiler.adapt import measured_cost
 from rdakit.compiler.compile import compile_workload, load_workload
 from rdakit.compiler.cost import CostModel, lower_bound
 from rdakit.compiler.partition import as_weighted
+from rdakit.files import atomic_path
 from rdakit.hdl.fabric.top import Fabric
 from rdakit.hdl.spec.config import CU_PROFILE
 from rdakit.hdl.spec.params import fabric_params
@@ -460,7 +461,11 @@ def _run_amaranth(specs, *, waves, progress):
         host = HostDriver(params, AmaranthTransport(ctx, fabric))
         out["rows"] = await run_specs(host, specs, progress=progress)
 
-    simulate(fabric, testbench, vcd=waves)
+    if waves is None:
+        simulate(fabric, testbench)
+    else:
+        with atomic_path(waves) as tmp:
+            simulate(fabric, testbench, vcd=tmp)
     return out["rows"]
 
 
@@ -511,7 +516,8 @@ def _run_cocotb(specs, sim, *, waves, progress):
             dumps = sorted((p for p in work.iterdir() if p.suffix in (".fst", ".vcd")),
                            key=lambda p: p.stat().st_mtime)
             if dumps:
-                shutil.copyfile(dumps[-1], waves)
+                with atomic_path(waves) as tmp:
+                    shutil.copyfile(dumps[-1], tmp)
             shutil.rmtree(work, ignore_errors=True)
     return rows
 
@@ -542,9 +548,8 @@ def _save(fig, path):
     import matplotlib.pyplot as plt  # deferred like the plots that call this (already loaded)
 
     fig.tight_layout()
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
 
 
