@@ -116,8 +116,14 @@ def latencies(params):
     else:
         reqs += [("ADD_WEIGHT", {"op": MUOp.ADD_WEIGHT, "ref": ref, "data": 1}),
                  ("RETURN (no free)", {"op": MUOp.RETURN, "ref": ref, "data": 1})]
+    # Word 0 holds 5: FETCH_ADD makes it 6, UNLOCK by ticket 6 makes it 7, ticket 6 again is
+    # not the one served.
+    reqs += [("FETCH_ADD", {"op": MUOp.FETCH_ADD, "ref": ref, "index": 0, "data": 1}),
+             ("UNLOCK", {"op": MUOp.UNLOCK, "ref": ref, "index": 0, "data": 6}),
+             ("error (NOT_OWNER)", {"op": MUOp.UNLOCK, "ref": ref, "index": 0, "data": 6})]
     reqs += [("error (BAD_REF)", {"op": MUOp.READ, "ref": _ref(1, params=p), "index": 0}),
-             ("error (OUT_OF_RANGE)", {"op": MUOp.READ, "ref": ref, "index": 4 * p.block_words})]
+             ("error (OUT_OF_RANGE)", {"op": MUOp.READ, "ref": ref, "index": 4 * p.block_words}),
+             ("error (ALLOC refused)", {"op": MUOp.ALLOC, "data": 0})]
     res = run_requests(p, [r for _, r in reqs], isolated=True)
     rows = []
     for (name, _), (cs, _), (cr, _), resp in zip(reqs, res.sent, res.received, res.responses,

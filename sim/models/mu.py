@@ -5,6 +5,8 @@ their documented order, the allocation policies of the three allocation modes, b
 reference-counting modes, and the *physical* scratchpad, so that a word never written inside a
 reused block or region reads as whatever the hardware's memory last held there. A testbench
 compares ``unpack(mu_response_layout(p), rtl_value)`` with :meth:`MUModel.request` by ``==``.
+The model also knows the documented timing of each request (:attr:`MUModel.exec_cycles`) and
+what every counter port of the RTL reads (:meth:`MUModel.counters`).
 
 The module also has one helper per operation (:func:`alloc`, :func:`write`, :func:`append`,
 :func:`read`, :func:`length`, :func:`ret`, :func:`add_weight`, :func:`incref`, :func:`decref`)
@@ -40,6 +42,9 @@ _WEIGHT_OVERFLOW = MUStatus.WEIGHT_OVERFLOW
 _BAD_REQUEST = MUStatus.BAD_REQUEST
 _NOT_OWNER = MUStatus.NOT_OWNER
 
+# Operations that take a second execute cycle once their checks pass.
+_TWO_CYCLE_OPS = (MUOp.ALLOC.value, MUOp.FETCH_ADD.value, MUOp.UNLOCK.value)
+
 # What the response's 4-bit ``op`` field unpacks to: a member for a valid encoding, else the int.
 _OP_ECHO = tuple(MUOp(v) if v in MUOp._value2member_map_ else v for v in range(16))
 
@@ -63,9 +68,10 @@ class _Buffer:
 class MUModel:
     """Golden model of one memory unit, at the transaction level.
 
-    Each call to :meth:`request` is one request and returns its one response; the model has no
-    notion of time (the pipeline's timing is checked elsewhere). Every error response has
-    ``data = 0`` and leaves the model exactly as it was.
+    Each call to :meth:`request` is one request and returns its one response. The model has no
+    clock, but it counts the execute cycles each request takes in the RTL without back-pressure
+    (``docs/memory-unit.md``, Timing: the latency is one more). Every error response has
+    ``data = 0`` and leaves the model exactly as it was (but for the cycle counts).
 
     Parameters
     ----------
@@ -91,6 +97,14 @@ class MUModel:
         Words copied by ``reserve``-mode growth.
     growths : int
         ``reserve``-mode moves to a larger region.
+    exec_cycles : int
+        Execute cycles of the last request: 1, but 2 for an ALLOC that passed its checks and a
+        FETCH_ADD or UNLOCK that passed theirs (NOT_OWNER included), ``2 + max(1, ceil(length /
+        block_words))`` for a free in ``virtual`` mode (2 in the others), ``length + 3`` for a
+        ``reserve`` growth. Its latency is ``exec_cycles + 1`` cycles.
+    busy_cycles : int
+        Sum of ``exec_cycles`` over every request: the RTL's ``busy_cycles`` counter without
+        back-pressure on its responses.
 
     Raises
     ------
@@ -141,6 +155,9 @@ class MUModel:
         self.frees = 0
         self.copy_words = 0
         self.growths = 0
+        self.exec_cycles = 0
+        self.busy_cycles = 0
+        self._freed_length = 0                   # length of the buffer the last free freed
 
         weighted = p.refcount is RefcountMode.WEIGHTED
         handlers = [self._bad_request] * 16
@@ -212,7 +229,10 @@ class MUModel:
                 raise ValueError(f"Field 'src.cluster' must fit in {self._cluster_bits} bits, "
                                  f"not {cluster!r}")
             dst["cluster"] = cluster
+        frees, growths, copied = self.frees, self.growths, self.copy_words
         status, rdata, new_ref = self._handlers[op](mu, buf, index, data)
+        self.exec_cycles = cycles = self._cycles(op, status, frees, growths, copied)
+        self.busy_cycles += cycles
         return {
             "op": _OP_ECHO[op],
             "status": status,
@@ -227,6 +247,20 @@ class MUModel:
         response (an int of ``mu_response_layout``)."""
         p = self.params
         return pack(mu_response_layout(p), self.request(unpack(mu_request_layout(p), value)))
+
+    def _cycles(self, op, status, frees, growths, copied):
+        """Execute cycles of a request that gave ``status``, given the counts before it."""
+        if status is not _OK and status is not _NOT_OWNER:
+            return 1                               # every check fails in the first cycle
+        if op in _TWO_CYCLE_OPS:
+            return 2                               # a second table or scratchpad read
+        if self.frees != frees:
+            if self._mode is AllocMode.VIRTUAL:    # a walk over the virtual blocks
+                return 2 + max(1, -(-self._freed_length >> self._offset_bits))
+            return 2
+        if self.growths != growths:                # the copy, one word a cycle
+            return self.copy_words - copied + 3
+        return 1
 
     def _reject_fields(self, op, x, y, tag, mu, buf, index, data):
         cb, tb, mb, bb, ib, db = self._field_widths
@@ -487,6 +521,7 @@ class MUModel:
             self.held_words -= self.params.reserve_words << b.order
         else:
             self.held_words -= self.params.words
+        self._freed_length = b.length
         slot = b.slot
         self._live[slot] = None
         self._n_live -= 1
@@ -496,6 +531,26 @@ class MUModel:
         self.frees += 1
 
     # Introspection.
+
+    def counters(self):
+        """What the RTL's counter ports read once every response has left, by port name:
+        ``held_words``, ``peak_held_words``, ``live_buffers``, ``free_blocks`` (0 outside
+        ``virtual`` mode), ``free_slots``, ``allocs``, ``frees``, ``copy_cycles`` (the words
+        copied) and ``busy_cycles`` (as the RTL counts it without back-pressure; with
+        back-pressure the RTL's is larger)."""
+        virtual = self._mode is AllocMode.VIRTUAL
+        return {
+            "held_words": self.held_words,
+            "peak_held_words": self.peak_held_words,
+            "live_buffers": self._n_live,
+            "free_blocks": len(self._block_stack) + self.params.n_blocks - self._block_fresh
+            if virtual else 0,
+            "free_slots": len(self._slot_stack) + self.params.max_buffers - self._slot_fresh,
+            "allocs": self.allocs,
+            "frees": self.frees,
+            "copy_cycles": self.copy_words,
+            "busy_cycles": self.busy_cycles,
+        }
 
     def free_slots(self):
         """Free buffer slots, in the order allocations will take them."""

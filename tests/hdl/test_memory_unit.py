@@ -4,6 +4,7 @@ equivalence with the golden model in every mode (the fast counterpart of tests/c
 
 import dataclasses
 import gc
+import types
 import warnings
 
 import pytest
@@ -12,8 +13,18 @@ from rdakit.hdl.memory.unit import MemoryUnit
 from rdakit.hdl.spec.packets import MUOp, MUStatus, mu_request_layout, mu_response_layout, pack
 from rdakit.hdl.spec.params import PLASTICINE_MU, AllocMode, MUParams, RefcountMode
 from rdakit.sim.bench.mu import run_requests
-from rdakit.sim.models.mu import MUModel
-from rdakit.sim.verify.amaranth_sim import StreamDriver
+from rdakit.sim.models.mu import (
+    MUModel,
+    alloc,
+    append,
+    decref,
+    fetch_add,
+    read,
+    ret,
+    unlock,
+    write,
+)
+from rdakit.sim.verify.amaranth_sim import StreamDriver, simulate
 from rdakit.sim.verify.mu_stimulus import MUStimulus
 from rdakit.sim.verify.runner import generate_verilog
 
@@ -200,3 +211,185 @@ def test_every_fsm_state_is_listed_for_the_observers(monkeypatch):
     with warnings.catch_warnings():     # the submodules the failed elaboration left unused
         warnings.simplefilter("ignore")
         gc.collect()
+
+
+# --- The docs and the hardware agree (issue 19) -----------------------------------------------
+
+def run_isolated(p, requests, *, mu_id=0):
+    """Run ``requests`` through the RTL one at a time (each sent once the previous response has
+    left) with no back-pressure. Returns the cycles until ``req.ready`` after reset, each
+    request's latency, the responses (ints) and every counter port after the last response."""
+    mu = MemoryUnit(p, mu_id=mu_id)
+    req_layout = mu_request_layout(p)
+    req_payload, resp_payload = mu.req.payload.as_value(), mu.resp.payload.as_value()
+    out = types.SimpleNamespace(ready_after=0, latencies=[], responses=[], counters={})
+
+    async def tb(ctx):
+        while not ctx.get(mu.req.ready):
+            await ctx.tick()
+            out.ready_after += 1
+        ctx.set(mu.resp.ready, 1)
+        for r in requests:
+            ctx.set(req_payload, pack(req_layout, r))
+            ctx.set(mu.req.valid, 1)
+            await ctx.tick().until(mu.req.ready)
+            ctx.set(mu.req.valid, 0)
+            cycles = valid = 0
+            while not valid:
+                _, _, valid, value = await ctx.tick().sample(mu.resp.valid, resp_payload)
+                cycles += 1
+            out.latencies.append(cycles)
+            out.responses.append(value)
+        await ctx.tick()
+        out.counters = {name: ctx.get(getattr(mu, name))
+                        for name in MUModel(p).counters()}
+
+    simulate(mu, tb)
+    return out
+
+
+def agreement_stream(p, *, seed, n, mu_id=2):
+    """Requests that reach every documented timing case of a mode (refused ALLOCs of each
+    status, FETCH_ADD, UNLOCK by the holder and by another, frees of every size, reserve
+    growths, every error), then a stream of the mixed stimulus; with the model after each."""
+    model = MUModel(p, mu_id)
+    stim = MUStimulus(p, seed=seed, mu_id=mu_id)
+    weighted = p.refcount is RefcountMode.WEIGHTED
+    reqs, cycles, responses = [], [], []
+
+    def send(r):
+        resp = model.request(r)
+        stim.observe(r, resp)
+        reqs.append(r)
+        cycles.append(model.exec_cycles)
+        responses.append(resp)
+        return resp
+
+    send(alloc(0))                                         # BAD_REQUEST
+    send(alloc(p.max_weight + 1))                          # WEIGHT_OVERFLOW
+    refs = [send(alloc(1))["ref"] for _ in range(p.max_buffers + 1)]   # the last: no slot
+    ref = refs[0]
+    for i in range(3):
+        send(append(ref, 5 + i))
+    send(fetch_add(ref, 1, 3))
+    send(unlock(ref, 1, 9))                                # the holder: 6 + 3 = 9
+    send(unlock(ref, 1, 9))                                # NOT_OWNER: the word is 10 now
+    send(write(ref, 2 * p.block_words + 1, 7))             # sparse: a growth in reserve mode
+    send(fetch_add(ref, p.block_words, 1))                 # a hole (virtual) or stale word
+    for r in refs[:-1]:
+        send(ret(r, 1) if weighted else decref(r))         # frees of 3 blocks, then 0
+    while len(reqs) < n:
+        send(stim.next_request())
+    return reqs, cycles, responses, model
+
+
+@pytest.fixture(scope="module", params=MODES, ids=[f"{a.value}-{r.value}" for a, r in MODES])
+def agreement(request):
+    """One RTL run per mode shared by the agreement tests: the stream, the model's execute
+    cycles and responses, and what the RTL did."""
+    p = small(*request.param)
+    reqs, cycles, responses, model = agreement_stream(p, seed=11, n=400)
+    return types.SimpleNamespace(p=p, reqs=reqs, cycles=cycles, responses=responses,
+                                 model=model, rtl=run_isolated(p, reqs, mu_id=2))
+
+
+def test_every_request_takes_the_documented_cycles(agreement):
+    """Latency = the model's execute cycles + 1 for every request, also for refused ALLOCs
+    (once 3 cycles; 2 as documented for errors), FETCH_ADD and UNLOCK (NOT_OWNER included),
+    frees and reserve growths."""
+    a = agreement
+    p = a.p
+    layout = mu_response_layout(p)
+    assert a.rtl.responses == [pack(layout, r) for r in a.responses]
+    got = [(i, r["op"], r["status"], lat)
+           for i, (r, lat) in enumerate(zip(a.responses, a.rtl.latencies, strict=True))]
+    want = [(i, r["op"], r["status"], c + 1)
+            for i, (r, c) in enumerate(zip(a.responses, a.cycles, strict=True))]
+    assert got == want
+    # The stream reaches the cases the timing table names.
+    seen = {(r["op"], r["status"]) for r in a.responses}
+    ok, not_owner = MUStatus.OK, MUStatus.NOT_OWNER
+    assert {(MUOp.ALLOC, s) for s in (ok, MUStatus.BAD_REQUEST, MUStatus.WEIGHT_OVERFLOW,
+                                      MUStatus.OUT_OF_MEMORY)} <= seen
+    assert {(MUOp.FETCH_ADD, ok), (MUOp.UNLOCK, ok), (MUOp.UNLOCK, not_owner)} <= seen
+    if p.alloc_mode is AllocMode.RESERVE:
+        assert a.model.growths > 0 and max(a.cycles) > 3
+
+
+def test_counters_read_what_the_docs_say(agreement):
+    """Every counter port equals the model's ``counters()``: copy_cycles the words copied
+    (once one more per growth), busy_cycles the execute cycles, free_blocks 0 outside
+    virtual mode, free_slots max_buffers - live_buffers."""
+    a = agreement
+    assert a.rtl.counters == a.model.counters()
+    assert a.model.counters()["busy_cycles"] == sum(a.cycles)
+    if a.p.alloc_mode is AllocMode.RESERVE:
+        assert a.model.copy_words > 0
+
+
+def test_ready_soon_after_reset(agreement):
+    """req.ready rises max_buffers + 1 cycles after reset (once the walk of the block table
+    made it max_buffers * max_vblocks)."""
+    assert agreement.rtl.ready_after == agreement.p.max_buffers + 1
+
+
+@pytest.mark.parametrize("params", [MUParams(), PLASTICINE_MU], ids=["default", "plasticine"])
+def test_ready_after_reset_is_a_walk_over_slots(params):
+    """9 cycles by default and 257 with the Plasticine preset (once 513 and 65,537)."""
+    mu = MemoryUnit(params)
+    cycles = []
+
+    async def tb(ctx):
+        n = 0
+        while not ctx.get(mu.req.ready):
+            assert n <= params.max_buffers, f"not ready after {n} cycles"
+            await ctx.tick()
+            n += 1
+        cycles.append(n)
+
+    simulate(mu, tb)
+    assert cycles == [params.max_buffers + 1]
+
+
+def test_reserve_growth_of_an_empty_buffer_copies_nothing():
+    """A WRITE past the capacity of an empty buffer moves it without copying a word: 3 execute
+    cycles and copy_cycles 0 (it counted 1)."""
+    p = small(AllocMode.RESERVE, RefcountMode.WEIGHTED)
+    ref = {"mu": 0, "buf": 0}
+    reqs = [alloc(1), write(ref, p.reserve_words, 4), read(ref, p.reserve_words)]
+    res = run_isolated(p, reqs, mu_id=0)
+    assert res.latencies == [3, 4, 2]
+    assert res.counters["copy_cycles"] == 0
+
+
+def test_docs_tables_name_every_operation():
+    """The check-order and timing tables of docs/memory-unit.md have a row per operation
+    (FETCH_ADD and UNLOCK were missing) and are up to date with their source in code."""
+    from rdakit.cli.docs import DOCS, SECTIONS, render
+
+    text = (DOCS / "memory-unit.md").read_text()
+    assert render(text, SECTIONS["memory-unit.md"]) == text, "run rdakit docs"
+    for section in ("checks", "timing"):
+        body = text.split(f"<!-- BEGIN GENERATED: {section} -->")[1].split("<!-- END")[0]
+        rows = [line.split("|")[1].strip() for line in body.strip().splitlines()[2:]]
+        assert rows == [op.name for op in MUOp], section
+
+
+@pytest.mark.parametrize("alloc_mode", [AllocMode.RESERVE, AllocMode.SINGLE])
+def test_never_written_words_read_what_the_physical_word_last_held(alloc_mode):
+    """docs/memory-unit.md, Words never written, outside virtual mode: a word below the length
+    that the buffer never wrote reads what an earlier buffer left in that physical word (0 if
+    nothing wrote it), in the model and in the RTL; a growth copies it as it is."""
+    p = small(alloc_mode, RefcountMode.WEIGHTED)
+    ref0, ref1 = {"mu": 0, "buf": 0}, {"mu": 0, "buf": 1 << p.slot_bits}
+    reqs = [alloc(1), append(ref0, 41), append(ref0, 42), ret(ref0, 1),   # slot 0, generation 1
+            alloc(1), write(ref1, 3, 7), read(ref1, 0), read(ref1, 1), read(ref1, 2)]
+    if alloc_mode is AllocMode.RESERVE:
+        reqs += [write(ref1, p.reserve_words, 8), read(ref1, 1), read(ref1, 2)]   # a growth
+    model = MUModel(p)
+    want = [model.request(r) for r in reqs]
+    assert [r["data"] for r in want[6:9]] == [41, 42, 0]
+    if alloc_mode is AllocMode.RESERVE:
+        assert [r["data"] for r in want[10:]] == [42, 0] and model.growths == 1
+    got = run_isolated(p, reqs, mu_id=0).responses
+    assert got == [pack(mu_response_layout(p), r) for r in want]

@@ -805,3 +805,64 @@ def test_invariant_violations_are_reported():
     with pytest.raises(ModelInvariantError, match=r"held_words is 17, but live buffers hold 16"):
         model.check_invariants()
 
+
+
+# Timing and counters (docs/memory-unit.md, Timing and Words held, counters).
+
+@pytest.mark.parametrize("alloc_mode, refcount", MODES)
+def test_exec_cycles_follow_the_timing_table(alloc_mode, refcount):
+    p = small(alloc_mode, refcount, words=512, reserve_words=64)
+    mu = MU(p)
+    seen = []
+
+    def cycles_of(req):
+        """The status of ``req`` and the execute cycles the model counts for it."""
+        status = mu(req)["status"]
+        seen.append(mu.model.exec_cycles)
+        return status, seen[-1]
+
+    assert cycles_of(alloc(0)) == (BAD_REQUEST, 1)               # every error: one cycle
+    assert cycles_of(alloc(p.max_weight + 1)) == (WEIGHT_OVERFLOW, 1)
+    assert cycles_of(alloc(1)) == (OK, 2)
+    ref = ref_of(0, params=p)
+    assert cycles_of(read(ref, 0)) == (OUT_OF_RANGE, 1)
+    assert {cycles_of(append(ref, i)) for i in range(40)} == {(OK, 1)}
+    assert cycles_of(read(ref, 39)) == (OK, 1)
+    assert cycles_of(fetch_add(ref, 3, 1)) == (OK, 2)
+    assert cycles_of(unlock(ref, 3, 4)) == (OK, 2)
+    assert cycles_of(unlock(ref, 3, 4)) == (NOT_OWNER, 2)       # found in the second cycle
+    growth = cycles_of(write(ref, 64, 1))                         # 40 words, capacity 64
+    assert growth == (OK, 40 + 3 if alloc_mode is AllocMode.RESERVE else 1)
+    assert cycles_of(length(ref)) == (OK, 1)
+    weighted = refcount is RefcountMode.WEIGHTED
+    # 65 words: 5 virtual blocks walked in virtual mode.
+    assert cycles_of(ret(ref, 1) if weighted else decref(ref)) == \
+        (OK, 2 + 5 if alloc_mode is AllocMode.VIRTUAL else 2)
+    assert cycles_of(alloc(1)) == (OK, 2)
+    ref = ref_of(0, 1, params=p)
+    assert cycles_of(ret(ref, 1) if weighted else decref(ref)) == \
+        (OK, 3 if alloc_mode is AllocMode.VIRTUAL else 2)         # nothing to walk
+    assert cycles_of({"op": 15}) == (BAD_REQUEST, 1)
+    assert mu.model.busy_cycles == sum(seen)
+
+
+@pytest.mark.parametrize("alloc_mode, refcount", MODES)
+def test_counters_are_the_ports_the_docs_define(alloc_mode, refcount):
+    p = small(alloc_mode, refcount)
+    mu = MU(p)
+    single = alloc_mode is AllocMode.SINGLE
+    refs = [mu.new() for _ in range(1 if single else 3)]
+    for i in range(20):
+        mu.ok(append(refs[0], i))
+    mu.release(refs[-1])
+    c = mu.model.counters()
+    live = 0 if single else 2
+    assert c["free_blocks"] == (p.n_blocks - 2 if alloc_mode is AllocMode.VIRTUAL else 0)
+    assert c["free_slots"] == p.max_buffers - live == p.max_buffers - c["live_buffers"]
+    assert (c["allocs"], c["frees"]) == (len(refs), 1)
+    assert c["copy_cycles"] == mu.model.copy_words
+    assert c["busy_cycles"] == mu.model.busy_cycles
+    assert (c["held_words"], c["peak_held_words"]) == (mu.model.held_words,
+                                                       mu.model.peak_held_words)
+    assert set(c) == {"held_words", "peak_held_words", "live_buffers", "free_blocks",
+                      "free_slots", "allocs", "frees", "copy_cycles", "busy_cycles"}
