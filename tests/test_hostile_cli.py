@@ -374,3 +374,6 @@ def test_class9_the_default_workload_compiles_on_the_default_fabric(tmp_path, ca
               if line.startswith("fabric ")]
     assert chosen == ["fabric 2x2 with 4096-word MUs: the smallest that fits mlp_b4_64x128x64 "
                       "(--fabric 2x2 --mu-words 4096 gives the same)"]
+    # ... and the defaults work together: inspect finds the fabric the bitstream is for.
+    assert main(["inspect", str(tmp_path / "w.bit")]) == 0
+    assert "tile (0, 0) CU enabled" in capsys.readouterr().out
