@@ -239,7 +239,7 @@ OUTPUTS = [
 SUFFIXED = {"--plot", "--profile", "--waves"}
 
 PATH_KINDS = ["folder", "slash", "top-level folder", "through a file", "input", "empty",
-              "not a regular file", "same as another output"]
+              "not a regular file", "unwritable folder", "same as another output"]
 
 
 def _bad_path(kind, folder, suffix):
@@ -251,6 +251,7 @@ def _bad_path(kind, folder, suffix):
             "input": folder / "graph.py",
             "empty": "",
             "not a regular file": "/dev/null",
+            "unwritable folder": f"/proc/x{suffix}",
             "same as another output": folder / f"out{suffix}"}[kind]
 
 
@@ -307,6 +308,11 @@ def test_class3_run_and_bench_refuse_bad_fabric_options_with_exit_2(capsys):
          f"not '1000x1000'"),
         (["compile", "mlp", "--local-words", "8192", "--lanes", "16"],
          "--lanes must be a power of two from 1 to 4 with --local-words 8192, not 16"),
+        (["bench", "e2e", "--sim", "amaranth", "--fabric", "auto"],
+         "--fabric must be ROWSxCOLS like 4x4, not 'auto' (auto chooses the fabric of a "
+         "workload: rdakit compile, run and inspect)"),
+        (["bench", "boards", "--grids", "2x2,100x100"],
+         f"--grids must be ROWSxCOLS with 1 to {max_grid()} rows and columns, not '100x100'"),
     ]:
         assert main(argv) == 2
         assert capsys.readouterr().err == f"rdakit: error: {message}\n"

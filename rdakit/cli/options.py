@@ -202,7 +202,7 @@ def add_fabric_arguments(parser, *, default="2x2", auto=False, check=True):
     g.add_argument("--noc-queues", choices=["voq", "fifo"], default="voq")
     g.add_argument("--noc-depth", type=int, default=2)
     if check:
-        add_check(parser, functools.partial(_check_fabric, parser))
+        add_check(parser, functools.partial(_check_fabric, parser, auto))
 
 
 def _defaults(parser):
@@ -219,7 +219,10 @@ def _defaults(parser):
 _MU_WORDS = inspect.signature(fabric_params).parameters["mu_words"].default
 
 
-def _check_fabric(parser, args):
+def _check_fabric(parser, auto, args):
+    if args.fabric == AUTO and not auto:
+        raise UserError("--fabric must be ROWSxCOLS like 4x4, not 'auto' (auto chooses the "
+                        "fabric of a workload: rdakit compile, run and inspect)")
     args.fabric_defaults = _defaults(parser)
     if getattr(args, "clusters", None) is not None:
         return                                  # a system: system_from_args checks it
@@ -326,7 +329,7 @@ def _explain(make, key, kw, base, option, context=""):
     ``base``), naming its option."""
     opt = option(key)
     if key == "grid":
-        return _explain_grid(make, kw, base)
+        return _explain_grid(make, kw, base, opt)
     value = kw[key]
     accepted = _accepted(make, base, key) if isinstance(value, int) else None
     if accepted is not None:
@@ -350,16 +353,15 @@ def _largest_grid(make, base):
                                                           "layout": None}) is None), default=0)
 
 
-def _explain_grid(make, kw, base):
+def _explain_grid(make, kw, base, opt):
     text = f"{kw['rows']}x{kw['cols']}"
     high = _largest_grid(make, base)
     if not (1 <= kw["rows"] <= high and 1 <= kw["cols"] <= high):
-        return (f"--fabric must be ROWSxCOLS with 1 to {high} rows and columns, "
-                f"not {text!r}")
+        return f"{opt} must be ROWSxCOLS with 1 to {high} rows and columns, not {text!r}"
     if kw["rows"] * kw["cols"] < 2:
-        return f"--fabric must have room for a CU and an MU (two tiles or more), not {text!r}"
+        return f"{opt} must have room for a CU and an MU (two tiles or more), not {text!r}"
     e = _error(make, {**base, "rows": kw["rows"], "cols": kw["cols"]})
-    return f"--fabric {text} is refused: {e}"
+    return f"{opt} {text} is refused: {e}"
 
 
 def checked_params(make, kw, base, option):

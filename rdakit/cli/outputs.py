@@ -25,6 +25,7 @@ The command then writes each file with :func:`rdakit.files.atomic_write` or
 import dataclasses
 import os
 import pathlib
+import tempfile
 
 from rdakit.errors import UserError
 
@@ -106,8 +107,12 @@ def _check_folder(spec, text, folder):
         raise UserError(f"{spec.option} {text!r}: the folder {existing / missing} does not "
                         f"exist, and rdakit does not make folders at the top of the file "
                         f"system; make it first")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{spec.option} {text!r}: cannot write in {existing}")
+    try:                      # a file made and removed: what the writer will need
+        with tempfile.TemporaryFile(dir=existing, prefix=".rdakit-check-"):
+            pass
+    except OSError as e:
+        raise UserError(f"{spec.option} {text!r}: cannot write in {existing} "
+                        f"({e.strerror})") from None
 
 
 def _check_one(spec, text, args):
