@@ -20,13 +20,19 @@ import numpy as np
 from rdakit.compiler.cost import CostModel
 from rdakit.compiler.graph import DataflowGraph
 from rdakit.compiler.lower import lower, replay_refs, sample_inputs
-from rdakit.compiler.partition import Targets, as_weighted, measure, partition
-from rdakit.compiler.placement import Fabric, place
+from rdakit.compiler.partition import (
+    Targets,
+    as_weighted,
+    check_strategy,
+    measure,
+    partition,
+)
+from rdakit.compiler.placement import Fabric, check_host_fit, check_steps, place
 from rdakit.compiler.workloads import WORKLOADS, Workload, build, load_graph
 from rdakit.hdl.spec.bitstream import write_bitstream
 
 __all__ = ["CompileSummary", "compile_workload", "placement_fabric", "bitstream_for",
-           "load_workload"]
+           "load_workload", "unused"]
 
 
 @dataclasses.dataclass
@@ -55,6 +61,9 @@ class CompileSummary:
         ``(x, y)`` of each CU -> program length.
     mu_buffers : dict
         ``(x, y)`` of each MU -> ``(host buffers, bound words, bound slots)``.
+    unused : tuple of str
+        Nodes no output reads (in graph order): they are left out of the programs (an unread
+        input gets no buffer), and :meth:`lines` says so.
     """
 
     graph: str
@@ -67,6 +76,7 @@ class CompileSummary:
     lower_bound: float
     instructions: dict
     mu_buffers: dict
+    unused: tuple = ()
 
     def lines(self):
         """The summary as text lines."""
@@ -81,7 +91,24 @@ class CompileSummary:
             names = ", ".join(host) if host else "-"
             out.append(f"  MU {mu}: host buffers {names}; at most {words} words in {slots} "
                        f"buffers")
+        if self.unused:
+            shown = ", ".join(repr(n) for n in self.unused[:8])
+            more = f" and {len(self.unused) - 8} more" if len(self.unused) > 8 else ""
+            out.append(f"warning: {len(self.unused)} nodes read by no output are left out: "
+                       f"{shown}{more}")
         return out
+
+
+def unused(graph):
+    """The nodes of ``graph`` that no output reads, directly or not (in graph order)."""
+    seen = set(graph.outputs)
+    todo = list(seen)
+    while todo:
+        for p in graph.nx.predecessors(todo.pop()):
+            if p not in seen:
+                seen.add(p)
+                todo.append(p)
+    return tuple(n for n in graph.order() if n not in seen)
 
 
 def placement_fabric(params, cu_program=None):
@@ -96,7 +123,8 @@ def placement_fabric(params, cu_program=None):
 def load_workload(workload, sizes=None):
     """A :class:`Workload` from a built-in name (with ``sizes`` options), a Python file, a
     Workload or a DataflowGraph (sample inputs from
-    :func:`~rdakit.compiler.lower.sample_inputs`)."""
+    :func:`~rdakit.compiler.lower.sample_inputs`). The sample inputs are made when first used
+    (:attr:`Workload.inputs`), so a size no fabric holds is refused before they exist."""
     sizes = dict(sizes or {})
     if isinstance(workload, Workload):
         return workload
@@ -112,13 +140,13 @@ def load_workload(workload, sizes=None):
     else:
         raise ValueError(f"Workload must be one of {', '.join(sorted(WORKLOADS))} or a Python "
                          f"file, not {str(workload)!r}")
-    inputs = sample_inputs(graph)
-    return Workload(graph.name, graph, inputs, lambda i: graph.evaluate(i), {})
+    return Workload(graph.name, graph, lambda: sample_inputs(graph),
+                    lambda i: graph.evaluate(i), {})
 
 
 def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", seed=0,
                      place_steps=20000, inputs=None, cost=None, schedule_cost=None,
-                     order="graph"):
+                     order="graph", progress=None):
     """Compile a workload for a fabric.
 
     Parameters
@@ -134,7 +162,8 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
     seed : int
         Seed of the placement's annealing.
     place_steps : int
-        Annealing steps of the placement.
+        Annealing steps of the placement, from 0 to
+        :data:`~rdakit.compiler.placement.MAX_STEPS`.
     inputs : dict, optional
         Input values (default: the workload's sample inputs).
     cost : CostModel, optional
@@ -146,6 +175,10 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
         The order of each CU's ops: ``"graph"`` (the graph's topological order; the estimate
         schedules in that order too) or ``"schedule"`` (by start cycle in the list schedule by
         upward rank, :class:`~rdakit.compiler.lower.passes.ScheduleOrder`).
+    progress : callable, optional
+        ``progress(stage, done=None, total=None)``, called at each stage (``"partitioning"``,
+        ``"placing"``, ``"lowering"``) and as the placement's annealing goes (``done`` of
+        ``total`` steps), for a command line to show.
 
     Returns
     -------
@@ -153,19 +186,33 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
 
     Raises
     ------
+    ValueError
+        If an option is not one of its values (the message names it), before any work.
     LoweringError, PlacementError, PartitionError
-        If the workload does not fit; the message names what does not.
+        If the workload does not fit; the message names what does not. The host buffers
+        (inputs, constants, outputs) are checked against the MUs before any partition is
+        searched (:func:`~rdakit.compiler.placement.check_host_fit`), and the sample inputs
+        are made only once the graph has been placed.
     """
+    check_strategy(partitioner)
+    check_steps("place_steps", place_steps)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an integer, not {seed!r}")
+    if order not in ("graph", "schedule"):
+        raise ValueError(f"order must be 'graph' or 'schedule', not {order!r}")
+    progress = progress or (lambda stage, done=None, total=None: None)
     wl = load_workload(workload, sizes)
     graph = wl.graph
+    fabric = placement_fabric(params, cu_program=max(len(graph), params.cu.prog_len))
+    check_host_fit(graph, fabric)
     cost = cost or CostModel(lanes=params.cu.lanes)
     schedule_cost = schedule_cost or cost
     cus = params.tiles("C")
+    progress("partitioning")
     result = partition(graph, Targets(len(cus)), partitioner, cost=cost)
-    fabric = placement_fabric(params, cu_program=max(len(graph), params.cu.prog_len))
-    placement = place(graph, result, fabric, seed=seed, steps=place_steps)
-    if order not in ("graph", "schedule"):
-        raise ValueError(f"order must be 'graph' or 'schedule', not {order!r}")
+    progress("placing")
+    placement = place(graph, result, fabric, seed=seed, steps=place_steps, progress=progress)
+    progress("lowering")
     # The placed assignment's list schedule: the estimate, in the order the CUs will run.
     wg = result.graph if schedule_cost is cost else as_weighted(graph, schedule_cost)
     placed = measure(wg, result.targets, result.parts, schedule_cost,
@@ -179,7 +226,8 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
         estimated_cycles=int(placed.makespan), lower_bound=float(result.lower_bound),
         instructions={cu: p.instructions for cu, p in job.programs.items()},
         mu_buffers={mu: (u["host_buffers"], u["bound_words"], u["bound_slots"])
-                    for mu, u in job.mu_usage.items()})
+                    for mu, u in job.mu_usage.items()},
+        unused=unused(graph))
     job.workload = wl
     return job, summary
 

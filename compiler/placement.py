@@ -35,7 +35,12 @@ import numpy as np
 from rdakit.compiler.graph import MEMORY_KINDS, OP_KINDS
 
 __all__ = ["PlacementError", "Fabric", "Buffer", "Placement", "buffers_of", "place",
-           "check_placement"]
+           "check_placement", "check_host_fit", "check_steps", "MAX_STEPS"]
+
+#: The annealing steps :func:`place` takes at most (``steps``; ``rdakit compile
+#: --place-steps``): a step costs O(MUs), about 10-20 us, so a million take tens of seconds
+#: (reported through ``progress``), while 20000 (the default) settle the fabrics rdakit builds.
+MAX_STEPS = 1_000_000
 
 
 class PlacementError(ValueError):
@@ -288,18 +293,46 @@ def _check_fit(graph, part_of, fabric, buffers):
     if len(ops) > len(cus):
         raise PlacementError(f"{len(ops)} partitions need a CU each but the {fabric} has "
                              f"{len(cus)} CUs")
+    _check_words([(b.name, b.words) for b in buffers], fabric)
+    return sorted(ops)
+
+
+def _check_words(words, fabric):
+    """Raise :class:`PlacementError` unless buffers of ``words`` (``(name, words)``) can fit
+    the MUs of ``fabric``, each in one MU and all together."""
     mus = fabric.mu_tiles
-    if buffers and not mus:
-        raise PlacementError(f"{len(buffers)} buffers need MUs but the {fabric} has none")
-    for b in buffers:
-        if b.words > fabric.mu_words:
-            raise PlacementError(f"Buffer {b.name!r} needs {b.words} words but an MU holds "
+    if words and not mus:
+        raise PlacementError(f"{len(words)} buffers need MUs but the {fabric} has none")
+    for name, w in words:
+        if w > fabric.mu_words:
+            raise PlacementError(f"Buffer {name!r} needs {w} words but an MU holds "
                                  f"{fabric.mu_words}")
-    total = sum(b.words for b in buffers)
+    total = sum(w for _, w in words)
     if total > len(mus) * fabric.mu_words:
         raise PlacementError(f"Buffers need {total} words in total but the {len(mus)} MUs of "
                              f"the {fabric} hold {len(mus) * fabric.mu_words}")
-    return sorted(ops)
+
+
+def check_host_fit(graph, fabric):
+    """Refuse, before any partition is searched, a graph whose host buffers alone cannot fit
+    the fabric's MUs: the buffers :func:`buffers_of` gives any partition (every graph input and
+    constant some op reads, every output), with :func:`place`'s messages. A necessary
+    condition, in time linear in the graph.
+
+    Raises
+    ------
+    PlacementError
+        ``Buffers need N words in total but the M MUs of the RxC fabric hold W``, or a buffer
+        larger than an MU.
+    """
+    graph.validate()
+    words = []
+    for n in graph.order():
+        kind = graph.kind(n)
+        if kind == "output" or kind in ("input", "const") and any(
+                graph.kind(s) != "output" for s in graph.nx.successors(n)):
+            words.append((n, max(1, math.ceil(graph.type_of(n).nbytes / fabric.word_bytes))))
+    _check_words(words, fabric)
 
 
 class _State:
@@ -389,8 +422,9 @@ def _first_fit(state):
         state.free[m] -= w
 
 
-def _anneal(state, steps, rng):
-    """Simulated annealing over partition and buffer moves; keeps the best state."""
+def _anneal(state, steps, rng, progress=None):
+    """Simulated annealing over partition and buffer moves; keeps the best state.
+    ``progress("placing", done, steps)`` is called every 1/100 of the steps."""
     nb, k, ncu, nmu = len(state.buffers), len(state.parts), len(state.cus), len(state.mus)
     if steps <= 0 or (nb == 0 and k <= 1):
         return
@@ -481,7 +515,10 @@ def _anneal(state, steps, rng):
     sample = [d for d, _ in filter(None, (propose() for _ in range(200))) if d > 0]
     t0 = (sum(sample) / len(sample)) if sample else 1.0
     t_end = t0 * 1e-3
+    every = max(1, steps // 100)
     for step in range(steps):
+        if progress is not None and step % every == 0:
+            progress("placing", step, steps)
         temp = t0 * (t_end / t0) ** (step / steps)
         move = propose()
         if move is None:
@@ -514,7 +551,15 @@ def _fixed_positions(cu_of, parts_used, fabric):
     return out
 
 
-def place(graph, parts, fabric=None, *, seed=0, steps=20000, cu_of=None):
+def check_steps(name, steps):
+    """Raise ``ValueError`` naming the parameter ``name`` unless ``steps`` is an integer from 0
+    to :data:`MAX_STEPS`."""
+    if not isinstance(steps, int | np.integer) or isinstance(steps, bool) or not (
+            0 <= steps <= MAX_STEPS):
+        raise ValueError(f"{name} must be an integer from 0 to {MAX_STEPS}, not {steps!r}")
+
+
+def place(graph, parts, fabric=None, *, seed=0, steps=20000, cu_of=None, progress=None):
     """Place the partitions of ``graph`` on CUs and its buffers on MUs.
 
     Parameters
@@ -529,10 +574,12 @@ def place(graph, parts, fabric=None, *, seed=0, steps=20000, cu_of=None):
     seed : int
         Seed of the annealing.
     steps : int
-        Annealing steps (0: greedy placement only).
+        Annealing steps (0: greedy placement only), at most :data:`MAX_STEPS`.
     cu_of : dict, optional
         Partition -> CU tile ``(x, y)`` for partitions whose CU is fixed (the two-level
         partition of a system of clusters fixes them all); only the buffers move then.
+    progress : callable, optional
+        ``progress("placing", done, steps)``, called as the annealing goes (100 times).
 
     Returns
     -------
@@ -540,9 +587,12 @@ def place(graph, parts, fabric=None, *, seed=0, steps=20000, cu_of=None):
 
     Raises
     ------
+    ValueError
+        If ``steps`` is not an integer from 0 to :data:`MAX_STEPS`.
     PlacementError
         If something does not fit (see the module documentation).
     """
+    check_steps("steps", steps)
     fabric = Fabric() if fabric is None else fabric
     part_of = _parts_by_name(graph, parts)
     buffers = buffers_of(graph, part_of, fabric.word_bytes)
@@ -563,7 +613,7 @@ def place(graph, parts, fabric=None, *, seed=0, steps=20000, cu_of=None):
     if not _greedy(state, tie):
         _first_fit(state)
     initial = state.total()
-    _anneal(state, steps, rng)
+    _anneal(state, steps, rng, progress)
     cost = state.total()
     return Placement(fabric, {p: state.cus[state.pos[i]] for i, p in enumerate(parts_used)},
                      {b.name: state.mus[state.mu[j]] for j, b in enumerate(buffers)},

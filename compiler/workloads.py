@@ -21,6 +21,7 @@ Builders (sizes are options):
 """
 
 import dataclasses
+import functools
 import pathlib
 import runpy
 from collections.abc import Callable
@@ -45,8 +46,10 @@ class Workload:
         Name, with the sizes (for tables).
     graph : DataflowGraph
         The validated graph.
-    inputs : dict of str to numpy.ndarray
-        Sample inputs, deterministic from the builder's ``seed``.
+    sample : dict or callable
+        The sample inputs, or a function of no arguments that makes them: they are made when
+        :attr:`inputs` is first read, so a size no fabric holds is refused (by the compiler's
+        fit check) before they are allocated.
     reference : callable
         ``reference(inputs) -> dict`` of expected outputs, by output name.
     options : dict
@@ -55,9 +58,15 @@ class Workload:
 
     name: str
     graph: DataflowGraph
-    inputs: dict
+    sample: dict | Callable
     reference: Callable
     options: dict
+
+    @functools.cached_property
+    def inputs(self):
+        """Sample inputs (dict of str to numpy.ndarray), deterministic from the builder's
+        ``seed``; made on first use."""
+        return self.sample() if callable(self.sample) else self.sample
 
     def expected(self):
         """Outputs of the reference on the sample inputs."""
@@ -149,7 +158,7 @@ def mlp(*, batch=4, sizes=(64, 128, 64), seed=0):
             a = _rq(h, shift)
         return {"y": a}
 
-    return Workload(g.name, g.validate(), {"x": _activations(rng, (batch, sizes[0]))},
+    return Workload(g.name, g.validate(), lambda: {"x": _activations(rng, (batch, sizes[0]))},
                     reference, {"batch": batch, "sizes": sizes, "seed": seed})
 
 
@@ -235,9 +244,11 @@ def decoder_step(*, d_model=64, heads=4, d_ff=128, cache_len=8, seed=0):
         y = np.clip(h1.astype(np.int32) + f2, -128, 127).astype(np.int8)
         return {"y": y, "k_cache_out": k_all, "v_cache_out": v_all}
 
-    inputs = {"x": _activations(rng, (1, d_model)),
-              "k_cache": _activations(rng, (cache_len, d_model)),
-              "v_cache": _activations(rng, (cache_len, d_model))}
+    def inputs():
+        return {"x": _activations(rng, (1, d_model)),
+                "k_cache": _activations(rng, (cache_len, d_model)),
+                "v_cache": _activations(rng, (cache_len, d_model))}
+
     return Workload(g.name, g.validate(), inputs, reference,
                     {"d_model": d_model, "heads": heads, "d_ff": d_ff,
                      "cache_len": cache_len, "seed": seed})
@@ -332,7 +343,7 @@ def moe(*, tokens=16, d_model=32, d_ff=64, experts=8, k=2, seed=0, name="moe"):
                 y[t] = (y[t].astype(np.int64) + term).astype(np.int32)
         return {"y": y}
 
-    return Workload(g.name, g.validate(), {"x": _activations(rng, (tokens, d_model))},
+    return Workload(g.name, g.validate(), lambda: {"x": _activations(rng, (tokens, d_model))},
                     reference, {"tokens": tokens, "d_model": d_model, "d_ff": d_ff,
                                 "experts": experts, "k": k, "seed": seed})
 

@@ -11,6 +11,7 @@ from rdakit.compiler.partition.base import (
     Static,
     Targets,
     as_weighted,
+    check_strategy,
     get_strategy,
     measure,
     partition,
@@ -18,5 +19,5 @@ from rdakit.compiler.partition.base import (
 
 __all__ = [
     "PartitionError", "Targets", "Partitioner", "PartitionResult", "RoundRobin", "Static",
-    "STRATEGIES", "get_strategy", "partition", "measure", "as_weighted",
+    "STRATEGIES", "check_strategy", "get_strategy", "partition", "measure", "as_weighted",
 ]

@@ -1,10 +1,10 @@
 """Partitioning: one interface, several strategies, the same measures for every result.
 
 The interface is ``strategy.partition(graph, targets) -> parts``: a
-:class:`~rdakit.compiler.partition.wgraph.WeightedGraph` (nodes in topological order, node weights in
-cycles, edge weights in bytes) and :class:`Targets` (the units, with capacities and the loads
-they already carry) in, one unit index per node out. A strategy is a frozen dataclass whose
-fields are its options; :data:`STRATEGIES` names them all:
+:class:`~rdakit.compiler.partition.wgraph.WeightedGraph` (nodes in topological order, node
+weights in cycles, edge weights in bytes) and :class:`Targets` (the units, with capacities and
+the loads they already carry) in, one unit index per node out. A strategy is a frozen
+dataclass whose fields are its options; :data:`STRATEGIES` names them all:
 
 ``multilevel``
     Multilevel Kernighan-Lin / Fiduccia-Mattheyses (:mod:`.multilevel`).
@@ -41,7 +41,7 @@ from rdakit.compiler.partition.wgraph import WeightedGraph
 
 __all__ = [
     "PartitionError", "Targets", "Partitioner", "PartitionResult", "RoundRobin", "Static",
-    "STRATEGIES", "get_strategy", "partition", "measure", "as_weighted",
+    "STRATEGIES", "check_strategy", "get_strategy", "partition", "measure", "as_weighted",
 ]
 
 
@@ -335,6 +335,12 @@ STRATEGIES = {
 }
 
 
+def check_strategy(name):
+    """Raise ``ValueError`` unless ``name`` is a strategy of :data:`STRATEGIES`."""
+    if not isinstance(name, str) or name not in STRATEGIES:
+        raise ValueError(f"Strategy must be one of {', '.join(STRATEGIES)}, not {name!r}")
+
+
 def get_strategy(name, **options):
     """The strategy called ``name``, built with ``options``.
 
@@ -343,8 +349,7 @@ def get_strategy(name, **options):
     ValueError
         If there is no strategy of that name.
     """
-    if name not in STRATEGIES:
-        raise ValueError(f"Strategy must be one of {', '.join(STRATEGIES)}, not {name!r}")
+    check_strategy(name)
     module, cls = STRATEGIES[name].split(":")
     return getattr(importlib.import_module(f"{__package__}.{module}"), cls)(**options)
 
