@@ -1,11 +1,11 @@
 """Compile a workload for a system of clusters: two-level partition, placement, lowering.
 
-A :class:`~rdakit.hdl.cluster.system.System` is N fabrics (clusters) with one MU address space in which
-CUs message each other across clusters too (``docs/clusters.md``). The compiler:
+A :class:`~rdakit.hdl.cluster.system.System` is N fabrics (clusters) with one MU address space
+in which CUs message each other across clusters too (``docs/clusters.md``). The compiler:
 
 1. partitions the graph across clusters and then onto each cluster's available CUs
-   (:func:`~rdakit.compiler.partition.clusters.partition_system`: link crossings against balance, each
-   cluster's available CUs and known load as input);
+   (:func:`~rdakit.compiler.partition.clusters.partition_system`: link crossings against
+   balance, each cluster's available CUs and known load as input);
 2. lays the clusters side by side as one wide fabric (:class:`SystemView`, cluster ``c``'s tile
    ``(x, y)`` at ``(c * cols + x, y)``), fixes every partition to its cluster's CU and places
    the buffers on that wide grid, so a buffer goes to an MU of the cluster of its producer and
@@ -121,8 +121,9 @@ def compile_system(workload, system_params, *, sizes=None, clusters=None, strate
         What each cluster offers (default: every CU of every cluster, no load); a cluster's
         ``cus`` is at most its fabric's CUs (the first ``cus`` CU tiles are used).
     strategy, inner : str
-        The cross-cluster strategy (:data:`~rdakit.compiler.partition.clusters.CLUSTER_STRATEGIES`) and
-        the strategy within each cluster (:mod:`~rdakit.compiler.partition`).
+        The cross-cluster strategy
+        (:data:`~rdakit.compiler.partition.clusters.CLUSTER_STRATEGIES`) and the strategy
+        within each cluster (:mod:`~rdakit.compiler.partition`).
     seed, place_steps :
         The buffer placement's annealing.
     cost : CostModel, optional

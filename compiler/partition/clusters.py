@@ -5,8 +5,8 @@ NoC. The compiler therefore partitions in two levels:
 
 1. **Across clusters**, with seed 2's engine (``findBestCluster`` /
    ``calculatePartitioningCost``): the graph is cut into subgraphs
-   (:func:`~rdakit.compiler.partition.greedy.decompose`, contiguous pieces of a depth-first topological
-   order), and each, in order, goes to the cluster of least cost::
+   (:func:`~rdakit.compiler.partition.greedy.decompose`, contiguous pieces of a depth-first
+   topological order), and each, in order, goes to the cluster of least cost::
 
        cost(s, c) = finish(s, c) + transfer_weight * crossing(s, c)
                     + overload_weight * overload(s, c)
@@ -142,7 +142,8 @@ class CrossClusterGreedy:
     link : LinkModel
         The inter-cluster link.
     subgraphs_per_cluster : int
-        :func:`~rdakit.compiler.partition.greedy.decompose` makes at most this many subgraphs a cluster.
+        :func:`~rdakit.compiler.partition.greedy.decompose` makes at most this many subgraphs a
+        cluster.
     transfer_weight, overload_weight, eps : float
         Weights of the crossing cycles and of the overload, and the load tolerance.
     """

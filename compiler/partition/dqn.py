@@ -1,8 +1,9 @@
 """A DQN agent that assigns subgraphs to units, as in seed 3 (ATCRAD-RL), in numpy.
 
-The environment is the partial schedule of :class:`~rdakit.compiler.partition.greedy.SubgraphScheduler`:
-the graph is cut into subgraphs (:func:`~rdakit.compiler.partition.greedy.decompose`), which are assigned
-one after the other, in topological order; an action puts the current subgraph on one unit.
+The environment is the partial schedule of
+:class:`~rdakit.compiler.partition.greedy.SubgraphScheduler`: the graph is cut into subgraphs
+(:func:`~rdakit.compiler.partition.greedy.decompose`), which are assigned one after the
+other, in topological order; an action puts the current subgraph on one unit.
 The *observation* of an action is a vector of :data:`FEATURES` describing that unit for that
 subgraph (its load and utilization, when the inputs would be ready, when the subgraph would
 finish, the transfers it would need, how much the makespan would grow...), normalized by the
@@ -366,8 +367,9 @@ class DQNPartitioner:
             try:
                 agent = DQNAgent.load(path)
             except FileNotFoundError:
-                raise PartitionError(f"DQN weights file {str(path)!r} does not exist; train "
-                                     f"one with rdakit.compiler.partition.dqn.train_default()") from None
+                raise PartitionError(
+                    f"DQN weights file {str(path)!r} does not exist; train one with "
+                    f"rdakit.compiler.partition.dqn.train_default()") from None
             object.__setattr__(self, "agent", agent)
 
     def partition(self, graph, targets):

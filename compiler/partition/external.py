@@ -1,9 +1,10 @@
 """External reference partitioners: METIS (through pymetis) and Mt-KaHyPar.
 
 Both minimize the edge cut under the same balance tolerance ``eps`` as
-:class:`~rdakit.compiler.partition.multilevel.MultilevelKL` (METIS's ``ufactor`` is ``1000 * eps``), so
-their cuts can be compared at equal balance. Unit shares follow :meth:`Targets.target_weights`
-(METIS ``tpwgts``; Mt-KaHyPar individual block weights) when they are not all equal.
+:class:`~rdakit.compiler.partition.multilevel.MultilevelKL` (METIS's ``ufactor`` is
+``1000 * eps``), so their cuts can be compared at equal balance. Unit shares follow
+:meth:`Targets.target_weights` (METIS ``tpwgts``; Mt-KaHyPar individual block weights) when
+they are not all equal.
 
 pymetis does not check the length of ``vweights`` (a short array makes METIS read past its
 end); :func:`metis_part_graph` checks it.
