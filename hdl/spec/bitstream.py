@@ -404,7 +404,12 @@ def listing(config):
         state = "enabled" if tile.enabled else "disabled"
         out.append(f"\ntile ({x}, {y}) CU {state}: {len(tile.program)} instructions")
         for pc, w in enumerate(tile.words()):
-            out.append(f"  {pc:4d}: {w:016x}  {disassemble_one(decode(w))}")
+            # Any word loads; one that is no instruction halts the CU when it runs.
+            try:
+                text = disassemble_one(decode(w))
+            except ValueError as e:
+                text = f"(not an instruction: {e})"
+            out.append(f"  {pc:4d}: {w:016x}  {text}")
         for r, v in sorted(tile.regs.items()):
             out.append(f"  r{r} = {v}")
         for w, lanes in sorted(tile.local.items()):

@@ -72,6 +72,15 @@ def test_listing_disassembles():
     assert "local[0] = [1, -2]" in text
 
 
+def test_listing_shows_a_word_that_is_no_instruction():
+    # The loader loads any program word (the CU halts on it with BAD_INSTRUCTION); inspect
+    # raised AssemblyError with a traceback.
+    cfg = FabricConfig(P, {(0, 0): TileConfig(program=[0x2c, encode(assemble("HALT")[0])])})
+    text = listing(read_bitstream(write_bitstream(cfg), P))
+    assert "     0: 000000000000002c  (not an instruction: Opcode 44 is not defined" in text
+    assert "     1: " in text and "HALT" in text
+
+
 @pytest.mark.parametrize("mutate,message,status", [
     (lambda d: d[:12], r"^Bitstream is truncated: 12 bytes, shorter than the 24-byte header$",
      LoadStatus.LOADING),

@@ -8,7 +8,8 @@ or cut at the end; the CRCs are then fixed up (mostly) so that the mutation reac
 checks. Each bitstream goes through :func:`read_bitstream` and through one simulation of the
 :class:`ConfigLoader` that loads them all in turn: the verdicts (the :class:`LoadStatus`) must
 be equal, a bitstream both accept must put the same words in every CU as the reader's
-configuration says, and a refused one must leave every CU disabled.
+configuration says, a refused one must leave every CU disabled, and ``rdakit inspect`` must
+list every bitstream the hardware loads.
 """
 
 import collections
@@ -30,6 +31,7 @@ from rdakit.hdl.spec.bitstream import (
     BitstreamError,
     LoadStatus,
     file_words,
+    listing,
     params_hash,
     read_bitstream,
     writable_ranges,
@@ -173,9 +175,12 @@ def verdicts(loader, data):
     """The reader's and the loader's verdict on ``data``: ``(status, state)``, the state of
     every CU only for a load both accept."""
     try:
-        ours = (LoadStatus.OK, reader_state(read_bitstream(data, P)))
+        config = read_bitstream(data, P)
     except BitstreamError as e:
         ours = (e.status, None)
+    else:
+        ours = (LoadStatus.OK, reader_state(config))
+        listing(config)     # what rdakit inspect prints of any bitstream the hardware loads
     status, configured, writes = loader.load(file_words(data))
     assert configured == (status is LoadStatus.OK)
     state = hardware_state(writes)
