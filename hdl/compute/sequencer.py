@@ -660,6 +660,11 @@ class Sequencer(wiring.Component):
         ]
         with m.If(cfg_we & (addr == CU_MAP.CONTROL)):
             m.d.sync += enabled.eq(cfg.wdata[0])
+            # Disabling (every load begins so) forgets the initial registers: a bitstream that
+            # sets none starts from zeros, as the reader and the interpreter say, not from the
+            # last job's values (docs/bitstream.md).
+            with m.If(~cfg.wdata[0]):
+                m.d.sync += [r.eq(0) for r in init_regs]
 
         status = Signal(CU_STATUS)
         m.d.comb += [status.done.eq(~running), status.error.eq(err), status.code.eq(code),

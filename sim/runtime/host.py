@@ -15,12 +15,10 @@ tile of the grid, a cluster out of range, a reference, weight, tile or address t
 fit its field.
 """
 
-import struct
-
 import numpy as np
 
 from rdakit.errors import UserError
-from rdakit.hdl.fabric.config_loader import LoadStatus
+from rdakit.hdl.spec.bitstream import LoadStatus, file_words
 from rdakit.hdl.spec.config import CU_MAP, STATUS_BITS, decode_cu_status
 from rdakit.hdl.spec.packets import (
     HostCmd,
@@ -148,8 +146,7 @@ class HostDriver:
     async def load(self, bitstream):
         """Load a bitstream (bytes); return ``(LoadStatus, load cycles)``."""
         await self._command({"kind": HostCmd.LOAD_BEGIN}, reply=False)
-        n = len(bitstream) // 4
-        for word in struct.unpack(f"<{n}I", bitstream[:4 * n]):
+        for word in file_words(bitstream):
             await self._command({"kind": HostCmd.LOAD_WORD, "word": word}, reply=False)
         await self.transport.tick(4)
         word = (await self._command({"kind": HostCmd.LOAD_STATUS}))["word"]

@@ -179,3 +179,47 @@ def test_wait_counts_tokens_and_send_leaves_a_message():
     assert (msg.dst.x, msg.dst.y, msg.payload.kind) == (1, 1, MsgKind.TOKEN)
     assert (msg.payload.body.tag, msg.payload.body.data) == (3, 6)
     assert regs[1] == CU1_ID
+
+
+def test_a_new_load_forgets_the_last_jobs_initial_registers():
+    """A load begins by disabling every CU (CONTROL = 0); the initial registers of the job before
+    must not survive into a bitstream that sets none (the reader and the interpreter start it
+    from zeros)."""
+    dut = Sequencer(P, x=0, y=0)
+    seen = {}
+
+    async def write(ctx, addr, value):
+        ctx.set(dut.cfg.sel, 1)
+        ctx.set(dut.cfg.we, 1)
+        ctx.set(dut.cfg.addr, addr)
+        ctx.set(dut.cfg.wdata, value)
+        await ctx.tick()
+        ctx.set(dut.cfg.we, 0)
+
+    async def start_and_read(ctx):
+        ctx.set(dut.start, 1)
+        await ctx.tick()
+        ctx.set(dut.start, 0)
+        for _ in range(20):
+            if ctx.get(dut.done):
+                break
+            await ctx.tick()
+        ctx.set(dut.cfg.re, 1)
+        ctx.set(dut.cfg.addr, CU_MAP.REGS + 5)
+        await ctx.tick()
+        ctx.set(dut.cfg.re, 0)
+        return ctx.get(dut.cfg.rdata)
+
+    async def tb(ctx):
+        halt = encode(assemble("HALT")[0])
+        for job in ("first", "second"):
+            await write(ctx, CU_MAP.CONTROL, 0)               # the load begins
+            await write(ctx, CU_MAP.PROGRAM, halt & 0xffff_ffff)
+            await write(ctx, CU_MAP.PROGRAM + 1, halt >> 32)
+            if job == "first":
+                await write(ctx, CU_MAP.REGS + 5, 42)
+            await write(ctx, CU_MAP.CONTROL, 1)
+            seen[job] = await start_and_read(ctx)
+
+    run_checked(dut, tb)
+    assert seen == {"first": 42, "second": 0}
