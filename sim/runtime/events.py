@@ -22,11 +22,11 @@ from rdakit.compiler.placement import PlacementError
 from rdakit.hdl.compute.sequencer import MU_INSTRUCTIONS, POSTED
 from rdakit.hdl.spec.isa import Op
 from rdakit.hdl.spec.params import fabric_params
-from rdakit.sim.models.interp import Interpreter, InterpreterError
+from rdakit.sim.models.interp import Interpreter, InterpreterError, StepLimitError
 from rdakit.sim.runtime.job import prepare_interp
 
 __all__ = ["EventCounter", "op_events", "cu_events", "node_events", "event_cost_model",
-           "cost_model", "BLOCKING", "MAX_EVENT_NODES"]
+           "cost_model", "BLOCKING", "MAX_EVENT_NODES", "MAX_EVENT_STEPS"]
 
 #: Instructions that wait for an MU response, or whose result is waited for soon after (ALLOC,
 #: READ, LEN): every MU instruction but the posted ones (RET, RETI, DECREF, VWRITE), which
@@ -56,16 +56,28 @@ class EventCounter(Interpreter):
             self.events[(cu.xy, pc)]["steps"] += cu.stream_steps - before
 
 
-def _run(job):
+def _run(job, max_steps=50_000_000, progress=None):
+    """The events of ``job`` run on the interpreter, in at most ``max_steps`` steps
+    (:class:`~rdakit.sim.models.interp.StepLimitError` beyond), calling ``progress("counting
+    events", done, max_steps)`` every 1/20 of them."""
     interp, _ = prepare_interp(job, interpreter=EventCounter)
-    interp.run(max_steps=50_000_000)
-    return interp.events
+    chunk = max(1, max_steps // 20)
+    while True:
+        try:
+            interp.run(max_steps=min(chunk, max_steps - interp.steps))
+            return interp.events
+        except StepLimitError:
+            if interp.steps >= max_steps:
+                raise
+            if progress is not None:
+                progress("counting events", interp.steps, max_steps)
 
 
-def op_events(job):
+def op_events(job, *, max_steps=50_000_000, progress=None):
     """Events of every lowered op of ``job`` (name -> Counter of :data:`EVENTS`), summed over
-    the CUs it runs on."""
-    events = _run(job)
+    the CUs it runs on (the run stops after ``max_steps`` interpreter steps, see
+    :func:`_run`)."""
+    events = _run(job, max_steps, progress)
     out = collections.defaultdict(collections.Counter)
     for cu, info in job.programs.items():
         for name, _, _, a, b in info.ops:
@@ -83,11 +95,12 @@ def cu_events(job):
     return dict(out)
 
 
-def node_events(job):
+def node_events(job, **run):
     """Events per graph node: a lowered op's events go to the compute nodes it implements, in
-    proportion to their work (a fused chain is one lowered op)."""
+    proportion to their work (a fused chain is one lowered op). ``run``: ``max_steps`` and
+    ``progress`` of :func:`op_events`."""
     graph = job.graph
-    per_op = op_events(job)
+    per_op = op_events(job, **run)
     out = collections.defaultdict(collections.Counter)
     for name, _, _, nodes in job.lowered:
         compute = [n for n in nodes if graph.kind(n) not in MEMORY_KINDS]
@@ -101,18 +114,20 @@ def node_events(job):
     return dict(out)
 
 
-def event_cost_model(workload, *, sizes=None, params, inputs=None, **constants):
+def event_cost_model(workload, *, sizes=None, params, inputs=None, max_steps=50_000_000,
+                     progress=None, **constants):
     """The :class:`~rdakit.compiler.cost.EventCostModel` of ``workload`` for a fabric of
     ``params``: the workload lowered onto one CU (its lanes and local buffer, program and MU
-    room enough for everything) and run on the interpreter to count each node's events.
-    ``constants`` override the model's per-event cycles."""
+    room enough for everything) and run on the interpreter to count each node's events (in at
+    most ``max_steps`` steps, ``progress`` as :func:`_run` calls it). ``constants`` override
+    the model's per-event cycles."""
     cp, mp = params.cu, params.mu
     one = fabric_params(1, 2, layout="CM", lanes=cp.lanes, local_words=cp.local_words,
                         outstanding=cp.outstanding, prog_len=4096, mu_words=1 << 16,
                         block_words=mp.block_words, max_buffers=64)
     job, _ = compile_workload(workload, sizes=sizes, params=one, partitioner="round_robin",
                               place_steps=1, inputs=inputs)
-    events = node_events(job)
+    events = node_events(job, max_steps=max_steps, progress=progress)
     return EventCostModel(lanes=cp.lanes, events=tuple(
         (n, *(round(c[k], 3) for k in EVENTS)) for n, c in sorted(events.items())),
         **constants)
@@ -123,16 +138,29 @@ def event_cost_model(workload, *, sizes=None, params, inputs=None, **constants):
 #: would double the compile time.
 MAX_EVENT_NODES = 2048
 
+#: Interpreter steps the count may take for :func:`cost_model` (it runs about 65,000 a second:
+#: 15 s at most). A graph whose work alone takes more (its lane operations over the lanes: the
+#: stream steps of one CU) keeps the work model without being lowered; a run that takes more
+#: stops there and keeps it too. The built-in workloads at their default sizes take 11,000 to
+#: 43,000.
+MAX_EVENT_STEPS = 1_000_000
 
-def cost_model(workload, *, sizes=None, params, inputs=None):
+
+def cost_model(workload, *, sizes=None, params, inputs=None, progress=None):
     """The cost model a workload's cycles are estimated with: its :func:`event_cost_model`, or,
-    when it cannot be lowered onto one CU (or has more than :data:`MAX_EVENT_NODES` nodes),
+    when it cannot be lowered onto one CU (or has more than :data:`MAX_EVENT_NODES` nodes, or
+    needs more than :data:`MAX_EVENT_STEPS` steps to count),
     :class:`~rdakit.compiler.cost.CostModel`'s work estimate (check
-    ``isinstance(model, EventCostModel)`` to tell)."""
+    ``isinstance(model, EventCostModel)`` to tell). ``progress("counting events", done,
+    total)`` is called as the count goes."""
     workload = load_workload(workload, sizes)
-    if len(workload.graph) > MAX_EVENT_NODES:
-        return CostModel(lanes=params.cu.lanes)
+    work = CostModel(lanes=params.cu.lanes)
+    graph = workload.graph
+    if len(graph) > MAX_EVENT_NODES or sum(
+            graph.work(n) for n in graph.order()) / params.cu.lanes > MAX_EVENT_STEPS:
+        return work
     try:
-        return event_cost_model(workload, params=params, inputs=inputs)
+        return event_cost_model(workload, params=params, inputs=inputs,
+                                max_steps=MAX_EVENT_STEPS, progress=progress)
     except (LoweringError, PlacementError, PartitionError, InterpreterError):
-        return CostModel(lanes=params.cu.lanes)
+        return work

@@ -25,6 +25,7 @@ from rdakit.compiler.lower.capacity import Account
 from rdakit.compiler.partition import PartitionError, Targets, partition
 from rdakit.compiler.placement import MAX_STEPS, Fabric, PlacementError, place
 from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.runtime import events
 from rdakit.sim.runtime.job import run_job_interp
 
 BIG = fabric_params(4, 4, prog_len=4096, mu_words=1 << 16, max_buffers=256, local_words=256)
@@ -244,6 +245,31 @@ def test_compile_reports_its_progress():
     steps = [done for stage, done, total in seen if total is not None]
     assert all(total == 1000 for stage, _, total in seen if total is not None)
     assert steps == list(range(0, 1000, 10))
+
+
+def test_the_event_model_is_not_counted_for_more_work_than_its_step_budget(monkeypatch):
+    # mlp with batch 512: about 2.2 million interpreter steps on one CU (half a minute), which
+    # cost_model ran before every compile. Its work alone exceeds the budget: the work model
+    # stands in and nothing is lowered.
+    def lowered(*args, **kwargs):
+        raise AssertionError("the workload was lowered to count its events")
+    monkeypatch.setattr(events, "event_cost_model", lowered)
+    model = events.cost_model("mlp", sizes={"batch": 512}, params=fabric_params())
+    assert type(model) is events.CostModel
+
+
+def test_an_event_count_stops_at_its_step_budget_and_reports_progress(monkeypatch):
+    # The small moe takes about 1,500 steps; with a budget of 1,000 the count stops there
+    # (after progress reports every 50 steps) and the work model stands in.
+    monkeypatch.setattr(events, "MAX_EVENT_STEPS", 1000)
+    seen = []
+    model = events.cost_model("moe", sizes={"tokens": 4, "d_model": 8, "d_ff": 8,
+                                            "experts": 4},
+                              params=fabric_params(prog_len=1024),
+                              progress=lambda stage, done, total: seen.append((stage, done,
+                                                                               total)))
+    assert type(model) is events.CostModel
+    assert seen == [("counting events", done, 1000) for done in range(50, 1000, 50)]
 
 
 # --- graphs that compute nothing --------------------------------------------------------
