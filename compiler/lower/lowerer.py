@@ -117,11 +117,11 @@ class Lowerer:
         for t in self.tensors.values():
             if t.kind == "output":
                 out_words[t.buffer] = max(out_words[t.buffer], t.layout.words)
-        self.pool_of = collections.defaultdict(list)          # cu -> constants
+        self.pool_of = collections.defaultdict(dict)          # cu -> constants (a set)
         for op in self.lops:
-            for i in dict.fromkeys(op.ins):
-                if self.tensors[i].kind == "const" and i not in self.pool_of[op.cu]:
-                    self.pool_of[op.cu].append(i)
+            for i in op.ins:
+                if self.tensors[i].kind == "const":
+                    self.pool_of[op.cu][i] = None
         items = []
         for name, t in self.tensors.items():
             if t.kind in ("input", "aliased"):
@@ -129,19 +129,21 @@ class Lowerer:
                               t.mu_hint))
         # A CU's constants, in creation order, in pools of at most max_buffer_words.
         self.pools = {}                                        # key -> (cu, constants)
+        created = {name: i for i, name in enumerate(self.tensors)}
         for cu in sorted(self.pool_of, key=lambda c: (c[1], c[0])):
-            chunks = [[]]
-            for c in sorted(self.pool_of[cu], key=list(self.tensors).index):
+            chunks, used = [[]], 0
+            for c in sorted(self.pool_of[cu], key=created.__getitem__):
                 words = self.tensors[c].layout.words
                 if words > self.mp.max_buffer_words:
                     shown = f"{c[:-2]!r} (transposed)" if c.endswith("^T") else repr(c)
                     raise LoweringError(f"Constant {shown} needs {words} words but an MU buffer "
                                         f"holds at most {self.mp.max_buffer_words} "
                                         f"(max_buffer_words)")
-                if sum(self.tensors[x].layout.words for x in chunks[-1]) + words \
-                        > self.mp.max_buffer_words:
+                if used + words > self.mp.max_buffer_words:
                     chunks.append([])
+                    used = 0
                 chunks[-1].append(c)
+                used += words
             for i, names in enumerate(chunks):
                 key = f"const@{cu[0]},{cu[1]}" + (f"#{i}" if i else "")
                 self.pools[key] = (cu, names)
