@@ -33,6 +33,7 @@ import re
 
 from amaranth.utils import ceil_log2
 
+from rdakit.compiler.placement import MAX_STEPS
 from rdakit.errors import UserError
 from rdakit.hdl.cluster.system import SystemParams
 from rdakit.hdl.spec.params import CLUSTERS, PLASTICINE_MU, MUParams, fabric_params
@@ -86,10 +87,8 @@ def add_number(parser, *flags, kind=int, low=None, high=None, low_open=False, re
     return action
 
 
-#: The annealing steps a placement may take (``--place-steps``): a step costs about 10 us on a
-#: 4x4 fabric, so a million take tens of seconds, while the default 20000 settle the fabrics
-#: ``--fabric auto`` tries.
-MAX_PLACE_STEPS = 1_000_000
+#: The annealing steps a placement may take (``--place-steps``): the compiler's own bound.
+MAX_PLACE_STEPS = MAX_STEPS
 
 
 # --- the grid ---------------------------------------------------------------------------------
