@@ -91,12 +91,17 @@ class CompileSummary:
             names = ", ".join(host) if host else "-"
             out.append(f"  MU {mu}: host buffers {names}; at most {words} words in {slots} "
                        f"buffers")
-        if self.unused:
-            shown = ", ".join(repr(n) for n in self.unused[:8])
-            more = f" and {len(self.unused) - 8} more" if len(self.unused) > 8 else ""
-            out.append(f"warning: {len(self.unused)} nodes read by no output are left out: "
-                       f"{shown}{more}")
-        return out
+        return out + self.warnings()
+
+    def warnings(self):
+        """The lines of the summary that warn (``warning: ...``): what a command prints even
+        when it prints nothing else of the summary."""
+        if not self.unused:
+            return []
+        shown = ", ".join(repr(n) for n in self.unused[:8])
+        more = f" and {len(self.unused) - 8} more" if len(self.unused) > 8 else ""
+        return [f"warning: {len(self.unused)} nodes read by no output are left out: "
+                f"{shown}{more}"]
 
 
 def unused(graph):

@@ -26,7 +26,7 @@ from rdakit.cli.options import (
     system_from_args,
 )
 from rdakit.cli.outputs import add_output, image_suffixes
-from rdakit.cli.run import progress_bar
+from rdakit.cli.progress import progress_bar
 from rdakit.compiler.partition.clusters import LinkModel
 from rdakit.compiler.workloads import WORKLOADS
 from rdakit.errors import UserError

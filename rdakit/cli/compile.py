@@ -1,5 +1,7 @@
 """``rdakit compile``: a workload partitioned, placed and lowered to a bitstream."""
 
+import sys
+
 from rdakit.cli.options import (
     AUTO,
     MAX_PLACE_STEPS,
@@ -12,6 +14,7 @@ from rdakit.cli.options import (
     parse_sizes,
 )
 from rdakit.cli.outputs import add_input, add_output
+from rdakit.cli.progress import progress_bar
 from rdakit.compiler.compile import bitstream_for, compile_workload, load_workload
 from rdakit.compiler.graph import GraphError
 from rdakit.compiler.lower import LoweringError
@@ -100,10 +103,11 @@ def _compile(args):
                                place_steps=args.place_steps)
     params = fabric_params(**kw)
     try:
-        job, summary = compile_workload(workload, params=params,
-                                        partitioner=args.partitioner, seed=args.seed,
-                                        place_steps=args.place_steps,
-                                        schedule_cost=cost_model(workload, params=params))
+        with progress_bar(sys.stderr.isatty()) as progress:
+            job, summary = compile_workload(
+                workload, params=params, partitioner=args.partitioner, seed=args.seed,
+                place_steps=args.place_steps, progress=progress,
+                schedule_cost=cost_model(workload, params=params, progress=progress))
     except FIT_ERRORS as e:
         raise UserError(f"{e}{_hint(e)}") from None
     for line in summary.lines():

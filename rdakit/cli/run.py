@@ -1,16 +1,6 @@
 """``rdakit run``: compile a workload, run it on a simulated fabric, check it and report."""
 
-import contextlib
-
 from amaranth.utils import ceil_log2
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-)
 
 from rdakit.cli.compile import FIT_ERRORS, add_workload_arguments, choose_fabric, load_or_explain
 from rdakit.cli.options import (
@@ -28,6 +18,7 @@ from rdakit.cli.options import (
     parse_sizes,
 )
 from rdakit.cli.outputs import add_output, image_suffixes
+from rdakit.cli.progress import progress_bar
 from rdakit.compiler.partition.clusters import CLUSTER_STRATEGIES
 from rdakit.errors import UserError
 from rdakit.hdl.cluster.system import SystemParams
@@ -36,7 +27,7 @@ from rdakit.sim.flows import e2e
 from rdakit.sim.flows.system import SystemRunSpec, run_system_session
 from rdakit.sim.verify.runner import require_simulator_or_raise
 
-__all__ = ["register", "progress_bar", "RUN_PROG_LEN"]
+__all__ = ["register", "RUN_PROG_LEN"]
 
 #: The iterations of ``--adapt``: each compiles and simulates the whole workload again.
 MAX_ADAPT = 100
@@ -62,28 +53,6 @@ def compile_or_explain(spec, cost=None):
                         f"{e}") from None
     except (TypeError, ValueError, OSError) as e:
         raise UserError(str(e)) from None
-
-
-@contextlib.contextmanager
-def progress_bar(enabled):
-    """A rich progress bar fed by ``progress(stage, done, total)`` calls (a no-op when
-    disabled or when the output is not a terminal)."""
-    if not enabled:
-        yield lambda stage, done=None, total=None: None
-        return
-    bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                   MofNCompleteColumn(), TextColumn("cycles (of the estimate)"),
-                   TimeElapsedColumn(), transient=True)
-    task = bar.add_task("starting", total=None)
-
-    def update(stage, done=None, total=None):
-        if total is not None:
-            bar.update(task, description=stage, completed=done, total=max(total, done or 0))
-        else:
-            bar.update(task, description=stage, completed=0, total=None)
-
-    with bar:
-        yield update
 
 
 def _check(args):
@@ -120,6 +89,8 @@ def _run(args):
     report = Report("run")
     if chosen:
         report.console.print(chosen)
+    for line in summary.warnings():
+        report.console.print(line, style="yellow", markup=False)
     report.console.print(f"[bold]{summary.graph}[/bold] on a {params.rows}x{params.cols} fabric "
                          f"({params.cu.lanes} lanes) with {args.sim}; partitioner "
                          f"{summary.partitioner}")

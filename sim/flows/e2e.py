@@ -147,17 +147,19 @@ class RunSpec:
                       for k, v in d.get("sizes", {}).items()}
         return cls(**d)
 
-    def compile(self, cost=None, schedule_cost=None):
+    def compile(self, cost=None, schedule_cost=None, progress=None):
         """``(CompiledJob, CompileSummary)`` of this spec (raises the compiler's errors):
         partitioned with ``cost`` (default the work model), its cycles estimated with
         ``schedule_cost`` (default the workload's event model,
-        :func:`~rdakit.sim.runtime.events.cost_model`)."""
+        :func:`~rdakit.sim.runtime.events.cost_model`); ``progress(stage, done, total)`` hears
+        of the compiler's stages and the event model's count."""
         params = self.params
         workload = load_workload(self.workload, self.sizes)
+        if schedule_cost is None:
+            schedule_cost = cost_model(workload, params=params, progress=progress)
         return compile_workload(workload, params=params, partitioner=self.partitioner,
                                 seed=self.seed, place_steps=self.place_steps, cost=cost,
-                                schedule_cost=schedule_cost or cost_model(workload,
-                                                                          params=params))
+                                schedule_cost=schedule_cost, progress=progress)
 
 
 #: The MU counters an iteration's row reports (``allocs``, ``frees``, ``leaked_buffers``,
@@ -366,12 +368,15 @@ async def run_session(host, spec, *, progress=None):
     cost = CostModel(lanes=params.cu.lanes)
     # The event model depends on the workload and the fabric only: counted once for every
     # iteration.
-    estimate_cost = cost_model(load_workload(spec.workload, spec.sizes), params=params)
+    estimate_cost = cost_model(load_workload(spec.workload, spec.sizes), params=params,
+                               progress=progress)
     rows = []
     for i in range(spec.iterations):
         tag = f"iteration {i + 1}/{spec.iterations}: " if spec.iterations > 1 else ""
         progress(f"{tag}compiling")
-        job, summary = spec.compile(cost, estimate_cost)
+        job, summary = spec.compile(
+            cost, estimate_cost,
+            lambda stage, done=None, total=None, tag=tag: progress(tag + stage, done, total))
         estimate = max(1, summary.estimated_cycles)
         budget, reason = spec.budget(estimate)
         row, counters = await run_iteration(
