@@ -32,6 +32,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import subprocess
 import tempfile
 import time
@@ -47,6 +48,7 @@ from rdakit.hdl.spec.packets import mu_request_layout
 from rdakit.hdl.spec.params import MUParams
 from rdakit.sim.bench.report import Report
 from rdakit.sim.models.noc import PATTERNS, theoretical_limit, zero_load_latency
+from rdakit.sim.verify.cache import run_folder
 from rdakit.sim.verify.cocotb_utils import tb_config
 from rdakit.sim.verify.noc_harness import RATE_ONE, Pattern, TrafficHarness, harness_payload_layout
 from rdakit.sim.verify.runner import (
@@ -125,14 +127,21 @@ def run_harness(*, rows, cols, queues="voq", depth=2, patterns=("uniform",), rat
         with _DirectDriver(build_direct(harness_kw, build_name), rows * cols) as drv:
             points = asyncio.run(sweep(drv, config, log or (lambda msg: None)))
         return {"config": config, "points": points}
+    # The testbench's results go to a folder of this run's own (two benches of one design at
+    # once must not read each other's), removed once read.
+    folder = None
     if result_file is None:
-        result_file = BUILD_ROOT / "bench" / f"{build_name}-{simulator}.json"
+        folder = run_folder(BUILD_ROOT, f"{build_name}-{simulator}-results")
+        result_file = folder / "result.json"
     result_file = pathlib.Path(result_file).resolve()
     result_file.parent.mkdir(parents=True, exist_ok=True)
     result_file.unlink(missing_ok=True)
     run_cocotb(TrafficHarness(**harness_kw), simulator=simulator, test_module="noc", test_dir=HERE,
                build_name=build_name, config={**config, "result_file": str(result_file)})
-    return json.loads(result_file.read_text())
+    result = json.loads(result_file.read_text())
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+    return result
 
 
 def summarize(points, pattern):

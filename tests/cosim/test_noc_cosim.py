@@ -15,7 +15,7 @@ from rdakit.cli import main
 from rdakit.hdl.noc.mesh import Mesh
 from rdakit.sim.bench.noc import run_harness
 from rdakit.sim.models.noc import PATTERNS, tb_payload_layout
-from rdakit.sim.verify.runner import require_simulator, run_cocotb
+from rdakit.sim.verify.runner import BUILD_ROOT, require_simulator, run_cocotb
 
 HERE = pathlib.Path(__file__).resolve().parent
 SIMULATORS = ["icarus", "verilator"]
@@ -77,14 +77,16 @@ def _check_points(points, patterns):
 
 
 @pytest.mark.cosim
-def test_harness_3x3_icarus(tmp_path):
+def test_harness_3x3_icarus():
     """The benchmark's traffic harness under cocotb on Icarus: for every pattern two sweep
     points run and drain with no delivery error; the zero-load latency is hops + 2."""
     require_simulator("icarus")
+    before = set((BUILD_ROOT / "runs").glob("noc-harness-3x3-icarus-results-*"))
     out = run_harness(rows=3, cols=3, queues="voq", depth=2, patterns=None,
                       rates=[0.02, 0.3], simulator="icarus", warmup=100, measure=600,
-                      build_name="noc-harness-3x3", result_file=tmp_path / "h.json")
+                      build_name="noc-harness-3x3")     # results in a run folder of its own
     _check_points(out["points"], PATTERNS)
+    assert set((BUILD_ROOT / "runs").glob("noc-harness-3x3-icarus-results-*")) <= before
     json.dumps(out)
 
 
