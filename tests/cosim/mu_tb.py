@@ -6,6 +6,8 @@ Verilator with :func:`rdakit.sim.verify.runner.run_cocotb`. The configuration ar
 back-pressure pattern and the seed.
 """
 
+import collections
+
 import cocotb
 
 from rdakit.hdl.spec.packets import (
@@ -57,8 +59,10 @@ class MUBench:
         else:
             self.model = MUModel(params, mu_id)
         MUBench._last = self
-        self.expected = []
-        self._next = 0
+        # Requests not yet answered, oldest first (answered ones are dropped: a run of 10^7
+        # operations must not keep them all), and the counts sent and answered.
+        self.expected = collections.deque()
+        self._sent = self._next = 0
         self.mismatches = []
 
     async def reset(self):
@@ -66,20 +70,21 @@ class MUBench:
         # Reset clears the tables, not the scratchpad: the new model starts from its words.
         self.model = self.model.after_reset()
         self.expected.clear()
-        self._next = 0
+        self._sent = self._next = 0
 
     def send(self, request):
         """Queue ``request`` (a dict) and the model's response to it; return the latter."""
         expected = self.model.request(request)
         self.source.send(pack(self.req_layout, request))
         self.expected.append((request, expected, pack(self.resp_layout, expected)))
+        self._sent += 1
         return expected
 
     def _check(self, value):
-        if self._next >= len(self.expected):
+        if not self.expected:
             self.mismatches.append(f"unexpected response {unpack(self.resp_layout, value)}")
             return
-        request, expected, packed = self.expected[self._next]
+        request, expected, packed = self.expected.popleft()
         self._next += 1
         if value != packed and len(self.mismatches) < 10:
             self.mismatches.append(f"response {self._next - 1} to {request}: "
@@ -90,10 +95,10 @@ class MUBench:
         limit = timeout or 200 * len(self.expected) + 20 * self.params.max_buffers * \
             self.params.max_vblocks + 10_000
         start = self.bench.cycles
-        while self._next < len(self.expected) or self.source.pending:
+        while self.expected or self.source.pending:
             await self.bench.cycle()
             assert self.bench.cycles - start < limit, (
-                f"timeout: {self._next} of {len(self.expected)} responses after {limit} cycles")
+                f"timeout: {self._next} of {self._sent} responses after {limit} cycles")
         assert not self.mismatches, "\n".join(self.mismatches)
 
     def counter(self, name):
