@@ -17,6 +17,7 @@ from rdakit.sim.verify.formal_harness import (
     ROUTER_BOUNDED_SHARED,
     prove,
 )
+from rdakit.sim.verify.formal_harness.link import ANSWER_BOUND
 
 pytestmark = [
     pytest.mark.formal,
@@ -63,4 +64,9 @@ EXPECTED_FAILURE = {
     # The round-robin whose pointer passes a blocked queue: the flit is passed over.
     "pointer_follows": f"tracked flit stayed over {ROUTER_BOUNDED_SHARED.stay} cycles in one "
                        f"place",
+    # The board link: a command given twice, a late timeout, an answer never sent. (A CRC unit
+    # that takes no byte lets an OPEN or a command through, whichever the solver finds.)
+    "applies_twice": "the last command applied was applied again",
+    "late_timeout": "a frame cut short was not ended by the timeout",
+    "tx_stuck": f"a frame not answered within {ANSWER_BOUND} cycles of the line being free",
 }

@@ -1,4 +1,5 @@
-"""Formal harnesses: the properties of the memory unit, the router and reference counting.
+"""Formal harnesses: the properties of the memory unit, the router, reference counting and the
+board link's frame receiver.
 
 Each :class:`Property` names a harness (an elaboratable holding the design under proof, an
 environment of ``Assume``/``AnySeq`` inputs and the ``Assert`` statements), how it is proven
@@ -9,14 +10,23 @@ must make it fail. :data:`PROPERTIES` is the single list: ``rdakit verify``, the
 Harnesses observe internal state through the private ``_observe=True`` argument of the
 components (documented there). A broken variant is a subclass of the component that overrides
 one small step of its ``elaborate``; the variants live beside their harnesses: ``memory``
-(free list, memory unit), ``router``, ``mesh`` and ``refcount`` (counter-based reference
-counting).
+(free list, memory unit), ``router``, ``mesh``, ``refcount`` (counter-based reference
+counting) and ``link`` (the frame receiver, whose properties are bounded checks on its ports).
 """
 
 import dataclasses
 from collections.abc import Callable
 
 from rdakit.sim.verify.formal import run_sby
+from rdakit.sim.verify.formal_harness.link import (
+    ANSWER_BOUND,
+    FABRIC_WAIT,
+    LINK_PARAMS_TEXT,
+    LINK_TIMEOUT,
+    link_answers,
+    link_checked,
+    link_once,
+)
 from rdakit.sim.verify.formal_harness.memory import (
     FREE_LIST_DEPTH,
     MU_PARAMS_TEXT,
@@ -232,6 +242,39 @@ PROPERTIES = [
                   "DECREF overtakes the INCREF and frees the buffer while B holds it.",
         harness=refcount_counter, params=MU_PARAMS_TEXT.replace("weighted", "counter"),
         depth=6, faults=("ungated",), fault_depth=22),
+    Property(
+        name="link.checked",
+        statement="The board link's frame receiver (FrameLink) under any bytes, UART errors "
+                  "and gaps: a command reaches the fabric only while the bytes it took since "
+                  "the SOF that started the frame are a whole CMD frame without a UART error "
+                  "or a gap over the timeout, with at most a command's LEN payload bytes, whose "
+                  "payload is the command and whose header check and CRC match the link's CRC "
+                  "units, which were started at that SOF and fed exactly SEQ, KIND, LEN and "
+                  "SEQ to the end of the payload; an OPEN is applied only for such an OPEN "
+                  "frame; frames_ok counts them. Bounded check from reset: OPEN frames and "
+                  "commands of up to 4 payload bytes.",
+        harness=link_checked, params=LINK_PARAMS_TEXT, mode="bmc", depth=15,
+        faults=("crc_unchecked", "header_unchecked")),
+    Property(
+        name="link.once",
+        statement="The board link never gives the fabric the command of the last command "
+                  "applied again for a frame with its SEQ (a resend), unless an OPEN was "
+                  "applied in between. Bounded check from reset: two frames of commands of up "
+                  "to 1 payload byte.",
+        harness=link_once, params=LINK_PARAMS_TEXT, mode="bmc", depth=23,
+        faults=("applies_twice",), fault_depth=16),
+    Property(
+        name="link.answers",
+        statement=f"The board link does not wedge: with a fabric that takes a command within "
+                  f"{FABRIC_WAIT} cycles and offers its reply within {FABRIC_WAIT} more, and a "
+                  f"transmit side that takes every byte, every frame or run of bytes in error "
+                  f"the link ends (it stops taking bytes) gets one answer, which starts within "
+                  f"{ANSWER_BOUND} cycles in which no other answer is being sent; the link "
+                  f"stops taking bytes only while it owes an answer, and ends a frame cut short "
+                  f"at the latest {LINK_TIMEOUT + 2} cycles after its last byte. Bounded check "
+                  f"from reset.",
+        harness=link_answers, params=LINK_PARAMS_TEXT, mode="bmc", depth=17,
+        faults=("late_timeout", "tx_stuck")),
 ]
 
 
