@@ -22,7 +22,14 @@ from rdakit.hdl.spec.frames import (
     int_payload,
     reply_bytes,
 )
-from rdakit.hdl.spec.packets import HostCmd, MUOp, host_cmd_layout, host_reply_layout, pack
+from rdakit.hdl.spec.packets import (
+    HostCmd,
+    MUOp,
+    MUStatus,
+    host_cmd_layout,
+    host_reply_layout,
+    pack,
+)
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.hdl.spec.vector import pack_vector
 from rdakit.sim.runtime.host import HostDriver
@@ -168,6 +175,15 @@ def session():
         out["status"] = st
         out["counters"] = (ctx.get(top.frames_ok), ctx.get(top.frames_bad))
 
+        # An MU request that names no MU (an ALLOC at the CU tile): the host port answers it
+        # with BAD_DESTINATION; the link still answers OPEN and STATUS after it.
+        cu = P.mu_id(0, 0)
+        resp = await host2.mu_request({"op": MUOp.ALLOC, "ref": {"mu": cu, "buf": 0},
+                                       "data": 1})
+        opened = await raw(port, encode_frame(FrameKind.OPEN, 0x42))
+        link2.opened = False            # the next command opens a session first
+        out["no_mu"] = (resp["status"], opened, await host2.status(), list(link2.errors))
+
     simulate(top, tb, background=[port.receiver])
     return out
 
@@ -211,6 +227,15 @@ def test_transport_resends_after_error_and_lost_answer(session):
     assert resends == 2
     assert words == [[1234], [99], [5], [6]]
     assert session["status"]["configured"]
+
+
+@pytest.mark.long   # the shared simulation (LONG in conftest.py lists its first test)
+def test_link_answers_after_a_request_for_no_mu(session):
+    status, opened, st, errors = session["no_mu"]
+    assert status is MUStatus.BAD_DESTINATION
+    assert opened == [(FrameKind.ACK, 0x42, b"")]
+    assert st["configured"] and not st["error"]
+    assert errors == [(FrameError.BAD_CRC, errors[0][1])]     # only the flipped bit before
 
 
 def test_bridge_counts_frames(session):
