@@ -152,6 +152,18 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(mark)
 
 
+#: A graph file of five nodes (input, constant, matmul, relu, output), the smallest a user might
+#: write, for the tests of commands that take a graph file.
+TINY_GRAPH = ("import numpy as np\n"
+              "from rdakit.compiler.graph import DataflowGraph\n"
+              "def build():\n"
+              "    g = DataflowGraph('tiny')\n"
+              "    x = g.input('x', (3, 5), 'int8')\n"
+              "    w = g.const('w', np.ones((5, 2), np.int8))\n"
+              "    g.output('y', g.add('relu', g.add('matmul', x, w, name='m'), name='r'))\n"
+              "    return g\n")
+
+
 # --- Amaranth simulation --------------------------------------------------------------------
 
 def run_checked(dut, testbench):

@@ -15,7 +15,7 @@ import re
 import tempfile
 
 import pytest
-from conftest import hostile
+from conftest import TINY_GRAPH, hostile
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -67,16 +67,6 @@ def assert_refused(result, option, before=None, folder=None):
     assert option in err, (option, err)
     if folder is not None:
         assert snapshot(folder) == before
-
-
-GRAPH = ("import numpy as np\n"
-         "from rdakit.compiler.graph import DataflowGraph\n"
-         "def build():\n"
-         "    g = DataflowGraph('tiny')\n"
-         "    x = g.input('x', (3, 5), 'int8')\n"
-         "    w = g.const('w', np.ones((5, 2), np.int8))\n"
-         "    g.output('y', g.add('relu', g.add('matmul', x, w, name='m'), name='r'))\n"
-         "    return g\n")
 
 
 # --- class 3: numbers, grids and sizes --------------------------------------------------------
@@ -262,7 +252,7 @@ def test_bad_output_paths_are_refused_before_any_work(cli, case, kind):
     with tempfile.TemporaryDirectory() as tmp:
         folder = pathlib.Path(tmp)
         (folder / "sub").mkdir()
-        (folder / "graph.py").write_text(GRAPH)
+        (folder / "graph.py").write_text(TINY_GRAPH)
         argv = [c.format(graph=folder / "graph.py") for c in command]
         if kind == "input" and "{graph}" not in command[1:2]:
             return                              # no input file to overwrite
@@ -324,7 +314,7 @@ def test_class4_outputs_never_destroy_inputs_or_each_other(tmp_path, capsys):
     the simulation, and a missing folder was a traceback for ``compile -o`` but made for
     ``verilog -o``, even at the top of the file system."""
     graph = tmp_path / "g.py"
-    graph.write_text(GRAPH)
+    graph.write_text(TINY_GRAPH)
     top = f"/rdakit-missing-{os.getpid()}"
     for argv, message in [
         (["compile", graph, "-o", graph],
@@ -340,7 +330,7 @@ def test_class4_outputs_never_destroy_inputs_or_each_other(tmp_path, capsys):
     ]:
         assert main([str(a) for a in argv]) == 2
         assert message in capsys.readouterr().err
-    assert graph.read_text() == GRAPH
+    assert graph.read_text() == TINY_GRAPH
     assert sorted(p.name for p in tmp_path.iterdir()) == ["g.py"]
     assert not pathlib.Path(top).exists()
     # A missing folder below an existing one is made, for every command alike.

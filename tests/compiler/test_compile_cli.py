@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import TINY_GRAPH
 
 from rdakit.cli import main
 from rdakit.cli.compile import parse_sizes
@@ -57,14 +58,7 @@ def test_compile_prints_the_summary_and_writes_the_bitstream(tmp_path, capsys):
 
 def test_compile_a_graph_file(tmp_path, capsys):
     path = tmp_path / "tiny.py"
-    path.write_text("import numpy as np\n"
-                    "from rdakit.compiler.graph import DataflowGraph\n"
-                    "def build():\n"
-                    "    g = DataflowGraph('tiny')\n"
-                    "    x = g.input('x', (3, 5), 'int8')\n"
-                    "    w = g.const('w', np.ones((5, 2), np.int8))\n"
-                    "    g.output('y', g.add('relu', g.add('matmul', x, w, name='m'), name='r'))\n"
-                    "    return g\n")
+    path.write_text(TINY_GRAPH)
     assert main(["compile", str(path), "--prog-len", "256", "-o", str(tmp_path / "t.bit")]) == 0
     assert capsys.readouterr().out.startswith("graph tiny: 5 nodes, partitioner multilevel\n")
     assert main(["compile", str(path), "--size", "batch=2"]) == 2

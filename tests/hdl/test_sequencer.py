@@ -21,6 +21,26 @@ P = FabricParams(rows=2, cols=2, mu=MU_P, cu=CUParams(
 CU1_ID = P.mu_id(1, 1)
 
 
+async def cfg_write(ctx, dut, addr, value):
+    """Write one word of ``dut``'s configuration space (one cycle)."""
+    ctx.set(dut.cfg.sel, 1)
+    ctx.set(dut.cfg.we, 1)
+    ctx.set(dut.cfg.addr, addr)
+    ctx.set(dut.cfg.wdata, value & 0xffff_ffff)
+    await ctx.tick()
+    ctx.set(dut.cfg.we, 0)
+
+
+async def cfg_read(ctx, dut, addr):
+    """Read one word of ``dut``'s configuration space (one cycle)."""
+    ctx.set(dut.cfg.sel, 1)
+    ctx.set(dut.cfg.re, 1)
+    ctx.set(dut.cfg.addr, addr)
+    await ctx.tick()
+    ctx.set(dut.cfg.re, 0)
+    return ctx.get(dut.cfg.rdata)
+
+
 def run(text, *, regs=None, on_cycle=None, limit=500):
     """Load ``text`` and the initial ``regs`` into a fresh sequencer at (0, 0), start it and run
     until ``done``; ``on_cycle(ctx, dut, cycle)`` drives the other inputs each cycle. Returns
@@ -28,21 +48,11 @@ def run(text, *, regs=None, on_cycle=None, limit=500):
     dut = Sequencer(P, x=0, y=0)
     out = {}
 
-    async def write(ctx, addr, value):
-        ctx.set(dut.cfg.sel, 1)
-        ctx.set(dut.cfg.we, 1)
-        ctx.set(dut.cfg.addr, addr)
-        ctx.set(dut.cfg.wdata, value & 0xffff_ffff)
-        await ctx.tick()
-        ctx.set(dut.cfg.we, 0)
+    def write(ctx, addr, value):
+        return cfg_write(ctx, dut, addr, value)
 
-    async def read(ctx, addr):
-        ctx.set(dut.cfg.sel, 1)
-        ctx.set(dut.cfg.re, 1)
-        ctx.set(dut.cfg.addr, addr)
-        await ctx.tick()
-        ctx.set(dut.cfg.re, 0)
-        return ctx.get(dut.cfg.rdata)
+    def read(ctx, addr):
+        return cfg_read(ctx, dut, addr)
 
     async def tb(ctx):
         for pc, word in enumerate(map(encode, assemble(text))):
@@ -188,13 +198,8 @@ def test_a_new_load_forgets_the_last_jobs_initial_registers():
     dut = Sequencer(P, x=0, y=0)
     seen = {}
 
-    async def write(ctx, addr, value):
-        ctx.set(dut.cfg.sel, 1)
-        ctx.set(dut.cfg.we, 1)
-        ctx.set(dut.cfg.addr, addr)
-        ctx.set(dut.cfg.wdata, value)
-        await ctx.tick()
-        ctx.set(dut.cfg.we, 0)
+    def write(ctx, addr, value):
+        return cfg_write(ctx, dut, addr, value)
 
     async def start_and_read(ctx):
         ctx.set(dut.start, 1)
@@ -204,11 +209,7 @@ def test_a_new_load_forgets_the_last_jobs_initial_registers():
             if ctx.get(dut.done):
                 break
             await ctx.tick()
-        ctx.set(dut.cfg.re, 1)
-        ctx.set(dut.cfg.addr, CU_MAP.REGS + 5)
-        await ctx.tick()
-        ctx.set(dut.cfg.re, 0)
-        return ctx.get(dut.cfg.rdata)
+        return await cfg_read(ctx, dut, CU_MAP.REGS + 5)
 
     async def tb(ctx):
         halt = encode(assemble("HALT")[0])
