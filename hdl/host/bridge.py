@@ -33,6 +33,14 @@ from rdakit.hdl.spec.params import FabricParams
 __all__ = ["FrameLink", "HostBridge", "BridgedFabric"]
 
 
+def _fabric_side(p):
+    """The members a host link shows the fabric's host port (MU parameters ``p``): commands
+    out, replies in, and its frame counters."""
+    return {"cmd": Out(stream.Signature(host_cmd_layout(p))),
+            "reply": In(stream.Signature(host_reply_layout(p))),
+            "frames_ok": Out(16), "frames_bad": Out(16)}
+
+
 class FrameLink(wiring.Component):
     """Frames in bytes to host-port commands, and answers to frames in bytes: the bridge without
     its UART.
@@ -74,10 +82,7 @@ class FrameLink(wiring.Component):
         super().__init__({
             "rx": In(stream.Signature(rx_byte_layout)),
             "tx": Out(stream.Signature(8)),
-            "cmd": Out(stream.Signature(host_cmd_layout(p))),
-            "reply": In(stream.Signature(host_reply_layout(p))),
-            "frames_ok": Out(16),
-            "frames_bad": Out(16),
+            **_fabric_side(p),
         })
 
     def elaborate(self, platform):
@@ -416,10 +421,7 @@ class HostBridge(wiring.Component):
         super().__init__({
             "rx": In(1, init=1),
             "tx": Out(1, init=1),
-            "cmd": Out(stream.Signature(host_cmd_layout(p))),
-            "reply": In(stream.Signature(host_reply_layout(p))),
-            "frames_ok": Out(16),
-            "frames_bad": Out(16),
+            **_fabric_side(p),
         })
 
     def elaborate(self, platform):
