@@ -2,8 +2,9 @@
 
 Packets on rdakit's NoC are single flits: a flit is ``{dst: {x, y}, payload}``, the destination
 tile's coordinates (``x`` the column, ``y`` the row, first field in the low bits) followed by a
-payload of any shape (for the memory network a whole :func:`~rdakit.hdl.spec.packets.mu_request_layout`
-or :func:`~rdakit.hdl.spec.packets.mu_response_layout`). The router, the mesh, the traffic harness, the
+payload of any shape (for the memory network a whole
+:func:`~rdakit.hdl.spec.packets.mu_request_layout` or
+:func:`~rdakit.hdl.spec.packets.mu_response_layout`). The router, the mesh, the traffic harness, the
 models and the testbenches all take the layout from :func:`flit_layout`.
 
 :class:`Port` names the five router ports. Directions follow the picture of a matrix: row 0 is

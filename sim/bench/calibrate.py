@@ -4,10 +4,11 @@ The cost model (:class:`~rdakit.compiler.cost.CostModel`) charges an op
 ``ceil(work / lanes) + op_overhead`` cycles. Once workloads are lowered to CU programs, two
 simulations say what an op really costs:
 
-* the functional interpreter (:mod:`rdakit.sim.models.interp`), profiled here per program counter: an
-  op's *steps* are the instructions it executes plus the stream steps of its ``SRUN`` s, summed
-  over the pcs the lowering gave it (:class:`~rdakit.compiler.lower.ProgramInfo`); fused ops
-  (an elementwise chain is one lowered op) are compared as one group;
+* the functional interpreter (:mod:`rdakit.sim.models.interp`), profiled here per program
+  counter: an op's *steps* are the instructions it executes plus the stream steps of its
+  ``SRUN`` s, summed over the pcs the lowering gave it
+  (:class:`~rdakit.compiler.lower.ProgramInfo`); fused ops (an elementwise chain is one
+  lowered op) are compared as one group;
 * the RTL in Amaranth's simulator, for small jobs (:data:`RTL_JOBS`): every CU's
   ``busy_cycles`` counter and the run's cycles, against the cost model's cycles for the ops
   on that CU and its estimated makespan, and against the interpreter's instruction and

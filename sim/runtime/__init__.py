@@ -1,1 +1,2 @@
-"""The host runtime: the driver, its transports and the session that runs a job (the code a board uses too)."""
+"""The host runtime: the driver, its transports and the session that runs a job (the code a
+board uses too)."""

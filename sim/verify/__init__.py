@@ -1,1 +1,2 @@
-"""Verification: the cocotb runner, simulator helpers, stream drivers, stimulus, test gateware and formal harnesses."""
+"""Verification: the cocotb runner, simulator helpers, stream drivers, stimulus, test gateware
+and formal harnesses."""

@@ -375,6 +375,8 @@ def design_ports(component):
         if isinstance(node, list):
             for item in node:
                 walk(item)
+        elif not isinstance(node, dict):
+            return                  # a leaf of the JSON: a member's type or name, a width
         elif node.get("type") == "port":
             ports.append((node["name"], node["dir"], node["width"]))
         else:

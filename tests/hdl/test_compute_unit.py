@@ -1,7 +1,7 @@
 # amaranth: UnusedElaboratable=no
 """The compute unit in Amaranth's simulator, wired straight to memory units
-(:mod:`rdakit.sim.verify.cu_harness`): parameters, Verilog, every instruction and ALU function, streams
-bit-exact against numpy, tokens and references between CUs, error halts, the configuration
+(:mod:`rdakit.sim.verify.cu_harness`): parameters, Verilog, every instruction and ALU function,
+streams bit-exact against numpy, tokens and references between CUs, error halts, the configuration
 space, stream throughput, and equivalence with the functional interpreter on generated programs.
 
 Most tests run one CU at (0, 0) of a 2x2 checkerboard (MUs at (1, 0) and (0, 1), a second CU at

@@ -4,7 +4,12 @@ from amaranth.asserts import AnySeq
 from amaranth.hdl import Assert, Assume, Cat, Elaboratable, Module, Signal
 
 from rdakit.hdl.noc.mesh import Mesh, tile_coords
-from rdakit.sim.verify.formal_harness.common import popcount, refuses_unknown, stream_source, variant
+from rdakit.sim.verify.formal_harness.common import (
+    popcount,
+    refuses_unknown,
+    stream_source,
+    variant,
+)
 from rdakit.sim.verify.formal_harness.router import (
     ROUTER_VARIANTS,
     assert_links_into_room,

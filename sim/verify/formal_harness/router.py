@@ -21,7 +21,12 @@ from rdakit.hdl.noc.router import (
     xy_route,
 )
 from rdakit.hdl.spec.flit import DIRECTIONS, PORT_DELTA, Port
-from rdakit.sim.verify.formal_harness.common import popcount, refuses_unknown, stream_source, variant
+from rdakit.sim.verify.formal_harness.common import (
+    popcount,
+    refuses_unknown,
+    stream_source,
+    variant,
+)
 
 __all__ = ["ROUTER_VARIANTS", "ROUTER_FORMAL", "ROUTER_PARAMS_TEXT", "ROUTER_DELIVERY_FORMAL",
            "ROUTER_DELIVERY_FIFO", "ROUTER_DELIVERY_SCAN", "ROUTER_STALL", "BoundedResponse",
