@@ -1,0 +1,214 @@
+"""The aten ops the torch.export importer handles: one registry, and the coverage of a program.
+
+:data:`ATEN_OPS` names every aten op :mod:`rdakit.compiler.frontend.importer` turns into IR ops,
+spelt as ``torch.export`` graphs spell their targets (``str(node.target)``:
+``aten.linear.default``, ``aten.transpose.int``; Python's ``operator.getitem``, which picks one
+result of a multi-result op, is ``operator.getitem``), with the IR op kinds
+(:data:`rdakit.compiler.graph.OP_KINDS`) it may become. An op is *supported* when it is in the
+registry and every IR kind it needs exists (so the kinds another part of the compiler has not
+added yet count as missing, not as supported).
+
+Every int32 result that is brought back to int8 is *requantized* (:data:`REQUANT`: multiply by
+an integer multiplier per column, add a rounding and bias term, arithmetic shift right, clip);
+the layout ops (:attr:`AtenOp.layout`) are free where the row-major data of the 2-D IR tensors
+stays the same and otherwise become the explicit copies in their ``ir`` (slices, concatenations,
+transposes).
+
+:func:`op_coverage` counts the op kinds of a program, :func:`prepare` gives the graph the
+importer walks (the program decomposed to core aten except for the registered ops, which are
+kept whole). This module imports torch only inside :func:`prepare` (``import rdakit`` and the
+compiler must work without torch installed).
+"""
+
+import dataclasses
+
+from rdakit.compiler.graph import OP_KINDS
+
+__all__ = ["AtenOp", "ATEN_OPS", "REQUANT", "LAYOUT_COPIES", "op_name", "supported", "prepare",
+           "op_coverage", "unsupported_summary"]
+
+#: IR kinds of a requantization (int32 -> int8): ``clip((x * m + c) >> n)``.
+REQUANT = ("mul", "add", "shr", "clip")
+
+#: IR kinds a layout op becomes where the data moves (it is free where it does not).
+LAYOUT_COPIES = ("slice", "concat", "transpose")
+
+
+@dataclasses.dataclass(frozen=True)
+class AtenOp:
+    """One aten op the importer handles.
+
+    Members
+    -------
+    name : str
+        The op as ``str(node.target)`` spells it in a ``torch.export`` graph.
+    ir : tuple of str
+        IR op kinds it may become (empty: none, the op only renames or rescales its input).
+    note : str
+        One line for the documentation: what it becomes and under which conditions.
+    layout : bool
+        Whether it is a layout op (free view or explicit copy).
+    """
+
+    name: str
+    ir: tuple
+    note: str
+    layout: bool = False
+
+
+def _ops(*entries):
+    return {e.name: e for e in entries}
+
+
+def _layout(name, note):
+    return AtenOp(name, LAYOUT_COPIES, note, layout=True)
+
+
+_MATMUL = ("matmul",) + REQUANT
+
+#: Every aten op the importer handles, by name.
+ATEN_OPS = _ops(
+    AtenOp("aten.linear.default", _MATMUL,
+           "x @ W^T + b: int8 weights per output channel, bias folded into the requantization"),
+    AtenOp("aten.addmm.default", _MATMUL,
+           "b + x @ W, constant W and b: as linear"),
+    AtenOp("aten.mm.default", _MATMUL,
+           "x @ y; constant or activation operands"),
+    AtenOp("aten.matmul.default", _MATMUL,
+           "x @ y with broadcast batch dimensions, one 2-D matmul per batch index"),
+    AtenOp("aten.bmm.default", _MATMUL,
+           "batched x @ y, one 2-D matmul per batch index"),
+    AtenOp("aten.add.Tensor", REQUANT,
+           "x + alpha * y, broadcasting; both operands rescaled to the output's scale"),
+    AtenOp("aten.sub.Tensor", REQUANT,
+           "x - alpha * y, broadcasting; both operands rescaled to the output's scale"),
+    AtenOp("aten.rsub.Scalar", REQUANT, "c - x for a constant c"),
+    AtenOp("aten.mul.Tensor", REQUANT,
+           "x * y, broadcasting; by a positive constant scalar: free (a new scale)"),
+    AtenOp("aten.div.Tensor", ("sub", "clip"),
+           "x / c for a constant c only: free (a new scale), negated if c < 0"),
+    AtenOp("aten.neg.default", ("sub", "clip"), "-x (0 - x, saturated to [-127, 127])"),
+    AtenOp("aten.relu.default", ("relu",), "max(x, 0), same scale"),
+    AtenOp("aten.clamp.default", ("clip",), "clip to the quantized bounds, same scale"),
+    AtenOp("aten.hardtanh.default", ("clip",), "clip to the quantized bounds, same scale"),
+    AtenOp("aten.amax.default", ("reduce_max",) + LAYOUT_COPIES,
+           "maximum over dimensions, same scale"),
+    AtenOp("aten.sum.dim_IntList", ("reduce_sum",) + REQUANT + LAYOUT_COPIES,
+           "sum over dimensions (int32), requantized"),
+    AtenOp("aten.mean.dim", ("reduce_sum",) + REQUANT + LAYOUT_COPIES,
+           "sum over dimensions, the 1 / count folded into the requantization"),
+    _layout("aten.view.default", "free where the columns stay, else copies"),
+    _layout("aten._unsafe_view.default", "as view"),
+    _layout("aten.reshape.default", "as view"),
+    _layout("aten.flatten.using_ints", "as view"),
+    _layout("aten.unflatten.int", "as view"),
+    _layout("aten.unsqueeze.default", "free"),
+    _layout("aten.squeeze.dim", "free"),
+    _layout("aten.squeeze.dims", "free"),
+    _layout("aten.squeeze.default", "free"),
+    _layout("aten.permute.default", "free for the leading dimensions, a transpose (and slices) "
+                                    "where the last two swap"),
+    _layout("aten.transpose.int", "as permute"),
+    _layout("aten.t.default", "as permute"),
+    _layout("aten.contiguous.default", "free"),
+    _layout("aten.clone.default", "free"),
+    _layout("aten.alias.default", "free"),
+    _layout("aten.detach.default", "free"),
+    _layout("aten.dropout.default", "free (the identity in inference)"),
+    _layout("aten.slice.Tensor", "free along leading dimensions, a slice otherwise"),
+    _layout("aten.select.int", "as slice, the dimension dropped"),
+    _layout("aten.narrow.default", "as slice"),
+    _layout("aten.cat.default", "free along leading dimensions, a concat otherwise; operands "
+                                "rescaled to one scale"),
+    _layout("aten.split.Tensor", "as slice, one per piece"),
+    _layout("aten.split_with_sizes.default", "as slice, one per piece"),
+    _layout("aten.chunk.default", "as slice, one per piece"),
+    _layout("aten.unbind.int", "as select, one per piece"),
+    _layout("aten.expand.default", "broadcast by the consumer where the IR broadcasts, else "
+                                   "copies"),
+    _layout("operator.getitem", "picks one result of a multi-result op (split, chunk)"),
+)
+
+
+def op_name(target):
+    """The name of an FX node's target as :data:`ATEN_OPS` spells it."""
+    module = getattr(target, "__module__", None)
+    if module in ("_operator", "operator"):
+        return f"operator.{target.__name__}"
+    return str(target)
+
+
+def supported(name):
+    """Whether the aten op ``name`` is registered and every IR kind it needs exists."""
+    op = ATEN_OPS.get(name)
+    return op is not None and all(k in OP_KINDS for k in op.ir)
+
+
+def prepare(exported_program):
+    """The program the importer walks: decomposed to core aten, the registered ops kept whole.
+
+    ``run_decompositions`` with torch's default table, from which every op of :data:`ATEN_OPS`
+    is removed (so ``linear`` stays one op instead of a transpose and an ``addmm``).
+    """
+    # torch is optional (rdakit[torch]); only a caller holding an ExportedProgram gets here.
+    import torch
+
+    table = torch.export.default_decompositions()
+    for name in ATEN_OPS:
+        op = _overload(torch, name)
+        if op is not None and op in table:
+            del table[op]
+    return exported_program.run_decompositions(table)
+
+
+def _overload(torch, name):
+    """The ``torch.ops`` overload a registry name spells, or None (``operator.*`` names)."""
+    parts = name.split(".")
+    if parts[0] != "aten" or len(parts) != 3:
+        return None
+    packet = getattr(torch.ops.aten, parts[1], None)
+    return getattr(packet, parts[2], None) if packet is not None else None
+
+
+def op_coverage(exported_program, *, decompose=True):
+    """Count the op kinds of a program and say which the importer handles.
+
+    Parameters
+    ----------
+    exported_program : torch.export.ExportedProgram
+        The program.
+    decompose : bool
+        Count the graph the importer walks (:func:`prepare`), the default, or, if False, the
+        program's graph as given.
+
+    Returns
+    -------
+    dict of str to dict
+        By op name (:func:`op_name`), sorted: ``{"count": nodes, "supported": bool, "ir":
+        list of IR kinds (empty if unsupported)}``. Only ``call_function`` nodes are ops
+        (inputs, parameters and the output are not).
+    """
+    program = prepare(exported_program) if decompose else exported_program
+    counts = {}
+    for node in program.graph.nodes:
+        if node.op == "call_function":
+            name = op_name(node.target)
+            counts[name] = counts.get(name, 0) + 1
+    return {name: {"count": counts[name], "supported": supported(name),
+                   "ir": list(ATEN_OPS[name].ir) if supported(name) else []}
+            for name in sorted(counts)}
+
+
+def unsupported_summary(coverage, what):
+    """The one-line summary of the unsupported ops of ``coverage`` (:func:`op_coverage`), or
+    None if every op is supported: ``{what} has 3 unsupported op kinds (12 nodes):
+    aten.embedding.default x2, ...`` (most nodes first, then by name)."""
+    missing = sorted(((n, c["count"]) for n, c in coverage.items() if not c["supported"]),
+                     key=lambda item: (-item[1], item[0]))
+    if not missing:
+        return None
+    nodes = sum(c for _, c in missing)
+    kinds = len(missing)
+    listed = ", ".join(f"{n} x{c}" for n, c in missing)
+    return (f"{what} has {kinds} unsupported op kind{'s' if kinds != 1 else ''} "
+            f"({nodes} node{'s' if nodes != 1 else ''}): {listed}")
