@@ -25,7 +25,7 @@ import dataclasses
 from rdakit.compiler.graph import OP_KINDS
 
 __all__ = ["AtenOp", "ATEN_OPS", "REQUANT", "LAYOUT_COPIES", "op_name", "supported", "prepare",
-           "op_coverage", "unsupported_summary"]
+           "live_nodes", "op_coverage", "unsupported_summary"]
 
 #: IR kinds of a requantization (int32 -> int8): ``clip((x * m + c) >> n)``.
 REQUANT = ("mul", "add", "shr", "clip")
@@ -170,6 +170,20 @@ def _overload(torch, name):
     return getattr(packet, parts[2], None) if packet is not None else None
 
 
+def live_nodes(program):
+    """Names of the nodes of ``program`` that depend on a user input; the others read only
+    weights and constants, and the importer folds them to constants whatever their op."""
+    users = set(program.graph_signature.user_inputs)
+    live = set()
+    for n in program.graph.nodes:
+        if n.op == "placeholder":
+            if n.name in users:
+                live.add(n.name)
+        elif any(a.name in live for a in n.all_input_nodes):
+            live.add(n.name)
+    return live
+
+
 def op_coverage(exported_program, *, decompose=True):
     """Count the op kinds of a program and say which the importer handles.
 
@@ -184,17 +198,22 @@ def op_coverage(exported_program, *, decompose=True):
     Returns
     -------
     dict of str to dict
-        By op name (:func:`op_name`), sorted: ``{"count": nodes, "supported": bool, "ir":
-        list of IR kinds (empty if unsupported)}``. Only ``call_function`` nodes are ops
-        (inputs, parameters and the output are not).
+        By op name (:func:`op_name`), sorted: ``{"count": nodes, "folded": nodes that read no
+        graph input (folded to constants at import), "supported": bool, "ir": list of IR
+        kinds}``. A kind is supported if the importer handles it (:func:`supported`) or if
+        every node of it is folded. Only ``call_function`` nodes are ops (inputs, parameters
+        and the output are not).
     """
     program = prepare(exported_program) if decompose else exported_program
-    counts = {}
+    live = live_nodes(program)
+    counts, folded = {}, {}
     for node in program.graph.nodes:
         if node.op == "call_function":
             name = op_name(node.target)
             counts[name] = counts.get(name, 0) + 1
-    return {name: {"count": counts[name], "supported": supported(name),
+            folded[name] = folded.get(name, 0) + (node.name not in live)
+    return {name: {"count": counts[name], "folded": folded[name],
+                   "supported": supported(name) or folded[name] == counts[name],
                    "ir": list(ATEN_OPS[name].ir) if supported(name) else []}
             for name in sorted(counts)}
 
@@ -203,7 +222,8 @@ def unsupported_summary(coverage, what):
     """The one-line summary of the unsupported ops of ``coverage`` (:func:`op_coverage`), or
     None if every op is supported: ``{what} has 3 unsupported op kinds (12 nodes):
     aten.embedding.default x2, ...`` (most nodes first, then by name)."""
-    missing = sorted(((n, c["count"]) for n, c in coverage.items() if not c["supported"]),
+    missing = sorted(((n, c["count"] - c.get("folded", 0)) for n, c in coverage.items()
+                      if not c["supported"]),
                      key=lambda item: (-item[1], item[0]))
     if not missing:
         return None
