@@ -1,12 +1,15 @@
-"""Partitioning: one interface (:mod:`.base`), several strategies (multilevel KL/FM, the greedy
-of seed 2, the DQN of seed 3, HEFT, METIS and Mt-KaHyPar, round-robin and static), the weighted
-graph they all see, and the partition across clusters."""
+"""Partitioning: one interface (:mod:`.base`), several strategies (``auto``, the best cut of
+Mt-KaHyPar, METIS and the multilevel KL/FM; the greedy of seed 2, the DQN of seed 3, HEFT,
+round-robin and static), the balance rule (:mod:`.balance`), the weighted graph they all see,
+and the partition across clusters."""
 
 from rdakit.compiler.partition.base import (
+    DEFAULT_STRATEGY,
     STRATEGIES,
     Partitioner,
     PartitionError,
     PartitionResult,
+    PartitionWarning,
     RoundRobin,
     Static,
     Targets,
@@ -15,9 +18,11 @@ from rdakit.compiler.partition.base import (
     get_strategy,
     measure,
     partition,
+    run_strategy,
 )
 
 __all__ = [
-    "PartitionError", "Targets", "Partitioner", "PartitionResult", "RoundRobin", "Static",
-    "STRATEGIES", "check_strategy", "get_strategy", "partition", "measure", "as_weighted",
+    "PartitionError", "PartitionWarning", "Targets", "Partitioner", "PartitionResult",
+    "RoundRobin", "Static", "STRATEGIES", "DEFAULT_STRATEGY", "check_strategy", "get_strategy",
+    "partition", "measure", "as_weighted", "run_strategy",
 ]

@@ -20,33 +20,47 @@ dataclass whose fields are its options; :data:`STRATEGIES` names them all:
     chunks of the topological order of equal work.
 ``metis``, ``mtkahypar``
     External references through pymetis and Mt-KaHyPar (:mod:`.external`).
+``auto`` (the default, :data:`DEFAULT_STRATEGY`)
+    Mt-KaHyPar, METIS and the multilevel KL/FM under one balance rule, the least cut kept
+    (:mod:`.portfolio`).
+
+The cut-based strategies share one balance rule (:mod:`.balance`), which gives a node heavier
+than an even share a unit of its own with room for its neighbours.
 
 :func:`partition` runs a strategy, checks its answer (every node on exactly one existing unit,
 capacities respected) and measures it (:class:`PartitionResult`): the cut, the imbalance, the
-lower bound on the makespan, the estimated makespan of a list schedule, and whether the
-quotient graph of the parts is acyclic.
+lower bound on the makespan, the estimated makespan of a list schedule, the pipeline
+bottleneck (heaviest unit, busiest link), whether the quotient graph of the parts is acyclic,
+the units left empty and what the strategy's backend warned about.
 """
 
 import dataclasses
 import importlib
-import math
 import time
+import warnings
 from typing import ClassVar, Protocol
 
 import numpy as np
 
 from rdakit.compiler.cost import CostModel, list_schedule, lower_bound
 from rdakit.compiler.graph import DataflowGraph
+from rdakit.compiler.partition.balance import part_limits, water_level
 from rdakit.compiler.partition.wgraph import WeightedGraph
 
 __all__ = [
-    "PartitionError", "Targets", "Partitioner", "PartitionResult", "RoundRobin", "Static",
-    "STRATEGIES", "check_strategy", "get_strategy", "partition", "measure", "as_weighted",
+    "PartitionError", "PartitionWarning", "Targets", "Partitioner", "PartitionResult",
+    "RoundRobin", "Static", "STRATEGIES", "DEFAULT_STRATEGY", "check_strategy", "get_strategy",
+    "partition", "measure", "as_weighted", "run_strategy",
 ]
 
 
 class PartitionError(ValueError):
     """A graph does not fit its targets, or a strategy gave a malformed answer."""
+
+
+class PartitionWarning(UserWarning):
+    """What a partitioner's backend said (METIS's complaints), or units left without work:
+    :func:`partition` collects them into :attr:`PartitionResult.warnings`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,30 +142,8 @@ class Targets:
         """
         loads, caps = self.loads, self.capacities
         free = caps - loads
-        level = _water_level(total, loads, free)
+        level = water_level(total, loads, free)
         return np.clip(level - loads, 0, free)
-
-    def max_weights(self, total, eps):
-        """Most work each unit may receive: ``(1 + eps)`` times its share, capped by capacity,
-        and never less than its share."""
-        share = self.target_weights(total)
-        even = (total + self.loads.sum()) / self.count
-        return np.minimum(np.maximum(share, (1 + eps) * even - self.loads),
-                          self.capacities - self.loads)
-
-
-def _water_level(total, loads, free):
-    """The level ``L`` with ``sum(clip(L - loads, 0, free)) == total`` (bisection)."""
-    if total <= 0:
-        return float(loads.min(initial=0.0))
-    lo, hi = float(loads.min()), float(loads.max() + total)
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        if np.clip(mid - loads, 0, free).sum() < total:
-            lo = mid
-        else:
-            hi = mid
-    return hi
 
 
 class Partitioner(Protocol):
@@ -192,6 +184,19 @@ class PartitionResult:
     start : numpy.ndarray or None
         Start cycle of every node in that list schedule: the order the lowering gives each
         CU's ops, so that the CUs run the schedule the estimate describes.
+    bottleneck : float
+        Throughput measure: the heaviest unit's work (load included), the cycles between
+        successive inputs when the units run as a pipeline.
+    busiest_link : int
+        Throughput measure: the most bytes that one unit sends another (edges from unit ``p``
+        to unit ``q``, summed, for the busiest ordered pair) per input.
+    empty_units : tuple of int
+        Units that get no work (a zero-work node, such as a buffer, does not count): the
+        balance rule allows it when a node is heavier than an even share
+        (:mod:`~rdakit.compiler.partition.balance`); METIS also leaves units empty when it
+        fails, and says so in ``warnings``.
+    warnings : tuple of str
+        What the strategy's backend said (METIS's complaints), :class:`PartitionWarning`.
     """
 
     strategy: str
@@ -205,6 +210,10 @@ class PartitionResult:
     makespan: int
     quotient_acyclic: bool
     start: np.ndarray | None = None
+    bottleneck: float = 0.0
+    busiest_link: int = 0
+    empty_units: tuple = ()
+    warnings: tuple = ()
 
     def assignment(self):
         """Unit of each node, by node name."""
@@ -215,7 +224,9 @@ class PartitionResult:
         return {"partitioner": self.strategy, "cut": self.cut,
                 "imbalance": round(self.imbalance, 6), "seconds": round(self.seconds, 4),
                 "makespan": self.makespan, "lower_bound": round(self.lower_bound, 1),
-                "acyclic": self.quotient_acyclic}
+                "acyclic": self.quotient_acyclic, "bottleneck": round(self.bottleneck, 1),
+                "busiest_link": self.busiest_link, "empty_units": len(self.empty_units),
+                "warnings": list(self.warnings)}
 
 
 def as_weighted(graph, cost=None):
@@ -277,18 +288,51 @@ def imbalance(wg, targets, parts):
     return float(weights.max() / mean - 1) if mean > 0 else 0.0
 
 
-def measure(wg, targets, parts, cost=None, *, strategy="?", seconds=0.0, hops=None, order=None):
+def busiest_link(wg, parts, k):
+    """Most bytes the edges from one unit to another carry, over ordered pairs of units."""
+    parts = np.asarray(parts)
+    pu, pv = parts[wg.src], parts[wg.dst]
+    cross = pu != pv
+    if not cross.any():
+        return 0
+    return int(np.bincount(pu[cross] * k + pv[cross], weights=wg.edge_weight[cross]).max())
+
+
+def measure(wg, targets, parts, cost=None, *, strategy="?", seconds=0.0, hops=None, order=None,
+            warnings=()):
     """Measure an assignment (see :class:`PartitionResult`); ``order`` is the list schedule's
-    priority order (default :func:`~rdakit.compiler.cost.priority_order`)."""
+    priority order (default :func:`~rdakit.compiler.cost.priority_order`), ``warnings`` what
+    the strategy said (:func:`run_strategy`)."""
     cost = CostModel() if cost is None else cost
     targets = _as_targets(targets)
     parts = check_assignment(wg, targets, parts)
     sched = list_schedule(wg, parts, targets.count, cost, hops=hops, loads=targets.loads,
                           order=order)
+    busy = wg.part_weights(parts, targets.count) + targets.loads
+    empty = tuple(int(p) for p in np.flatnonzero(busy - targets.loads == 0))
     return PartitionResult(strategy, wg, targets, parts, float(seconds), wg.cut(parts),
                            imbalance(wg, targets, parts),
                            lower_bound(wg, targets.count, targets.loads), sched.makespan,
-                           wg.quotient_acyclic(parts), sched.start)
+                           wg.quotient_acyclic(parts), sched.start,
+                           float(busy.max(initial=0.0)), busiest_link(wg, parts, targets.count),
+                           empty, tuple(warnings))
+
+
+def run_strategy(strategy, wg, targets):
+    """Run ``strategy`` on ``wg`` and ``targets``: ``(parts, seconds, warnings)``, the
+    :class:`PartitionWarning` messages it raised collected (other warnings pass through)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PartitionWarning)
+        t0 = time.perf_counter()
+        parts = strategy.partition(wg, targets)
+        seconds = time.perf_counter() - t0
+    said = []
+    for w in caught:
+        if issubclass(w.category, PartitionWarning):
+            said.append(str(w.message))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return parts, seconds, tuple(dict.fromkeys(said))
 
 
 # --- the baselines ---------------------------------------------------------------------------
@@ -324,6 +368,7 @@ class Static:
 
 #: Strategy classes by name, as ``module:Class`` (imported on first use).
 STRATEGIES = {
+    "auto": "portfolio:Auto",
     "multilevel": "multilevel:MultilevelKL",
     "greedy": "greedy:CostGreedy",
     "dqn": "dqn:DQNPartitioner",
@@ -333,6 +378,12 @@ STRATEGIES = {
     "metis": "external:Metis",
     "mtkahypar": "external:MtKaHyPar",
 }
+
+
+#: The strategy of ``rdakit compile`` and ``rdakit run`` when none is named: the best cut
+#: measured (``rdakit bench partition``) comes from whichever of Mt-KaHyPar, METIS and the
+#: home-made multilevel wins on the graph, so ``auto`` runs them all under one balance rule.
+DEFAULT_STRATEGY = "auto"
 
 
 def check_strategy(name):
@@ -354,7 +405,7 @@ def get_strategy(name, **options):
     return getattr(importlib.import_module(f"{__package__}.{module}"), cls)(**options)
 
 
-def partition(graph, targets, strategy="multilevel", *, cost=None, **options):
+def partition(graph, targets, strategy=DEFAULT_STRATEGY, *, cost=None, **options):
     """Partition ``graph`` onto ``targets`` and measure the result.
 
     Parameters
@@ -385,16 +436,15 @@ def partition(graph, targets, strategy="multilevel", *, cost=None, **options):
             options["cost"] = cost
         strategy = get_strategy(strategy, **options)
     check_capacity(wg, targets)
-    t0 = time.perf_counter()
-    parts = strategy.partition(wg, targets)
-    seconds = time.perf_counter() - t0
+    parts, seconds, said = run_strategy(strategy, wg, targets)
     parts = check_assignment(wg, targets, parts)
     check_capacity(wg, targets, parts)
-    return measure(wg, targets, parts, cost, strategy=strategy.name, seconds=seconds)
+    return measure(wg, targets, parts, cost, strategy=strategy.name, seconds=seconds,
+                   warnings=said)
 
 
 def balance_limit(wg, targets, eps):
-    """Largest part weight (load included) allowed by a balance tolerance ``eps``: used by the
-    tests and the bench to check a result."""
-    even = (wg.total_weight + targets.loads.sum()) / targets.count
-    return max((1 + eps) * even, float(wg.node_weight.max(initial=0)) + math.ceil(even))
+    """Largest part weight (load included) the balance rule allows with tolerance ``eps``
+    (:func:`~rdakit.compiler.partition.balance.part_limits`): used by the tests and the bench
+    to check a result."""
+    return float((part_limits(wg, targets, eps) + targets.loads).max())

@@ -1,25 +1,34 @@
 """External reference partitioners: METIS (through pymetis) and Mt-KaHyPar.
 
-Both minimize the edge cut under the same balance tolerance ``eps`` as
-:class:`~rdakit.compiler.partition.multilevel.MultilevelKL` (METIS's ``ufactor`` is
-``1000 * eps``), so their cuts can be compared at equal balance. Unit shares follow
-:meth:`Targets.target_weights` (METIS ``tpwgts``; Mt-KaHyPar individual block weights) when
-they are not all equal.
+Both minimize the edge cut under the balance rule of every cut-based strategy
+(:func:`~rdakit.compiler.partition.balance.part_limits`, tolerance ``eps``), so their cuts
+can be compared at equal balance: METIS gets the limits as target shares (``tpwgts``, each
+unit's limit over their sum) with ``ufactor = 1000 * eps``; Mt-KaHyPar gets them as its
+individual block weights (its maximum block weights).
 
 pymetis does not check the length of ``vweights`` (a short array makes METIS read past its
-end); :func:`metis_part_graph` checks it.
+end); :func:`metis_part_graph` checks it. METIS prints its complaints ("Cannot bisect a graph
+with 0 vertices") with C's buffered ``printf``: they are flushed and captured, and raised as
+:class:`~rdakit.compiler.partition.PartitionWarning` (:func:`partition` puts them in the
+result). Mt-KaHyPar's weights are 32-bit: graphs whose work or bytes would overflow them
+(megabyte edges of a large model) are scaled down for it, which only rounds them.
+Mt-KaHyPar runs its deterministic preset by default: its default preset on two threads gives
+a different partition at every call.
 """
 
 import contextlib
+import ctypes
 import dataclasses
 import os
 import sys
 import tempfile
+import warnings
 from typing import ClassVar
 
 import numpy as np
 
-from rdakit.compiler.partition import PartitionError
+from rdakit.compiler.partition import PartitionError, PartitionWarning
+from rdakit.compiler.partition.balance import part_limits
 
 __all__ = ["Metis", "MtKaHyPar", "metis_part_graph", "mtkahypar_available"]
 
@@ -61,7 +70,25 @@ def metis_part_graph(nparts, indptr, adj, *, vweights=None, eweights=None, tpwgt
     if len(parts) != n or (n and (parts.min() < 0 or parts.max() >= nparts)):
         raise PartitionError(f"METIS failed to partition {n} nodes into {nparts} parts: "
                              f"{said()!r}")
+    _warn("METIS", said())
     return parts
+
+
+def _warn(backend, text):
+    """Raise what a backend printed as one :class:`PartitionWarning` (nothing if silent)."""
+    lines = [" ".join(line.strip(" *\t").split()) for line in text.splitlines()]
+    lines = list(dict.fromkeys(line for line in lines if line))
+    if lines:
+        warnings.warn(f"{backend} said: {'; '.join(lines)}", PartitionWarning, stacklevel=3)
+
+
+def _flush_c_stdio():
+    """Flush C's stdio buffers (a ``printf`` stays there until then, so it would be written
+    after the capture ended)."""
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
 
 
 @contextlib.contextmanager
@@ -75,26 +102,33 @@ def _c_stdout():
         yield lambda: ""
         return
     sys.stdout.flush()
+    _flush_c_stdio()
     saved = os.dup(fd)
     with tempfile.TemporaryFile() as tmp:
         os.dup2(tmp.fileno(), fd)
         try:
             yield lambda: "".join(text)
         finally:
+            _flush_c_stdio()
             os.dup2(saved, fd)
             os.close(saved)
             tmp.seek(0)
             text.append(tmp.read().decode(errors="replace").strip())
 
 
-def _shares(graph, targets):
-    """Relative shares of the units, or ``None`` when they are all equal."""
-    total = max(graph.total_weight, 1)
-    share = targets.target_weights(total) / total
-    if np.allclose(share, share[0]):
+def _limits(graph, targets, eps):
+    """The balance rule's limits (work only), or ``None`` when they are ``(1 + eps)`` times
+    the average, with no load (the backends' own ``eps`` is then the same rule)."""
+    limits = part_limits(graph, targets, eps)
+    if np.allclose(limits, (1 + eps) * graph.total_weight / targets.count) \
+            and not targets.loads.any():
         return None
-    share = np.maximum(share, 1e-6)
-    return share / share.sum()
+    return limits
+
+
+def _scale(values, budget=2 ** 30):
+    """A divisor that brings the sum of ``values`` within ``budget`` (1 if it is already)."""
+    return max(1.0, float(np.sum(values)) / budget)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,10 +153,16 @@ class Metis:
     def partition(self, graph, targets):
         indptr, adj, ew = graph.csr
         vw = graph.node_weight if graph.total_weight > 0 else None
+        limits = _limits(graph, targets, self.eps) if vw is not None else None
+        shares, ufactor = None, self.eps
+        if limits is not None:
+            # METIS allows part i (1 + ufactor / 1000) * tpwgts[i] * W: the limit itself.
+            limits = np.maximum(limits, 1e-9)
+            shares = limits / limits.sum()
+            ufactor = max(self.eps, limits.sum() / max(graph.total_weight, 1) - 1)
         return metis_part_graph(targets.count, indptr, adj, vweights=vw, eweights=ew,
-                                tpwgts=_shares(graph, targets),
-                                ufactor=max(1, round(1000 * self.eps)), seed=self.seed,
-                                recursive=self.recursive)
+                                tpwgts=shares, ufactor=max(1, round(1000 * ufactor)),
+                                seed=self.seed, recursive=self.recursive)
 
 
 _MTKAHYPAR = {}
@@ -150,9 +190,13 @@ def _mtkahypar(threads):
     return mtkahypar, _MTKAHYPAR["init"]
 
 
+#: Mt-KaHyPar presets by the names :class:`MtKaHyPar` takes.
+PRESETS = ("deterministic", "default", "quality", "highest_quality")
+
+
 @dataclasses.dataclass(frozen=True)
 class MtKaHyPar:
-    """Mt-KaHyPar (default preset, cut objective) on the graph.
+    """Mt-KaHyPar (cut objective) on the graph.
 
     Parameters
     ----------
@@ -162,29 +206,50 @@ class MtKaHyPar:
         Mt-KaHyPar's seed.
     threads : int
         Threads of Mt-KaHyPar's pool (fixed by the first call in a process).
+    preset : str
+        One of :data:`PRESETS`; only ``deterministic`` gives the same partition at every call
+        (the others race between threads).
     """
 
     name: ClassVar[str] = "mtkahypar"
     eps: float = 0.03
     seed: int = 0
     threads: int = 2
+    preset: str = "deterministic"
+
+    def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise ValueError(f"Mt-KaHyPar preset must be one of {', '.join(PRESETS)}, not "
+                             f"{self.preset!r}")
 
     def partition(self, graph, targets):
         mtk, init = _mtkahypar(self.threads)
         k, n = targets.count, graph.n
         if k == 1 or n == 0:
             return np.zeros(n, dtype=np.int64)
-        ctx = init.context_from_preset(mtk.PresetType.DEFAULT)
+        ctx = init.context_from_preset(getattr(mtk.PresetType, self.preset.upper()))
         ctx.set_partitioning_parameters(k, float(self.eps), mtk.Objective.CUT)
         ctx.logging = False
-        shares = _shares(graph, targets)
-        if shares is not None:
-            total = graph.total_weight
-            ctx.set_individual_target_block_weights(
-                [int(np.ceil((1 + self.eps) * s * total)) for s in shares])
+        limits = _limits(graph, targets, self.eps)
+        # 32-bit weights: node weights and limits share one divisor, edge weights another.
+        node_div = _scale(np.maximum(part_limits(graph, targets, self.eps), 0))
+        vw = np.round(graph.node_weight / node_div).astype(np.int64)
+        if limits is not None:
+            caps = np.floor(limits / node_div).astype(np.int64)
+            # Rounding may leave the limits short of the rounded work; give it back.
+            caps[np.argmax(caps)] += max(0, int(vw.sum() - caps.sum()))
+            ctx.set_individual_target_block_weights(caps.tolist())
+        ew = np.maximum(np.round(graph.edge_weight / _scale(graph.edge_weight)), 1)
         mtk.set_seed(int(self.seed))
         edges = np.stack([graph.src, graph.dst], axis=1).tolist()
-        g = init.create_graph(ctx, n, graph.m, edges, graph.node_weight.tolist(),
-                              graph.edge_weight.tolist())
-        ph = g.partition(ctx)
-        return np.asarray(ph.get_partition(), dtype=np.int64)
+        with _c_stdout() as said:
+            try:
+                g = init.create_graph(ctx, n, graph.m, edges, vw.tolist(),
+                                      ew.astype(np.int64).tolist())
+                parts = np.asarray(g.partition(ctx).get_partition(), dtype=np.int64)
+            except (mtk.InvalidInputError, mtk.InvalidParameterError,
+                    mtk.UnsupportedOperationError, mtk.SystemError) as e:
+                raise PartitionError(f"Mt-KaHyPar failed to partition graph {graph.name!r} "
+                                     f"into {k} parts: {e}") from None
+        _warn("Mt-KaHyPar", said())
+        return parts

@@ -21,8 +21,10 @@ The classic three phases (Hendrickson and Leland; Karypis and Kumar's METIS):
    their limit (from coarse granularity) are first relieved by moving their boundary nodes of
    best gain to neighbours with room.
 
-Balance: the work of unit ``p`` (its load included) may not exceed
-``(1 + eps) (W + L) / k`` nor its capacity (:meth:`Targets.max_weights`).
+Balance: the work of unit ``p`` may not exceed its limit under the balance rule of every
+cut-based strategy (:func:`~rdakit.compiler.partition.balance.part_limits`): ``(1 + eps)``
+times an even share (loads included), capped by capacity, with a unit of its own for a node
+heavier than that share.
 Everything is deterministic from ``seed``.
 """
 
@@ -31,6 +33,8 @@ import heapq
 from typing import ClassVar
 
 import numpy as np
+
+from rdakit.compiler.partition.balance import part_limits, part_shares
 
 __all__ = ["MultilevelKL", "coarsen", "refine_kway"]
 
@@ -78,11 +82,8 @@ class MultilevelKL:
         rng = np.random.default_rng(self.seed)
         indptr, adj, ew = graph.csr
         vw = graph.node_weight
-        total = int(vw.sum())
-        share = targets.target_weights(total)
-        maxw = targets.max_weights(total, self.eps)
-        # A part must at least be able to hold the heaviest node, else balance is unreachable.
-        maxw = np.maximum(maxw, np.minimum(vw.max(), targets.capacities - targets.loads))
+        share = part_shares(graph, targets, self.eps)
+        maxw = part_limits(graph, targets, self.eps)
         # METIS's rule: coarsen less for few parts, so coarse nodes stay small against parts.
         goal = max(n // (20 * max(1, int(np.log2(k)))), self.coarsen_to * k, 120)
         levels, maps = coarsen(indptr, adj, ew, vw, goal, rng)

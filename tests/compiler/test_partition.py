@@ -74,11 +74,14 @@ def test_every_node_assigned_once_and_cut_is_honest(g, k, name):
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
-@given(graphs(min_nodes=24), st.integers(2, 4), st.sampled_from(CUT_BASED + ["static"]))
+@given(graphs(min_nodes=24), st.integers(2, 4),
+       st.sampled_from(["auto", *CUT_BASED, "static"]))
 def test_balance_within_tolerance(g, k, name):
     r = partition(g, Targets(k), name)
-    limit = balance_limit(g, Targets(k), 0.03)
-    assert g.part_weights(r.parts, k).max() <= limit + 1e-9
+    # Within the rule's limit, or, on graphs this small, at most one node above an even share
+    # (static's contiguous chunks; a partitioner that cannot pack a few nodes of 1-4 exactly).
+    granular = g.total_weight / k + g.node_weight.max()
+    assert r.bottleneck <= max(balance_limit(g, Targets(k), 0.03), granular) + 1e-9
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
@@ -91,7 +94,8 @@ def test_multilevel_respects_loads_and_capacities(g, k):
     r = partition(g, t, "multilevel")
     busy = g.part_weights(r.parts, k) + np.array(loads)
     assert (busy <= np.array(caps) + 1e-9).all()
-    assert busy.max() <= balance_limit(g, t, 0.03) + 1e-9
+    granular = (total + sum(loads)) / k + g.node_weight.max()
+    assert busy.max() <= max(balance_limit(g, t, 0.03), granular) + 1e-9
 
 
 @pytest.mark.parametrize("k", [2, 4, 7])
@@ -187,8 +191,8 @@ def test_targets_validation():
 
 
 def test_unknown_strategy():
-    with pytest.raises(ValueError, match="^Strategy must be one of multilevel, greedy, dqn, "
-                                         "heft, round_robin, static, metis, mtkahypar, "
+    with pytest.raises(ValueError, match="^Strategy must be one of auto, multilevel, greedy, "
+                                         "dqn, heft, round_robin, static, metis, mtkahypar, "
                                          "not 'kl'$"):
         get_strategy("kl")
 
