@@ -453,6 +453,8 @@ def export(name, **sizes):
     return program, inputs
 
 
-def parameter_count(module):
-    """Parameters of ``module`` (tied ones once)."""
-    return sum(math.prod(p.shape) for p in module.parameters())
+def parameter_count(model):
+    """Parameters of a module or an ``ExportedProgram`` (tied ones, such as GPT-2's head and
+    token embedding, once)."""
+    unique = {id(p): p for p in model.parameters()}
+    return sum(math.prod(p.shape) for p in unique.values())

@@ -9,6 +9,7 @@ import pathlib
 import sys
 
 from rdakit.cli.board import check_board, params_for
+from rdakit.cli.compile import choose_fabric
 from rdakit.cli.options import (
     MAX_PLACE_STEPS,
     RUN_PROG_LEN,
@@ -19,6 +20,7 @@ from rdakit.cli.options import (
     add_number,
     add_system_arguments,
     dashed,
+    fabric_candidates,
     fabric_dict,
     max_grid,
     mu_params_from_args,
@@ -32,7 +34,7 @@ from rdakit.compiler.workloads import WORKLOADS
 from rdakit.errors import UserError
 from rdakit.hdl.cluster.system import System
 from rdakit.hdl.noc.router import QUEUE_KINDS, check_mesh_params
-from rdakit.sim.bench import calibrate, clusters, e2e, partition, race
+from rdakit.sim.bench import calibrate, clusters, e2e, models, partition, race
 from rdakit.sim.bench.boards import bench_boards
 from rdakit.sim.bench.fabric import bench_fabric
 from rdakit.sim.bench.mu import bench_mu
@@ -229,6 +231,45 @@ def _bench_partition(args):
 def _bench_calibrate(args):
     calibrate.run(quick=args.quick, rtl=not args.no_rtl, json_path=args.json)
     return 0
+
+
+# --- models -----------------------------------------------------------------------------------
+
+#: ``bench models``' default ``--rtl-limit``: Amaranth's simulator runs a 2x2 fabric at some
+#: thousands of cycles a second.
+RTL_LIMIT = 100_000
+
+
+def _check_models(args):
+    try:
+        # Only to refuse before any work: the bench imports the suite (and torch) itself.
+        from rdakit.compiler.frontend import models as suite
+    except ImportError as e:
+        raise UserError(f"rdakit bench models needs PyTorch, which cannot be imported ({e}): "
+                        f"pip install 'rdakit[torch]'") from None
+    args.model_list = (list(dict.fromkeys(args.models.split(","))) if args.models
+                       else list(suite.MODELS))     # tables are keyed by model
+    for m in args.model_list:
+        if m not in suite.MODELS:
+            raise UserError(f"--models takes a comma-separated subset of "
+                            f"{','.join(suite.MODELS)}, not {args.models!r}")
+    if not args.no_rtl and args.sim != "amaranth":
+        require_simulator_or_raise(args.sim)
+    args.candidates = fabric_candidates(args)
+
+
+def _bench_models(args):
+    def choose(workload):
+        return choose_fabric(workload, args.candidates, name=workload.name,
+                             partitioner="multilevel", seed=0, place_steps=20000)[0]
+
+    report = Report("models")
+    with progress_bar(report.console.is_terminal) as progress:
+        rows, coverage = models.measure(names=args.model_list, quick=args.quick, choose=choose,
+                                        sim=None if args.no_rtl else args.sim,
+                                        rtl_limit=args.rtl_limit, progress=progress)
+    models.write_report(rows, coverage, quick=args.quick, json_path=args.json, report=report)
+    return 1 if report.figures["failed_runs"] else 0
 
 
 # --- e2e --------------------------------------------------------------------------------------
@@ -431,6 +472,29 @@ def register(commands):
     p.add_argument("--no-rtl", action="store_true", help="skip the RTL run")
     add_output(p, "--json", metavar="FILE", help="also write the figures to FILE")
     p.set_defaults(func=_bench_calibrate)
+
+    p = sub.add_parser(
+        "models", help="the model suite: op coverage, compile time, cycles, accuracy",
+        description="Export each model of the suite (GPT-2, BERT, Mixtral and a small ResNet, "
+                    "random weights, built in code) with torch.export and count its ops and "
+                    "the ones the importer does not handle; import the models that have none "
+                    "(integer quantization, accuracy against float), compile them for the "
+                    "smallest fabric they fit, run them on the functional interpreter and, "
+                    "when the estimate is within --rtl-limit cycles, on the RTL. Needs "
+                    "PyTorch (pip install 'rdakit[torch]'). Exits 1 if a run does not match.")
+    p.add_argument("--models", metavar="LIST",
+                   help="comma-separated subset of gpt2,bert,mixtral,resnet (default: all)")
+    p.add_argument("--quick", action="store_true", help="small sizes of every model")
+    p.add_argument("--sim", choices=BACKENDS, default="amaranth",
+                   help="simulator of the RTL runs (default: %(default)s)")
+    p.add_argument("--no-rtl", action="store_true", help="no RTL run")
+    add_number(p, "--rtl-limit", low=0, default=RTL_LIMIT, metavar="CYCLES",
+               help="run a model on the RTL only if its estimated cycles are at most this "
+                    "(default: %(default)s)")
+    add_output(p, "--json", metavar="FILE", help="also write the figures to FILE")
+    add_fabric_arguments(p, auto=True)
+    add_check(p, _check_models)
+    p.set_defaults(func=_bench_models, prog_len=RUN_PROG_LEN)
 
     p = sub.add_parser(
         "e2e", help="workloads on the RTL fabric with every partitioner and memory scheme",
