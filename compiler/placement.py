@@ -32,7 +32,7 @@ import random
 import networkx as nx
 import numpy as np
 
-from rdakit.compiler.graph import MEMORY_KINDS, OP_KINDS
+from rdakit.compiler.graph import MEMORY_KINDS, OP_KINDS, DataflowGraph
 
 __all__ = ["PlacementError", "Fabric", "Buffer", "Placement", "buffers_of", "place",
            "check_placement", "check_host_fit", "check_steps", "MAX_STEPS"]
@@ -587,12 +587,21 @@ def place(graph, parts, fabric=None, *, seed=0, steps=20000, cu_of=None, progres
 
     Raises
     ------
+    TypeError
+        If ``graph`` is not a :class:`DataflowGraph` (a ``WeightedGraph`` has no buffers to
+        place).
     ValueError
         If ``steps`` is not an integer from 0 to :data:`MAX_STEPS`.
     PlacementError
         If something does not fit (see the module documentation).
     """
     check_steps("steps", steps)
+    if not isinstance(graph, DataflowGraph):
+        raise TypeError(f"place needs a DataflowGraph (its op kinds and buffer sizes decide the "
+                        f"CUs and MUs), not a {type(graph).__name__}"
+                        + (f" ({graph.name!r} has only weights: partition it, and place the "
+                           f"DataflowGraph it was weighed from)"
+                           if hasattr(graph, "node_weight") else ""))
     fabric = Fabric() if fabric is None else fabric
     part_of = _parts_by_name(graph, parts)
     buffers = buffers_of(graph, part_of, fabric.word_bytes)

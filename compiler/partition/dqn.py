@@ -24,6 +24,12 @@ Everything is deterministic from the seed.
 The trained weights are saved with :meth:`DQNAgent.save` (npz) and reloaded with
 :meth:`DQNAgent.load`; ``compiler/partition/data/dqn.npz`` is the agent shipped with rdakit
 (:func:`train_default` rebuilds it).
+
+The agent does not generalise beyond the unit counts it was trained on: at 64 units (4 times
+its largest) it put 72-79% of the work of the benchmark's large graphs on one unit. An agent
+records the unit counts it was trained on (``meta["units"]``; the shipped agent's are
+:data:`TRAINED_UNITS`, the training default), and :class:`DQNPartitioner` refuses more units
+than the largest of them with a :class:`~rdakit.compiler.partition.PartitionError` saying so.
 """
 
 import dataclasses
@@ -40,7 +46,8 @@ from rdakit.compiler.partition import PartitionError, Targets
 from rdakit.compiler.partition.greedy import SubgraphScheduler, decompose
 from rdakit.compiler.partition.wgraph import WeightedGraph
 
-__all__ = ["FEATURES", "DQNAgent", "DQNPartitioner", "train", "train_default", "DEFAULT_WEIGHTS"]
+__all__ = ["FEATURES", "DQNAgent", "DQNPartitioner", "train", "train_default", "DEFAULT_WEIGHTS",
+           "TRAINED_UNITS"]
 
 #: Names of the observation features, in order (the network's input).
 FEATURES = (
@@ -52,6 +59,9 @@ _VERSION = 1
 
 #: The weights shipped with rdakit.
 DEFAULT_WEIGHTS = pathlib.Path(__file__).parent / "data" / "dqn.npz"
+
+#: The unit counts :func:`train` draws from by default (the shipped agent's).
+TRAINED_UNITS = (2, 4, 8, 16)
 
 
 def observe(sched, i, bound, options=None):
@@ -249,7 +259,7 @@ def _episode_graphs(rng, cost):
 
 def train(*, episodes=800, seed=0, cost=None, hidden=(64, 64), lr=1e-3, gamma=0.9,
           batch=64, buffer=20000, target_every=250, train_every=2, eps_start=1.0,
-          eps_end=0.05, subgraphs_per_unit=8, units=(2, 4, 8, 16), graphs=None):
+          eps_end=0.05, subgraphs_per_unit=8, units=TRAINED_UNITS, graphs=None):
     """Train a :class:`DQNAgent` on the cost model.
 
     Parameters
@@ -328,7 +338,8 @@ def train(*, episodes=800, seed=0, cost=None, hidden=(64, 64), lr=1e-3, gamma=0.
     agent.meta = {"episodes": episodes, "seed": seed, "steps": steps,
                   "seconds": round(time.perf_counter() - t0, 3),
                   "final_mean_return": round(float(np.mean(tail)), 4),
-                  "subgraphs_per_unit": subgraphs_per_unit}
+                  "subgraphs_per_unit": subgraphs_per_unit,
+                  "units": sorted(int(u) for u in units)}
     return agent
 
 
@@ -372,8 +383,25 @@ class DQNPartitioner:
                     f"rdakit.compiler.partition.dqn.train_default()") from None
             object.__setattr__(self, "agent", agent)
 
+    def trained_units(self):
+        """The unit counts the agent was trained on (:data:`TRAINED_UNITS` for an agent saved
+        before they were recorded)."""
+        return tuple(self.agent.meta.get("units", TRAINED_UNITS))
+
+    def check_units(self, k):
+        """Raise :class:`PartitionError` if ``k`` units are more than the agent was trained
+        for."""
+        trained = self.trained_units()
+        if k > max(trained):
+            raise PartitionError(
+                f"The DQN agent was trained on {', '.join(map(str, trained))} units and does "
+                f"not generalise to {k} (it loads one unit with most of the work); use at most "
+                f"{max(trained)} units, another strategy, or train an agent with "
+                f"rdakit.compiler.partition.dqn.train(units=...)")
+
     def partition(self, graph, targets):
         k = targets.count
+        self.check_units(k)
         per_unit = self.subgraphs_per_unit or self.agent.meta.get("subgraphs_per_unit", 8)
         sched = SubgraphScheduler(graph, targets, self.cost, decompose(graph, per_unit * k))
         bound = lower_bound(graph, k, targets.loads)

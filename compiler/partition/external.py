@@ -94,14 +94,18 @@ def _flush_c_stdio():
 @contextlib.contextmanager
 def _c_stdout():
     """Capture what C code prints on file descriptor 1 (METIS prints its complaints, such as
-    "Cannot bisect a graph with 0 vertices", there). Yields a function returning the text."""
+    "Cannot bisect a graph with 0 vertices", there). Yields a function returning the text.
+
+    The descriptor is 1 itself, C's stdout, whatever Python's ``sys.stdout`` is (under pytest
+    or a notebook it has no descriptor, and the capture was skipped, the text lost)."""
     text = []
+    fd = 1
     try:
-        fd = sys.stdout.fileno()
+        sys.stdout.flush()
+        os.fstat(fd)
     except (AttributeError, OSError, ValueError):
         yield lambda: ""
         return
-    sys.stdout.flush()
     _flush_c_stdio()
     saved = os.dup(fd)
     with tempfile.TemporaryFile() as tmp:

@@ -8,18 +8,45 @@ the predecessor and successor lists (what schedulers walk). It is built from a
 generators used by the benchmark: 2-D grids, paths, layered chains and random layered DAGs.
 
 Generators that have a known optimal (or reference) cut record it; :meth:`WeightedGraph.known_cut`
-returns it.
+returns it. :meth:`WeightedGraph.transformer` builds graphs shaped like an exported transformer
+(a few heavy matmuls, megabyte weight edges).
+
+A user's graph comes in through :meth:`WeightedGraph.from_networkx` or a JSON node-link file
+(:func:`load`, the format of ``networkx.node_link_data``). The cost convention: every node has a
+``work`` attribute, its work in cycles of one unit (lane operations divided by the unit's
+lanes; any one unit for every node will do for the cut and the balance, which are relative,
+but the estimated makespan adds transfer cycles of ``bytes / link_bytes``), and every edge a
+``bytes`` attribute, the bytes it carries per input. The graph must be acyclic (a dataflow
+graph); nodes are renumbered in a topological order (ties by the order they are listed).
 """
 
 import dataclasses
 import functools
+import json
 import math
+import pathlib
 
+import networkx as nx
 import numpy as np
 
 from rdakit.compiler.cost import CostModel
+from rdakit.errors import UserError
 
-__all__ = ["WeightedGraph"]
+__all__ = ["WeightedGraph", "GraphFileError", "load"]
+
+
+class GraphFileError(UserError, ValueError):
+    """A graph (a networkx graph or a JSON node-link file) that does not follow the cost
+    convention: the message names the file or graph, and the node or edge."""
+
+
+def _cost(value, *, positive=False):
+    """``value`` as a non-negative (positive) integer, rounded up, or ``None`` if it is not."""
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        return None
+    if not math.isfinite(value) or value < 0 or (positive and value <= 0) or value > 2 ** 62:
+        return None
+    return int(math.ceil(value))
 
 
 def _as_int_array(name, value, length=None):
@@ -262,6 +289,140 @@ class WeightedGraph:
                    family={"kind": "dataflow"})
 
     @classmethod
+    def from_networkx(cls, g, work="work", bytes="bytes", *, name=None):
+        """A weighted graph from a networkx directed acyclic graph (see the module
+        documentation for the cost convention).
+
+        Parameters
+        ----------
+        g : networkx.DiGraph
+            The graph; parallel edges of a multigraph are merged (their bytes summed).
+        work, bytes : str
+            The node attribute holding each node's work (cycles, a number >= 0) and the edge
+            attribute holding each edge's bytes (a number > 0); numbers are rounded up.
+        name : str, optional
+            The graph's name (default ``g.graph["name"]``, else ``"graph"``).
+
+        Raises
+        ------
+        GraphFileError
+            If ``g`` is not directed, has no node, a cycle or a self-loop, or a node or edge
+            lacks its attribute or has one that is not such a number.
+        """
+        name = name or str(g.graph.get("name") or "graph")
+        if not isinstance(g, nx.DiGraph):
+            raise GraphFileError(f"Graph {name!r} must be a directed graph (networkx "
+                                 f"DiGraph), not {type(g).__name__}")
+        if g.number_of_nodes() == 0:
+            raise GraphFileError(f"Graph {name!r} has no node")
+        loops = list(nx.selfloop_edges(g))
+        if loops:
+            raise GraphFileError(f"Graph {name!r} must be acyclic, but node {loops[0][0]!r} "
+                                 f"has an edge to itself")
+        listed = {n: i for i, n in enumerate(g.nodes)}
+        try:
+            order = list(nx.lexicographical_topological_sort(g, key=listed.__getitem__))
+        except nx.NetworkXUnfeasible:
+            cycle = " -> ".join(repr(u) for u, _ in nx.find_cycle(g))
+            raise GraphFileError(f"Graph {name!r} must be acyclic, but has the cycle "
+                                 f"{cycle} -> {nx.find_cycle(g)[0][0]!r}") from None
+        index = {n: i for i, n in enumerate(order)}
+        vw = []
+        for n in order:
+            value = g.nodes[n].get(work)
+            c = _cost(value)
+            if c is None:
+                got = "no such attribute" if work not in g.nodes[n] else repr(value)
+                raise GraphFileError(f"Node {n!r} of graph {name!r} must have a {work!r} "
+                                     f"attribute, its work in cycles (a number >= 0), not "
+                                     f"{got}")
+            vw.append(c)
+        edges = []
+        for u, v, d in g.edges(data=True):
+            value = d.get(bytes)
+            c = _cost(value, positive=True)
+            if c is None:
+                got = "no such attribute" if bytes not in d else repr(value)
+                raise GraphFileError(f"Edge {u!r} -> {v!r} of graph {name!r} must have a "
+                                     f"{bytes!r} attribute, the bytes it carries (a number "
+                                     f"> 0), not {got}")
+            edges.append((index[u], index[v], c))
+        e = np.array(edges, dtype=np.int64).reshape(-1, 3)
+        return cls(name, np.array(vw, dtype=np.int64), e[:, 0], e[:, 1], e[:, 2],
+                   names=tuple(str(n) for n in order), family={"kind": "user"})
+
+    @classmethod
+    def transformer(cls, layers=2, d_model=768, seq=128, heads=12, *, d_ff=None, experts=0,
+                    top_k=2, vocab=8192, lanes=16):
+        """An op graph shaped like an exported decoder (GPT-2 style, or Mixtral style with
+        ``experts``), one node per op with heads unrolled: a few heavy matmuls (QKV,
+        projection, MLP or experts, the LM head), weights as zero-work nodes whose edges carry
+        int8 weight matrices (megabytes at ``d_model`` 768), int8 activations, int32 scores.
+        Work is lane operations over ``lanes`` (multiply-accumulates for a matmul).
+        """
+        w, names, e = [], [], []
+
+        def node(name, work, *inputs):
+            w.append(int(math.ceil(work / lanes)))
+            names.append(name)
+            e.extend((src, len(w) - 1, int(nb)) for src, nb in inputs)
+            return len(w) - 1
+
+        S, D, dh = seq, d_model, d_model // heads
+        d_ff = d_ff or 4 * D
+
+        def linear(name, x, din, dout, rows=S):
+            weight = node(f"{name}.weight", 0)
+            return node(name, rows * din * dout, (x, rows * din), (weight, din * dout))
+
+        def norm(name, x):
+            return node(name, 4 * S * D, (x, S * D), (node(f"{name}.weight", 0), 2 * D))
+
+        x = node("embed", S * D, (node("tokens", 0), 4 * S), (node("embed.weight", 0),
+                                                                vocab * D))
+        x = node("add_pos", S * D, (x, S * D), (node("pos.weight", 0), S * D))
+        for layer in range(layers):
+            p = f"l{layer}"
+            qkv = linear(f"{p}.qkv", norm(f"{p}.ln1", x), D, 3 * D)
+            outs = []
+            for h in range(heads):
+                q = node(f"{p}.h{h}.q", 0, (qkv, S * dh))
+                k = node(f"{p}.h{h}.kT", S * dh, (qkv, S * dh))
+                v = node(f"{p}.h{h}.v", 0, (qkv, S * dh))
+                s = node(f"{p}.h{h}.qk", S * S * dh, (q, S * dh), (k, S * dh))
+                a = node(f"{p}.h{h}.softmax", 4 * S * S, (s, 4 * S * S))
+                outs.append(node(f"{p}.h{h}.av", S * S * dh, (a, S * S), (v, S * dh)))
+            cat = node(f"{p}.heads", S * D, *[(o, S * dh) for o in outs])
+            x = node(f"{p}.res1", S * D, (x, S * D), (linear(f"{p}.out", cat, D, D), S * D))
+            h2 = norm(f"{p}.ln2", x)
+            if experts:
+                gate = node(f"{p}.topk", 4 * S * experts,
+                            (linear(f"{p}.router", h2, D, experts), 4 * S * experts))
+                rows = max(1, S * top_k // experts)
+                ys = []
+                for j in range(experts):
+                    xe = node(f"{p}.e{j}.dispatch", rows * D, (h2, S * D), (gate, 4 * S * top_k))
+                    a1 = linear(f"{p}.e{j}.w1", xe, D, d_ff, rows)
+                    a3 = linear(f"{p}.e{j}.w3", xe, D, d_ff, rows)
+                    s1 = node(f"{p}.e{j}.silu", 3 * rows * d_ff, (a1, rows * d_ff))
+                    m = node(f"{p}.e{j}.mul", rows * d_ff, (s1, rows * d_ff), (a3, rows * d_ff))
+                    y = linear(f"{p}.e{j}.w2", m, d_ff, D, rows)
+                    ys.append(node(f"{p}.e{j}.gate", rows * D, (y, rows * D),
+                                   (gate, 4 * S * top_k)))
+                y = node(f"{p}.combine", S * D * top_k, *[(q, rows * D) for q in ys])
+            else:
+                f1 = linear(f"{p}.fc1", h2, D, d_ff)
+                y = linear(f"{p}.fc2", node(f"{p}.gelu", 8 * S * d_ff, (f1, S * d_ff)),
+                           d_ff, D)
+            x = node(f"{p}.res2", S * D, (x, S * D), (y, S * D))
+        linear("head", norm("lnf", x), D, vocab)
+        a = np.array(e, dtype=np.int64)
+        kind = "moe" if experts else "gpt"
+        return cls(f"{kind}_l{layers}_d{D}_s{S}" + (f"_e{experts}" if experts else ""),
+                   np.array(w, dtype=np.int64), a[:, 0], a[:, 1], a[:, 2], names=tuple(names),
+                   family={"kind": "transformer"})
+
+    @classmethod
     def grid(cls, rows, cols):
         """A ``rows x cols`` grid with unit weights, edges rightwards and downwards."""
         idx = np.arange(rows * cols).reshape(rows, cols)
@@ -320,3 +481,93 @@ class WeightedGraph:
         """A nearly square grid with about ``nodes`` nodes."""
         rows = max(1, int(round(math.sqrt(nodes))))
         return cls.grid(rows, max(1, int(round(nodes / rows))))
+
+
+def load(path):
+    """A :class:`WeightedGraph` from a JSON node-link file (``networkx.node_link_data`` of a
+    directed graph: ``{"directed": true, "nodes": [{"id": ..., "work": ...}], "edges" (or
+    "links"): [{"source": ..., "target": ..., "bytes": ...}]}``; see the module documentation
+    for the cost convention). Its name is the file's stem unless ``"graph": {"name": ...}``
+    gives one.
+
+    Raises
+    ------
+    GraphFileError
+        Naming the file and what is wrong: it cannot be read, is not JSON, is not a directed
+        node-link graph (``directed`` false, no ``nodes``, an edge naming a node that is not
+        listed, a node listed twice) or breaks the cost convention.
+    """
+    path = pathlib.Path(path)
+    where = f"Graph file {str(path)!r}"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise GraphFileError(f"{where} cannot be read: {getattr(e, 'strerror', None) or e}") \
+            from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise GraphFileError(f"{where} is not JSON: {e}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("nodes"), list):
+        raise GraphFileError(f"{where} must hold a JSON object with a 'nodes' list (networkx "
+                             f"node-link data)")
+    links = "edges" if "edges" in data else "links"
+    if not isinstance(data.get(links, []), list):
+        raise GraphFileError(f"{where}: {links!r} must be a list")
+    if data.get("directed") is not True:
+        raise GraphFileError(f"{where} must hold a directed graph (\"directed\": true), a "
+                             f"dataflow graph")
+    ids = []
+    for i, nd in enumerate(data["nodes"]):
+        if not isinstance(nd, dict) or "id" not in nd:
+            raise GraphFileError(f"{where}: node {i} must be an object with an 'id'")
+        try:
+            hash(nd["id"])
+        except TypeError:
+            raise GraphFileError(f"{where}: node {i} has the id {nd['id']!r}, which is not a "
+                                 f"string or a number") from None
+        ids.append(nd["id"])
+    seen = set()
+    for n in ids:
+        if n in seen:
+            raise GraphFileError(f"{where}: node {n!r} is listed twice")
+        seen.add(n)
+    for j, ed in enumerate(data.get(links, [])):
+        if not isinstance(ed, dict) or "source" not in ed or "target" not in ed:
+            raise GraphFileError(f"{where}: edge {j} must be an object with a 'source' and a "
+                                 f"'target'")
+        for end in ("source", "target"):
+            try:
+                known = ed[end] in seen
+            except TypeError:
+                known = False
+            if not known:
+                raise GraphFileError(f"{where}: edge {j} has the {end} {ed[end]!r}, which is "
+                                     f"not a node of the file")
+    name = (data.get("graph") or {}).get("name") if isinstance(data.get("graph"), dict) \
+        else None
+    g = nx.MultiDiGraph() if data.get("multigraph") else nx.DiGraph()
+    for nd in data["nodes"]:
+        g.add_node(nd["id"], **{k: v for k, v in nd.items() if k != "id"})
+    for ed in data.get(links, []):
+        attrs = {k: v for k, v in ed.items() if k not in ("source", "target", "key")}
+        if not g.is_multigraph() and g.has_edge(ed["source"], ed["target"]):
+            raise GraphFileError(f"{where}: the edge {ed['source']!r} -> {ed['target']!r} is "
+                                 f"listed twice (give one edge its total bytes)")
+        g.add_edge(ed["source"], ed["target"], **attrs)
+    if g.is_multigraph():
+        merged = nx.DiGraph()
+        merged.add_nodes_from(g.nodes(data=True))
+        for u, v, d in g.edges(data=True):
+            b = _cost(d.get("bytes"), positive=True)
+            if b is None:
+                raise GraphFileError(f"{where}: edge {u!r} -> {v!r} must have a 'bytes' "
+                                     f"attribute, the bytes it carries (a number > 0), not "
+                                     f"{d.get('bytes', 'no such attribute')!r}")
+            old = merged.edges[u, v]["bytes"] if merged.has_edge(u, v) else 0
+            merged.add_edge(u, v, bytes=old + b)
+        g = merged
+    try:
+        return WeightedGraph.from_networkx(g, name=str(name or path.stem))
+    except GraphFileError as e:
+        raise GraphFileError(f"{where}: {e}") from None
