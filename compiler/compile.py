@@ -127,7 +127,8 @@ def placement_fabric(params, cu_program=None):
 
 def load_workload(workload, sizes=None):
     """A :class:`Workload` from a built-in name (with ``sizes`` options), a Python file, a
-    Workload or a DataflowGraph (sample inputs from
+    saved torch.export program (``.pt2``: the imported graph with its quantized example inputs),
+    a Workload or a DataflowGraph (sample inputs from
     :func:`~rdakit.compiler.lower.sample_inputs`). The sample inputs are made when first used
     (:attr:`Workload.inputs`), so a size no fabric holds is refused before they exist."""
     sizes = dict(sizes or {})
@@ -135,6 +136,13 @@ def load_workload(workload, sizes=None):
         return workload
     if isinstance(workload, DataflowGraph):
         graph = workload.validate()
+    elif isinstance(workload, str | pathlib.Path) and str(workload).lower().endswith(".pt2"):
+        # deferred: the torch.export front end (its sample inputs are the quantized examples)
+        from rdakit.compiler.frontend.importer import load_workload as load_program_workload
+
+        if sizes:
+            raise ValueError("size options apply to built-in workloads, not to .pt2 programs")
+        return load_program_workload(workload)
     elif isinstance(workload, str | pathlib.Path) and str(workload) in WORKLOADS:
         return build(str(workload), **sizes)
     elif isinstance(workload, str | pathlib.Path) and (

@@ -384,7 +384,9 @@ def load_graph(path):
 
     The file is run as a script; it must define ``build()`` returning a
     :class:`~rdakit.compiler.graph.DataflowGraph` (or a :class:`Workload`), or a module-level
-    ``graph``. The graph is validated before it is returned.
+    ``graph``. The graph is validated before it is returned. A ``.pt2`` file (a saved
+    ``torch.export`` program) is imported instead
+    (:func:`rdakit.compiler.frontend.importer.import_program`, which needs torch).
 
     Raises
     ------
@@ -392,8 +394,15 @@ def load_graph(path):
         If the file does not exist.
     GraphError
         If the file defines neither, or defines something else, or the graph is invalid.
+    ModelImportError
+        If a ``.pt2`` file cannot be imported (a :class:`~rdakit.errors.UserError`).
     """
     path = pathlib.Path(path)
+    if path.suffix.lower() == ".pt2":
+        # deferred: the front end is only for models (and needs torch only then)
+        from rdakit.compiler.frontend.importer import load_workload as load_program_workload
+
+        return load_program_workload(path).graph
     if not path.is_file():
         raise FileNotFoundError(f"Graph file {str(path)!r} does not exist")
     namespace = runpy.run_path(str(path), run_name="rdakit_user_graph")

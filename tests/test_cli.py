@@ -80,8 +80,8 @@ def test_unknown_subcommand(cmd):
     ["verilog", "fabric"], ["verilog", "system"], ["bench"], ["bench", "mu"], ["bench", "noc"],
     ["bench", "fabric"], ["bench", "e2e"], ["bench", "race"], ["bench", "clusters"],
     ["bench", "partition"], ["bench", "calibrate"], ["bench", "boards"], ["compile"],
-    ["inspect"], ["run"], ["board"], ["board", "build"], ["board", "run"], ["doctor"],
-    ["docs"], ["verify"],
+    ["inspect"], ["import"], ["run"], ["board"], ["board", "build"], ["board", "run"],
+    ["doctor"], ["docs"], ["verify"],
 ])
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as e:

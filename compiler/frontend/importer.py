@@ -54,7 +54,8 @@ from rdakit.compiler.graph import DataflowGraph, GraphError
 from rdakit.errors import UserError
 
 __all__ = ["ModelImportError", "ImportedModel", "AccuracyReport", "OutputAccuracy",
-           "import_program", "load_program", "load_workload", "QMAX", "EXAMPLE_SEED"]
+           "import_program", "load_program", "load_workload", "check_program_file",
+           "require_torch", "QMAX", "EXAMPLE_SEED"]
 
 #: The int8 range of activations and weights: symmetric, [-QMAX, QMAX] (so negation is exact).
 QMAX = 127
@@ -72,7 +73,7 @@ class ModelImportError(UserError):
 
 # --- loading ----------------------------------------------------------------------------------
 
-def _torch(what):
+def require_torch(what):
     """The torch module, or a ModelImportError saying how to install it."""
     try:
         import torch  # optional dependency (rdakit[torch]): only a user importing a model needs it
@@ -105,7 +106,7 @@ def load_program(path):
         If the file is missing, is not a saved program, or torch is not installed.
     """
     check_program_file(path)
-    torch = _torch(repr(str(path)))
+    torch = require_torch(repr(str(path)))
     try:
         return torch.export.load(str(path))
     except Exception as e:  # torch raises many kinds for a damaged or foreign archive
@@ -249,11 +250,15 @@ class ImportedModel:
 
     def workload(self):
         """The model as a :class:`~rdakit.compiler.workloads.Workload`: the graph, the
-        quantized example inputs as its sample, the graph's evaluate as its reference."""
+        quantized example inputs as its sample, the graph's evaluate as its reference; its
+        options say where the example inputs came from (``example_inputs``) and hold
+        :meth:`summary_lines` (``import_summary``, which ``rdakit compile`` and ``run``
+        print)."""
         from rdakit.compiler.workloads import Workload  # deferred: workloads imports this module
 
         return Workload(self.graph.name, self.graph, dict(self.inputs), self.graph.evaluate,
-                        {"example_inputs": self.example_source})
+                        {"example_inputs": self.example_source,
+                         "import_summary": tuple(self.summary_lines())})
 
     def summary_lines(self):
         """What a user should know about the import, as lines."""
@@ -486,6 +491,11 @@ def _per_channel(w):
     peak = np.max(np.abs(w), axis=1) if w.size else np.zeros(w.shape[0])
     scales = np.where(peak > 0, peak, 1.0) / QMAX
     return _quantize(w / scales[:, None], 1.0), scales
+
+
+def _value(v):
+    """An operand as a value of the walk: a Python number is a constant."""
+    return v if isinstance(v, _Act | _Const) else _Const(np.asarray(v, dtype=np.float64))
 
 
 class _NodeError(Exception):
@@ -845,14 +855,13 @@ class _Walker:
             return self.layout(node, kw, x)
         if base in ("add", "sub"):
             sign = 1 if base == "add" else -1
-            return self.linear_sum(node, [(x, 1.0), (kw["other"], sign * kw.get("alpha", 1))])
+            return self.linear_sum(node, [(x, 1.0),
+                                          (_value(kw["other"]), sign * kw.get("alpha", 1))])
         if base == "rsub":
             return self.linear_sum(node, [(x, -kw.get("alpha", 1)),
                                           (_Const(np.asarray(kw["other"], np.float64)), 1.0)])
         if base == "mul":
-            other = kw["other"]
-            other = other if isinstance(other, _Act | _Const) else _Const(np.asarray(other))
-            return self.product(node, x, other)
+            return self.product(node, x, _value(kw["other"]))
         if base == "div":
             other = kw["other"]
             if isinstance(other, _Act):
@@ -996,7 +1005,7 @@ def import_program(program, example_inputs=None, *, name=None, seed=EXAMPLE_SEED
     else:
         what = "the program"
         name = name or "model"
-    torch = _torch(what)
+    torch = require_torch(what)
     if not isinstance(program, torch.export.ExportedProgram):
         raise ModelImportError(f"import_program needs a torch.export.ExportedProgram or the "
                                f"path of a .pt2 file, not {type(program).__name__}")
@@ -1005,17 +1014,18 @@ def import_program(program, example_inputs=None, *, name=None, seed=EXAMPLE_SEED
     program = prepare(program)
     live = live_nodes(program)
     coverage = op_coverage(program, decompose=False)
-    message = unsupported_summary(coverage, what if what != "the program" else "The program")
+    message = unsupported_summary(coverage, _capital(what))
     if message:
         raise ModelImportError(message)
     sig = program.graph_signature
     bad = [o for o in sig.output_specs if o.kind != OutputKind.USER_OUTPUT]
     if bad:
-        raise ModelImportError(f"{what} updates buffers or gradients ({bad[0].kind.name}); "
-                               f"export the model in eval mode without side effects")
+        raise ModelImportError(f"{_capital(what)} updates buffers or gradients "
+                               f"({bad[0].kind.name}); export the model in eval mode without "
+                               f"side effects")
     flat_user, source = _example_inputs(torch, program, example_inputs, seed)
     if len(flat_user) != len(sig.user_inputs):
-        raise ModelImportError(f"{what} takes {len(sig.user_inputs)} inputs, but "
+        raise ModelImportError(f"{_capital(what)} takes {len(sig.user_inputs)} inputs, but "
                                f"{len(flat_user)} example inputs were given")
     flat_args, users = [], iter(flat_user)
     state = {**program.state_dict, **program.constants}
@@ -1025,7 +1035,7 @@ def import_program(program, example_inputs=None, *, name=None, seed=EXAMPLE_SEED
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             flat_args.append(state[spec.target])
         else:
-            raise ModelImportError(f"{what} has an input of kind {spec.kind.name} "
+            raise ModelImportError(f"{_capital(what)} has an input of kind {spec.kind.name} "
                                    f"({spec.arg.name}), which the importer does not take")
     calibration, float_out = _calibrate(torch, program, flat_args)
 
@@ -1071,7 +1081,8 @@ def import_program(program, example_inputs=None, *, name=None, seed=EXAMPLE_SEED
         try:
             value = walker.node(n, args, kw)
         except _NodeError as e:
-            raise ModelImportError(f"{what}: node {n.name} ({op_name(n.target)}): {e}") from None
+            raise ModelImportError(f"{_capital(what)}: node {n.name} ({op_name(n.target)}): "
+                                   f"{e}") from None
         _check_shape(n, value, calibration[n.name], what)
         env[n.name] = value
     output_node = next(n for n in program.graph.nodes if n.op == "output")
@@ -1105,6 +1116,10 @@ def import_program(program, example_inputs=None, *, name=None, seed=EXAMPLE_SEED
     model.accuracy = AccuracyReport(tuple(_accuracy(k, float_outputs[k], got[k])
                                           for k in out_names))
     return model
+
+
+def _capital(text):
+    return text[:1].upper() + text[1:]
 
 
 def _check_shape(node, value, calibrated, what):

@@ -23,6 +23,7 @@ from rdakit.cli import (
     compile,
     docs,
     doctor,
+    importcmd,
     inspect,
     run,
     verify,
@@ -35,7 +36,7 @@ from rdakit.errors import UserError
 __all__ = ["main", "build_parser", "COMMANDS", "UserError"]
 
 #: The modules of the commands, in the order ``rdakit --help`` lists them.
-COMMANDS = [verilog, bench, docs, doctor, verify, inspect, compile, run, board]
+COMMANDS = [verilog, bench, docs, doctor, verify, inspect, importcmd, compile, run, board]
 
 
 def build_parser():

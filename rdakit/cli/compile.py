@@ -110,7 +110,7 @@ def _compile(args):
                 schedule_cost=cost_model(workload, params=params, progress=progress))
     except FIT_ERRORS as e:
         raise UserError(f"{e}{_hint(e)}") from None
-    for line in summary.lines():
+    for line in (*workload.options.get("import_summary", ()), *summary.lines()):
         print(line)
     if chosen:
         print(chosen)
@@ -129,7 +129,8 @@ def add_workload_arguments(p):
     workload (an input: no output may overwrite a graph file), ``--size``, ``--partitioner``,
     ``--seed``, ``--place-steps`` and the fabric with ``--fabric auto``."""
     p.add_argument("workload", metavar="WORKLOAD",
-                   help="mlp, decoder, moe, switch, mixtral, or a Python file")
+                   help="mlp, decoder, moe, switch, mixtral, a Python graph file, or a "
+                        "torch.export program (.pt2, docs/import.md)")
     add_input(p, "workload", "WORKLOAD")
     p.add_argument("--size", action="append", default=[], metavar="KEY=VALUE",
                    help="a size option of the workload builder, e.g. batch=4 or "

@@ -87,6 +87,8 @@ def _run(args):
     params = spec.params
     _, summary = compile_or_explain(spec)
     report = Report("run")
+    for line in workload.options.get("import_summary", ()):
+        report.console.print(line, markup=False)
     if chosen:
         report.console.print(chosen)
     for line in summary.warnings():
