@@ -29,6 +29,8 @@ from collections.abc import Callable
 import networkx as nx
 import numpy as np
 
+from rdakit.compiler import intops
+
 __all__ = [
     "DTYPES", "TensorType", "OpSpec", "OP_KINDS", "MEMORY_KINDS", "GraphError", "DataflowGraph",
 ]
@@ -453,6 +455,72 @@ def _work_combine(inputs, out, attrs):
     return out.expected_elements * inputs[0].shape[1]
 
 
+# integer non-linear ops (I-BERT style; the algorithms are rdakit.compiler.intops)
+
+def _intop_check(node, kind, check, *args):
+    try:
+        return check(*args)
+    except ValueError as e:
+        _fail(node, kind, str(e))
+
+
+def _infer_exp(node, inputs, attrs):
+    _intop_check(node, "exp", intops.check_exp, attrs)
+    return dataclasses.replace(inputs[0], dtype="int32")
+
+
+def _infer_softmax(node, inputs, attrs):
+    t = inputs[0]
+    _intop_check(node, "softmax", intops.check_softmax, attrs, t.shape)
+    return dataclasses.replace(t, dtype=intops.softmax_dtype(attrs["out_bits"]))
+
+
+def _infer_act(kind):
+    def infer(node, inputs, attrs):
+        _intop_check(node, kind, intops.check_act, kind, attrs)
+        return dataclasses.replace(inputs[0], dtype="int32")
+    return infer
+
+
+def _infer_norm(kind):
+    def infer(node, inputs, attrs):
+        x, *params = inputs
+        c = x.shape[-1]
+        for what, t in zip(("weight", "bias")[:len(params)], params, strict=True):
+            if t.shape != (c,) or t.dynamic:
+                _fail(node, kind, f"{what} must have the shape ({c},) of a row, not {_dims(t)}")
+        _intop_check(node, kind, intops.check_norm, kind, attrs, c, params[0].dtype)
+        return dataclasses.replace(x, dtype="int32")
+    return infer
+
+
+def _eval_layer_norm(arrays, attrs):
+    return intops.layer_norm_ref(*arrays, attrs)
+
+
+def _eval_rms_norm(arrays, attrs):
+    return intops.rms_norm_ref(*arrays, attrs)
+
+
+def _infer_embedding(node, inputs, attrs):
+    table, idx = inputs
+    if len(table.shape) != 2 or table.dynamic:
+        _fail(node, "embedding", f"the table must be a static (rows, columns) tensor, not "
+                                 f"{table}")
+    if idx.dtype != "int32":
+        _fail(node, "embedding", f"indices must be int32, not {idx.dtype}")
+    return TensorType(idx.shape + table.shape[1:], table.dtype, idx.dynamic, idx.expected_rows)
+
+
+def _work_passes(passes, per_row=0):
+    """Lane operations of a kernel of ``passes`` streams over the tensor and ``per_row``
+    scalar instructions a row (a scalar instruction counted as one lane operation)."""
+    def work(inputs, out, attrs):
+        rows = out.expected_elements / max(1, out.shape[-1])
+        return out.expected_elements * passes + rows * per_row
+    return work
+
+
 def _binop(fn):
     return lambda arrays, attrs: _wrap32(fn(arrays[0].astype(np.int64),
                                             arrays[1].astype(np.int64)))
@@ -522,6 +590,30 @@ OP_KINDS = dict([
     _spec("combine", None, _infer_combine, _eval_combine, _work_combine,
           "out[t] = sum_j (gate[t, j] * y_e[row of t]) >> shift over the experts e = idx[t, j]",
           min_inputs=3),
+    _spec("exp", 1, _infer_exp, lambda a, attrs: intops.exp_ref(a[0], attrs),
+          _work_passes(10),
+          "integer exp of x <= 0 (I-BERT i-exp), int32; attrs mult, shift, clip (exp_params)"),
+    _spec("softmax", 1, _infer_softmax, lambda a, attrs: intops.softmax_ref(a[0], attrs),
+          _work_passes(16, 300),
+          "integer softmax over the last axis (i-exp, one reciprocal a row); attrs mult, "
+          "shift, clip, out_bits, causal (softmax_params)"),
+    _spec("gelu", 1, _infer_act("gelu"), lambda a, attrs: intops.gelu_ref(a[0], attrs),
+          _work_passes(12),
+          "integer GELU (I-BERT i-GELU), int32; attrs mult, shift, clip (gelu_params)"),
+    _spec("silu", 1, _infer_act("silu"), lambda a, attrs: intops.silu_ref(a[0], attrs),
+          _work_passes(12),
+          "integer SiLU (x times a polynomial sigmoid), int32; attrs mult, shift, clip "
+          "(silu_params)"),
+    _spec("layer_norm", 3, _infer_norm("layer_norm"), _eval_layer_norm, _work_passes(10, 700),
+          "integer LayerNorm over the last axis of x with weight, bias (C,), int32; attrs "
+          "shift, frac, eps (layer_norm_params)"),
+    _spec("rms_norm", 2, _infer_norm("rms_norm"), _eval_rms_norm, _work_passes(8, 400),
+          "integer RMSNorm over the last axis of x with weight (C,), int32; attrs shift, "
+          "frac, eps (rms_norm_params)"),
+    _spec("embedding", 2, _infer_embedding, lambda a, attrs: intops.embedding_ref(*a),
+          _elements,
+          "rows of table (V, D) chosen by int32 indices (clamped to [0, V - 1]): "
+          "idx.shape + (D,)"),
 ])
 
 #: Op kinds that are buffers (no computation).

@@ -1,0 +1,292 @@
+"""Integer non-linear ops (I-BERT style, rdakit.compiler.intops): accuracy of each reference
+against the float function on dequantized inputs, no int32 overflow for any input of the dtype
+(hypothesis), the op kinds in the IR (types, attribute checks with their exact messages), and
+the lowering of each kind bit-exact on the functional interpreter."""
+
+import math
+import re
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rdakit.compiler import intops
+from rdakit.compiler.graph import DataflowGraph, GraphError
+from tests.conftest import hostile
+
+RNG = np.random.default_rng(20)
+ERF = np.vectorize(math.erf)
+FLOAT = {
+    "exp": lambda v: np.exp(np.minimum(v, 0)),
+    "gelu": lambda v: v * 0.5 * (1 + ERF(v / math.sqrt(2))),
+    "silu": lambda v: v * 0.5 * (1 + np.tanh(v / 2)),
+}
+PARAMS = {"exp": intops.exp_params, "gelu": intops.gelu_params, "silu": intops.silu_params}
+REFS = {"exp": intops.exp_ref, "gelu": intops.gelu_ref, "silu": intops.silu_ref}
+
+#: Largest absolute error against the float function, as measured (docs/compiler.md): the
+#: polynomials' own error and one step of the working scale.
+BOUND = {"exp": 0.003, "gelu": 0.019, "silu": 0.041}
+
+
+def float_softmax(v, keep=None):
+    v = np.where(keep, v, -np.inf) if keep is not None else v
+    e = np.exp(v - v.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def float_norm(kind, v, w, b, eps):
+    if kind == "layer_norm":
+        n = (v - v.mean(-1, keepdims=True)) / np.sqrt(v.var(-1, keepdims=True) + eps)
+    else:
+        n = v / np.sqrt((v * v).mean(-1, keepdims=True) + eps)
+    return n * w + (0 if b is None else b)
+
+
+# --- accuracy against float ------------------------------------------------------------------
+
+@pytest.mark.parametrize("out_bits,bound", [(7, 0.0079), (8, 0.004), (15, 0.001)])
+def test_softmax_of_int8_logits_is_within_its_bound(out_bits, bound):
+    """Every int8 logit scale a transformer's attention gives (0.05-0.2), short and long rows:
+    the probabilities within half a step of 2**-out_bits and i-exp's error (0.0078 at 7 bits:
+    a probability of 1 saturates at 127/128)."""
+    worst = 0
+    for scale in (0.05, 0.1, 0.2):
+        for length in (8, 64, 300):
+            x = RNG.integers(-128, 128, (32, length)).astype(np.int8)
+            p = intops.softmax_params(scale, out_bits)
+            y = intops.softmax_ref(x, p)
+            assert y.dtype == intops.softmax_dtype(out_bits)
+            worst = max(worst, np.abs(y * 2.0 ** -out_bits - float_softmax(x * scale)).max())
+    assert worst <= bound
+
+
+def test_causal_softmax_masks_the_upper_triangle():
+    x = RNG.integers(-128, 128, (2, 5, 7)).astype(np.int8)
+    p = dict(intops.softmax_params(0.1, 8), causal=2)
+    y = intops.softmax_ref(x, p)
+    keep = np.arange(7)[None, :] <= np.arange(5)[:, None] + 2
+    assert not np.any(y[:, ~keep])
+    assert np.abs(y * 2.0 ** -8 - float_softmax(x * 0.1, keep)).max() <= 0.004
+
+
+@pytest.mark.parametrize("kind", ["exp", "gelu", "silu"])
+def test_elementwise_ops_are_within_their_bounds(kind):
+    """Every int8 value at three scales, and int16 values over +-65."""
+    for scale, x in [(0.02, np.arange(-128, 128, dtype=np.int8)),
+                     (0.05, np.arange(-128, 128, dtype=np.int8)),
+                     (0.2, np.arange(-128, 128, dtype=np.int8)),
+                     (0.002, np.arange(-32768, 32768, 3).astype(np.int16))]:
+        p = PARAMS[kind](scale)
+        y = REFS[kind](x, p)
+        assert y.dtype == np.int32
+        err = np.abs(y * intops.output_scale(kind, p) - FLOAT[kind](x * scale)).max()
+        assert err <= BOUND[kind], (scale, err)
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype,scale,spread", [("int8", 0.05, 30), ("int32", 0.001, 20000)])
+@pytest.mark.parametrize("length", [16, 64, 768])
+def test_norms_are_within_their_bound(kind, dtype, scale, spread, length):
+    """Calibrated inputs (the absolute maximum of the batch), int8 weights of scale 1/64 and
+    an int32 bias: within 0.001 of the float function with the dequantized weights."""
+    info = np.iinfo(dtype)
+    x = (RNG.normal(0, spread, (16, length)) + RNG.normal(0, spread / 3, (16, 1))).round()
+    x = x.clip(info.min, info.max).astype(dtype)
+    w = RNG.integers(32, 127, length).astype(np.int8)
+    p = (intops.layer_norm_params if kind == "layer_norm" else intops.rms_norm_params)(
+        scale, float(np.abs(x).max()) * scale, length)
+    out_scale = intops.output_scale(kind, p, 1 / 64)
+    bf = RNG.normal(0, 1, length)
+    b = np.round(bf / out_scale).astype(np.int32) if kind == "layer_norm" else None
+    y = (intops.layer_norm_ref(x, w, b, p) if kind == "layer_norm"
+         else intops.rms_norm_ref(x, w, p))
+    want = float_norm(kind, x * scale, w / 64, None if b is None else b * out_scale,
+                      1e-5 if kind == "layer_norm" else 1e-6)
+    assert np.abs(y * out_scale - want).max() <= 0.001 * 2   # |w| < 2: 0.001 of the unit
+
+
+# --- no overflow, for any input of the dtype -------------------------------------------------
+
+DTYPES = st.sampled_from(["int8", "int16", "int32"])
+SCALES = st.floats(1e-4, 4.0)
+
+
+def ints(dtype, shape):
+    info = np.iinfo(dtype)
+    return st.lists(st.one_of(st.integers(info.min, info.max),
+                              st.sampled_from([info.min, info.max, 0, -1, 1])),
+                    min_size=math.prod(shape), max_size=math.prod(shape)).map(
+        lambda v: np.array(v, dtype=dtype).reshape(shape))
+
+
+@st.composite
+def arrays(draw, min_cols=1):
+    dtype = draw(DTYPES)
+    return draw(ints(dtype, (draw(st.integers(1, 4)), draw(st.integers(min_cols, 40)))))
+
+
+@hostile(60)
+@given(arrays(), SCALES, st.sampled_from(["exp", "gelu", "silu"]))
+def test_elementwise_ops_saturate_and_never_wrap(x, scale, kind):
+    """Any input of any dtype at any scale: no intermediate leaves int32 (the reference
+    asserts it), and the result is the float function of the input saturated to the op's
+    range (``clip``) within the bound: nothing wraps around."""
+    p = PARAMS[kind](scale)
+    lo = 0 if kind == "exp" else -p["clip"]
+    xs = np.clip(x.astype(np.int64), -p["clip"], p["clip"] if kind != "exp" else 0)
+    y = REFS[kind](x, p)
+    err = np.abs(y * intops.output_scale(kind, p) - FLOAT[kind](xs * scale))
+    assert lo <= 0 and err.max() <= BOUND[kind] * max(1, scale / 0.2)
+
+
+@hostile(60)
+@given(arrays(), SCALES, st.sampled_from([7, 8, 15, 16]), st.one_of(st.none(),
+                                                                    st.integers(0, 3)))
+def test_softmax_never_wraps(x, scale, out_bits, causal):
+    """Softmax of any logits (int32 extremes included, saturated to +-2**30): probabilities
+    within the bound of the float softmax of the saturated logits; masked ones are 0."""
+    p = dict(intops.softmax_params(scale, out_bits), causal=causal)
+    y = intops.softmax_ref(x, p)
+    v = np.clip(x.astype(np.float64), -(1 << 30), (1 << 30) - 1) * scale
+    keep = None
+    if causal is not None:
+        keep = np.arange(x.shape[1])[None, :] <= np.arange(x.shape[0])[:, None] + causal
+        assert not np.any(y[~keep])
+    err = np.abs(y * 2.0 ** -out_bits - float_softmax(v, keep)).max()
+    assert err <= {7: 0.0079, 8: 0.004, 15: 0.001, 16: 0.001}[out_bits]
+
+
+@hostile(60)
+@given(arrays(min_cols=2), SCALES, st.sampled_from(["layer_norm", "rms_norm"]),
+       st.sampled_from(["int8", "int16"]), st.integers(0, 3))
+def test_norms_never_wrap(x, scale, kind, wdtype, seed):
+    """Any rows (constant rows, extremes) with int8 or int16 weights at the extremes of their
+    range (int32 weights are refused): no intermediate leaves int32 (the reference asserts
+    it); the normalized values are within ``sqrt(C)`` units."""
+    c = x.shape[1]
+    rng = np.random.default_rng(seed)
+    info = np.iinfo(wdtype)
+    w = rng.choice([info.min, info.max, 1, -1], c).astype(wdtype)
+    b = rng.integers(-(1 << 30), 1 << 30, c).astype(np.int32)
+    p = (intops.layer_norm_params if kind == "layer_norm" else intops.rms_norm_params)(
+        scale, float(np.abs(x.astype(np.float64)).max()) * scale, c, wdtype)
+    y = (intops.layer_norm_ref(x, w, b, p) if kind == "layer_norm"
+         else intops.rms_norm_ref(x, w, p))
+    z = (y.astype(np.int64) - (b if kind == "layer_norm" else 0)) // w.astype(np.int64)
+    assert np.abs(z).max() <= (math.isqrt(c - 1) + 1) << p["frac"]
+
+
+def test_norm_of_a_constant_row_is_the_bias():
+    """sigma = 0: every deviation is 0 (no division by zero), the result is the bias."""
+    x = np.full((2, 6), 37, np.int16)
+    w = np.arange(1, 7, dtype=np.int8)
+    b = np.arange(6, dtype=np.int32) * 1000
+    p = intops.layer_norm_params(0.01, 0.37, 6)
+    assert intops.layer_norm_ref(x, w, b, p).tolist() == [b.tolist()] * 2
+    assert not intops.rms_norm_ref(np.zeros((1, 6), np.int8), w,
+                                   intops.rms_norm_params(0.01, 1, 6)).any()
+
+
+def test_scalar_routines():
+    """What the CUs' scalar loops compute: the reciprocal, the square root, the normalization
+    of a sum of squares to [2**28, 2**30)."""
+    s = np.array([1, 2, 3, 1000, (1 << 20) - 1])
+    assert intops.reciprocal(s).tolist() == [(1 << 30) // v for v in s.tolist()]
+    t = np.array([1, 2, 5, 1 << 28, (1 << 30) - 1, 1 << 30, (1 << 31) - 1])
+    tn, e = intops.normalize(t)
+    assert np.all((tn >= 1 << 28) & (tn < 1 << 30))
+    assert e.tolist() == [14, 14, 13, 0, 0, -1, -1]
+    assert intops.isqrt(tn).tolist() == [math.isqrt(int(v)) for v in tn]
+
+
+def test_embedding_clamps_indices():
+    table = np.arange(12, dtype=np.int8).reshape(4, 3)
+    idx = np.array([[0, 3], [-5, 9]], np.int32)
+    out = intops.embedding_ref(table, idx)
+    assert out.dtype == np.int8 and out.shape == (2, 2, 3)
+    assert out[:, :, 0].tolist() == [[0, 9], [0, 9]]
+
+
+# --- the op kinds in the IR ------------------------------------------------------------------
+
+def graph_of(kind, *shapes, dtype="int8", **attrs):
+    g = DataflowGraph("g")
+    ins = [g.input(f"x{i}", s, d) for i, (s, d) in enumerate(shapes)]
+    g.output("y", g.add(kind, *ins, name="n", **attrs))
+    return g
+
+
+def test_types():
+    p = intops.softmax_params(0.1, 7)
+    g = graph_of("softmax", ((3, 5), "int8"), **p).validate()
+    assert str(g.type_of("n")) == "int8[3, 5]"
+    g = graph_of("softmax", ((3, 5), "int32"), **dict(p, out_bits=8)).validate()
+    assert str(g.type_of("n")) == "int16[3, 5]"
+    for kind in ("exp", "gelu", "silu"):
+        g = graph_of(kind, ((2, 3, 4), "int16"), **PARAMS[kind](0.1)).validate()
+        assert str(g.type_of("n")) == "int32[2, 3, 4]"
+    g = graph_of("layer_norm", ((3, 8), "int8"), ((8,), "int8"), ((8,), "int32"),
+                 **intops.layer_norm_params(0.1, 10, 8)).validate()
+    assert str(g.type_of("n")) == "int32[3, 8]"
+    g = graph_of("embedding", ((10, 6), "int8"), ((2, 5), "int32")).validate()
+    assert str(g.type_of("n")) == "int8[2, 5, 6]"
+
+
+@pytest.mark.parametrize("kind,shapes,attrs,message", [
+    ("softmax", [((2, 3), "int8")], {},
+     "Node 'n' (softmax): attribute 'mult' must be an integer between 1 and 2147483647, "
+     "not None"),
+    ("softmax", [((3,), "int8")], dict(intops.softmax_params(0.1), causal=0),
+     "Node 'n' (softmax): a causal softmax needs at least 2 dimensions (rows, columns)"),
+    ("softmax", [((2, 3), "int8")], dict(intops.softmax_params(0.1), causal=-1),
+     "Node 'n' (softmax): attribute 'causal' must be an integer at least 0, not -1"),
+    ("softmax", [((2, 3), "int8")], dict(intops.softmax_params(0.1), out_bits=17),
+     "Node 'n' (softmax): attribute 'out_bits' must be an integer between 1 and 16, not 17"),
+    ("exp", [((2, 3), "int8")], dict(mult=1 << 20, shift=4, clip=1 << 12),
+     "Node 'n' (exp): attributes clip * mult must be below 2**31, not 4096 * 1048576"),
+    ("exp", [((2, 3), "int8")], dict(mult=1000, shift=0, clip=1000),
+     "Node 'n' (exp): attributes (clip * mult) >> shift must be at most 32767, not "
+     "(1000 * 1000) >> 0"),
+    ("gelu", [((2, 3), "int8")], dict(mult=1, shift=0, clip=-1),
+     "Node 'n' (gelu): attribute 'clip' must be an integer between 0 and 2147483647, not -1"),
+    ("layer_norm", [((2, 8), "int8"), ((4,), "int8"), ((8,), "int32")],
+     intops.layer_norm_params(0.1, 10, 8),
+     "Node 'n' (layer_norm): weight must have the shape (8,) of a row, not (4,)"),
+    ("layer_norm", [((2, 8), "int8"), ((8,), "int16"), ((8,), "int32")],
+     intops.layer_norm_params(0.1, 10, 8),
+     "Node 'n' (layer_norm): attribute 'frac' must be at most 13 for rows of 8 and int16 "
+     "weights (the normalized value times a weight must stay within 2**30), not 15"),
+    ("rms_norm", [((2, 8), "int8"), ((8,), "int32")], intops.rms_norm_params(0.1, 10, 8),
+     "Node 'n' (rms_norm): int32 weights are too wide for rows of 8 (the normalized value "
+     "times a weight must stay within 2**30): use int8 or int16 weights"),
+    ("rms_norm", [((2, 8), "int8"), ((8,), "int8")], dict(shift=40, frac=3),
+     "Node 'n' (rms_norm): attribute 'shift' must be an integer between -14 and 31, not 40"),
+    ("embedding", [((4, 3), "int8"), ((5,), "int16")], {},
+     "Node 'n' (embedding): indices must be int32, not int16"),
+    ("embedding", [((12,), "int8"), ((5,), "int32")], {},
+     "Node 'n' (embedding): the table must be a static (rows, columns) tensor, not int8[12]"),
+])
+def test_bad_attributes_are_refused_naming_the_node(kind, shapes, attrs, message):
+    with pytest.raises(GraphError, match=f"^{re.escape(message)}$"):
+        graph_of(kind, *shapes, **attrs).validate()
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: intops.softmax_params(0), "input_scale must be a positive finite number, not 0"),
+    (lambda: intops.gelu_params(float("nan")),
+     "input_scale must be a positive finite number, not nan"),
+    (lambda: intops.exp_params(1e6), "scale ratio 1.47732e+09 is too coarse: one step of the "
+                                     "input would be more than 32767 steps of the working "
+                                     "scale"),
+    (lambda: intops.layer_norm_params(0.1, -1, 8),
+     "input_absmax must be a non-negative finite number, not -1"),
+    (lambda: intops.rms_norm_params(0.1, 1, 0), "length must be an integer from 1 to 65536, "
+                                                "not 0"),
+    (lambda: intops.layer_norm_params(0.1, 1, 8, "int4"),
+     "weight_dtype must be int8, int16 or int32, not 'int4'"),
+])
+def test_bad_scales_are_refused(call, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        call()
