@@ -25,7 +25,15 @@ import numpy as np
 
 from rdakit.compiler import workloads
 from rdakit.compiler.cost import CostModel
-from rdakit.compiler.partition import Targets, dqn, get_strategy, measure
+from rdakit.compiler.partition import (
+    PartitionError,
+    Targets,
+    dqn,
+    get_strategy,
+    measure,
+    run_strategy,
+)
+from rdakit.compiler.partition.balance import within_limits
 from rdakit.compiler.partition.external import mtkahypar_available
 from rdakit.compiler.partition.wgraph import WeightedGraph
 from rdakit.sim.bench.report import Report
@@ -33,8 +41,8 @@ from rdakit.sim.bench.report import Report
 __all__ = ["run", "graphs", "PARTITIONERS"]
 
 #: Partitioners in table order.
-PARTITIONERS = ("multilevel", "metis", "mtkahypar", "greedy", "dqn", "heft", "round_robin",
-                "static")
+PARTITIONERS = ("auto", "multilevel", "metis", "mtkahypar", "greedy", "dqn", "heft",
+                "round_robin", "static")
 EPS = 0.03
 
 
@@ -50,7 +58,8 @@ def graphs(quick, cost):
             for o in options:
                 out.append(("workload", WeightedGraph.from_dataflow(
                     workloads.build(name, **o).graph, cost), 4))
-        out += [("path", WeightedGraph.path(1000), 8),
+        out += [("transformer", WeightedGraph.transformer(2, 256, 64, 4), 16),
+                ("path", WeightedGraph.path(1000), 8),
                 ("chain", WeightedGraph.layered_chain(24, 6), 4),
                 ("dag", WeightedGraph.random_layered(20, 50, seed=1), 8),
                 ("grid", WeightedGraph.grid(32, 32), 8)]
@@ -66,6 +75,11 @@ def graphs(quick, cost):
         for o in options:
             g = WeightedGraph.from_dataflow(workloads.build(name, **o).graph, cost)
             out += [("workload", g, 4), ("workload", g, 16)]
+    for g in (WeightedGraph.transformer(2, 768, 128, 12),
+              WeightedGraph.transformer(12, 768, 128, 12),
+              WeightedGraph.transformer(2, 256, 64, 4, experts=8),
+              WeightedGraph.transformer(4, 512, 128, 8, experts=8)):
+        out += [("transformer", g, 4), ("transformer", g, 16), ("transformer", g, 64)]
     out += [("path", WeightedGraph.path(10000), 16),
             ("chain", WeightedGraph.layered_chain(64, 16), 8),
             ("dag", WeightedGraph.random_layered(20, 50, seed=1), 8),
@@ -81,7 +95,7 @@ def _strategy(name, cost, agent):
         return get_strategy("dqn", agent=agent, cost=cost)
     if name in ("greedy", "heft"):
         return get_strategy(name, cost=cost)
-    if name in ("multilevel", "metis", "mtkahypar"):
+    if name in ("auto", "multilevel", "metis", "mtkahypar"):
         return get_strategy(name, eps=EPS)
     return get_strategy(name)
 
@@ -105,26 +119,35 @@ def run(*, quick=False, json_path=None, console=None, seed=0):
     rows, span_rows, ratios = [], [], []
     for family, g, k in graphs(quick, cost):
         targets = Targets(k)
-        results = {}
+        results, refused = {}, {}
         for name in names:
             strategy = _strategy(name, cost, agent)
-            t1 = time.perf_counter()
-            parts = strategy.partition(g, targets)
-            seconds = time.perf_counter() - t1
-            results[name] = measure(g, targets, parts, cost, strategy=name, seconds=seconds)
+            try:
+                parts, seconds, said = run_strategy(strategy, g, targets)
+            except PartitionError as e:     # the DQN beyond the units it was trained on
+                refused[name] = str(e)
+                continue
+            results[name] = measure(g, targets, parts, cost, strategy=name, seconds=seconds,
+                                    warnings=said)
         metis_cut = results["metis"].cut
         ref = g.known_cut(k)
         for name, r in results.items():
             rows.append({"graph": g.name, "family": family, "nodes": g.n, "edges": g.m, "k": k,
                          "partitioner": name, "cut": r.cut, "ref_cut": ref,
                          "vs_metis": round(r.cut / metis_cut, 3) if metis_cut else None,
-                         "imbalance": round(r.imbalance, 4), "seconds": round(r.seconds, 3),
+                         "imbalance": round(r.imbalance, 4),
+                         "balanced": within_limits(g, targets, r.parts, EPS),
+                         "bottleneck": round(r.bottleneck), "busiest_link": r.busiest_link,
+                         "empty": len(r.empty_units), "seconds": round(r.seconds, 3),
                          "makespan": r.makespan, "lower_bound": round(r.lower_bound),
-                         "acyclic": r.quotient_acyclic})
+                         "acyclic": r.quotient_acyclic, "warnings": "; ".join(r.warnings)})
+        for name, why in refused.items():
+            rows.append({"graph": g.name, "family": family, "nodes": g.n, "edges": g.m, "k": k,
+                         "partitioner": name, "refused": why})
         ml, me = results["multilevel"], results["metis"]
         if ml.imbalance <= EPS + 1e-9 and me.imbalance <= EPS + 1e-9 and me.cut > 0:
             ratios.append(ml.cut / me.cut)
-        if family == "workload":
+        if family == "workload" and "dqn" in results:
             row = {"graph": g.name, "k": k, "lower_bound": round(ml.lower_bound)}
             for name in ("dqn", "greedy", "heft", "round_robin", "static", "multilevel",
                          "metis"):
@@ -137,8 +160,10 @@ def run(*, quick=False, json_path=None, console=None, seed=0):
             report.figure("grid_100k_k64_multilevel_cut", ml.cut)
             report.figure("grid_100k_k64_metis_cut", me.cut)
     columns = ["graph", "k", "nodes", "partitioner", "cut", "ref_cut", "vs_metis", "imbalance",
-               "seconds", "makespan", "lower_bound", "acyclic"]
-    notes = (f"balance tolerance {EPS} for multilevel, METIS and Mt-KaHyPar; the schedulers "
+               "balanced", "bottleneck", "busiest_link", "empty", "seconds", "makespan",
+               "lower_bound", "acyclic", "warnings", "refused"]
+    notes = (f"balance tolerance {EPS} for auto, multilevel, METIS and Mt-KaHyPar (balanced: "
+             f"within the balance rule's limits); the schedulers "
              f"(greedy, dqn, heft) and baselines do not target balance"
              + (f"; Mt-KaHyPar skipped: {skip}" if skip else ""))
     report.table("partition: cut, balance and time", rows, key="partition", columns=columns,
