@@ -35,9 +35,11 @@ torch is imported inside the functions that need it (``pip install rdakit[torch]
 
 import dataclasses
 import functools
+import logging
 import math
 import os
 import pathlib
+import re
 import zipfile
 
 import numpy as np
@@ -107,12 +109,25 @@ def load_program(path):
     """
     check_program_file(path)
     torch = require_torch(repr(str(path)))
+    # torch logs the traceback of a failed load before raising: the user gets our message.
+    log = logging.getLogger("torch.export")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
     try:
         return torch.export.load(str(path))
     except Exception as e:  # torch raises many kinds for a damaged or foreign archive
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelImportError(f"{str(path)!r} is not a torch.export program (a .pt2 file from "
-                               f"torch.export.save): {reason}") from None
+                               f"torch.export.save): {_reason(e)}") from None
+    finally:
+        log.setLevel(level)
+
+
+def _reason(error):
+    """The first line of the innermost cause of ``error``, without C++ assertion prefixes."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", text)
 
 
 # --- results ----------------------------------------------------------------------------------
