@@ -29,6 +29,7 @@ from rdakit.cli.options import (
 )
 from rdakit.cli.outputs import add_output, image_suffixes
 from rdakit.cli.progress import progress_bar
+from rdakit.compiler.partition import DEFAULT_STRATEGY, STRATEGIES
 from rdakit.compiler.partition.clusters import LinkModel
 from rdakit.compiler.workloads import WORKLOADS
 from rdakit.errors import UserError
@@ -261,14 +262,16 @@ def _check_models(args):
 def _bench_models(args):
     def choose(workload):
         return choose_fabric(workload, args.candidates, name=workload.name,
-                             partitioner="multilevel", seed=0, place_steps=20000)[0]
+                             partitioner=args.partitioner, seed=0, place_steps=20000)[0]
 
     report = Report("models")
     with progress_bar(report.console.is_terminal) as progress:
         rows, coverage = models.measure(names=args.model_list, quick=args.quick, choose=choose,
+                                        partitioner=args.partitioner,
                                         sim=None if args.no_rtl else args.sim,
                                         rtl_limit=args.rtl_limit, progress=progress)
-    models.write_report(rows, coverage, quick=args.quick, json_path=args.json, report=report)
+    models.write_report(rows, coverage, quick=args.quick, partitioner=args.partitioner,
+                        json_path=args.json, report=report)
     return 1 if report.figures["failed_runs"] else 0
 
 
@@ -488,6 +491,8 @@ def register(commands):
     p.add_argument("--sim", choices=BACKENDS, default="amaranth",
                    help="simulator of the RTL runs (default: %(default)s)")
     p.add_argument("--no-rtl", action="store_true", help="no RTL run")
+    p.add_argument("--partitioner", default=DEFAULT_STRATEGY, choices=sorted(STRATEGIES),
+                   help="partitioning strategy (default: %(default)s)")
     add_number(p, "--rtl-limit", low=0, default=RTL_LIMIT, metavar="CYCLES",
                help="run a model on the RTL only if its estimated cycles are at most this "
                     "(default: %(default)s)")

@@ -28,9 +28,9 @@ unsupported ops is a row that lists them. Two tables (their keys in the report J
     importer handles it, or every node of it is folded), ``ir`` (the IR op kinds it becomes,
     empty if none).
 
-Figures: ``models``, ``imported`` (models with no unsupported op that imported),
-``unsupported_kinds`` (distinct unsupported ops over the suite), ``failed_runs`` (a check that
-was not ``ok``: the command then exits 1).
+Figures: ``models``, ``partitioner`` (the command's), ``imported`` (models with no unsupported
+op that imported), ``unsupported_kinds`` (distinct unsupported ops over the models run),
+``failed_runs`` (checks that were not ``ok``: the command then exits 1).
 """
 
 import pathlib
@@ -39,6 +39,7 @@ import time
 
 import numpy as np
 
+from rdakit.compiler.partition import DEFAULT_STRATEGY
 from rdakit.errors import UserError
 from rdakit.sim.bench.report import Report
 
@@ -110,10 +111,11 @@ def _seconds(t0):
     return round(time.perf_counter() - t0, 2)
 
 
-def measure_import(row, name, program, inputs, *, choose, sim=None, rtl_limit=0,
-                   progress=None):
+def measure_import(row, name, program, inputs, *, choose, partitioner=DEFAULT_STRATEGY,
+                   sim=None, rtl_limit=0, progress=None):
     """Import, compile and run a program whose ops are all supported; fills in ``row`` (of
-    :func:`model_row`). ``choose``, ``sim`` and ``rtl_limit`` are :func:`measure`'s; the
+    :func:`model_row`). ``choose``, ``partitioner``, ``sim`` and ``rtl_limit`` are
+    :func:`measure`'s; the
     ``inputs`` of an RTL run on Icarus or Verilator are the program's own example inputs
     (``program.example_inputs``, which ``torch.export.export`` records), as for a ``.pt2``
     given to ``rdakit run``."""
@@ -155,7 +157,8 @@ def measure_import(row, name, program, inputs, *, choose, sim=None, rtl_limit=0,
     row["fabric"] = f"{params.rows}x{params.cols}/{params.mu.words}w"
     t0 = time.perf_counter()
     try:
-        job, summary = compile_workload(workload, params=params, progress=progress,
+        job, summary = compile_workload(workload, params=params, partitioner=partitioner,
+                                        progress=progress,
                                         schedule_cost=cost_model(workload, params=params,
                                                                  progress=progress))
     except (LoweringError, PlacementError, PartitionError) as e:
@@ -175,7 +178,8 @@ def measure_import(row, name, program, inputs, *, choose, sim=None, rtl_limit=0,
     if sim is None or summary.estimated_cycles > rtl_limit:
         return
     if sim == "amaranth":
-        rows = e2e.run(e2e.RunSpec(workload, fabric=kw), sim=sim, progress=progress)
+        rows = e2e.run(e2e.RunSpec(workload, fabric=kw, partitioner=partitioner), sim=sim,
+                       progress=progress)
     else:
         # A cocotb simulator runs in its own process, which takes the workload by name: the
         # program saved as a .pt2 (with its example inputs), imported there again.
@@ -184,13 +188,15 @@ def measure_import(row, name, program, inputs, *, choose, sim=None, rtl_limit=0,
         with tempfile.TemporaryDirectory(prefix="rdakit-models-") as tmp:
             path = pathlib.Path(tmp) / f"{name}.pt2"
             torch.export.save(program, path)
-            rows = e2e.run(e2e.RunSpec(str(path), fabric=kw), sim=sim, progress=progress)
+            rows = e2e.run(e2e.RunSpec(str(path), fabric=kw, partitioner=partitioner),
+                           sim=sim, progress=progress)
     row["rtl_cycles"] = rows[-1]["cycles"]
     row["rtl_check"] = e2e.failure(rows[-1]) or "ok"
     row["status"] = "ran"
 
 
-def measure(*, names, quick=False, choose=None, sim=None, rtl_limit=0, progress=None):
+def measure(*, names, quick=False, choose=None, partitioner=DEFAULT_STRATEGY, sim=None,
+            rtl_limit=0, progress=None):
     """Measure the models ``names`` (of :data:`~rdakit.compiler.frontend.models.MODELS`):
     ``(rows, coverage)``, the ``models`` and ``coverage`` tables.
 
@@ -204,6 +210,8 @@ def measure(*, names, quick=False, choose=None, sim=None, rtl_limit=0, progress=
         ``choose(workload) -> fabric keyword dict``: the fabric an imported model is compiled
         for (the command's ``--fabric``, or with ``auto`` the smallest it fits); raises
         :class:`~rdakit.errors.UserError` if none holds it.
+    partitioner : str
+        The compiler's partitioner (:data:`~rdakit.compiler.partition.STRATEGIES`).
     sim : str or None
         The simulator of the RTL runs (:data:`rdakit.sim.flows.e2e.BACKENDS`), None for none.
     rtl_limit : int
@@ -228,16 +236,18 @@ def measure(*, names, quick=False, choose=None, sim=None, rtl_limit=0, progress=
         row = model_row(name, program, cov, export_seconds=export_seconds,
                         params=suite.parameter_count(program))
         if row["status"] is None:
-            measure_import(row, name, program, inputs, choose=choose, sim=sim, rtl_limit=rtl_limit,
-                     progress=progress)
+            measure_import(row, name, program, inputs, choose=choose, partitioner=partitioner,
+                           sim=sim, rtl_limit=rtl_limit, progress=progress)
         rows.append(row)
         coverage += coverage_rows(name, cov)
     return rows, coverage
 
 
-def write_report(rows, coverage, *, quick=False, json_path=None, report=None):
-    """Print the tables of :func:`measure` and its figures, and write ``json_path`` if given;
-    returns the :class:`~rdakit.sim.bench.report.Report` (a new one unless ``report``)."""
+def write_report(rows, coverage, *, quick=False, partitioner=None, json_path=None,
+                 report=None):
+    """Print the tables of :func:`measure` and its figures (with the ``partitioner`` it was
+    given, if named), and write ``json_path`` if given; returns the
+    :class:`~rdakit.sim.bench.report.Report` (a new one unless ``report``)."""
     report = report or Report("models")
     what = "quick sizes" if quick else "the suite's sizes"
     report.table(f"The model suite ({what}): ops of the graph the importer walks, unsupported "
@@ -255,6 +265,8 @@ def write_report(rows, coverage, *, quick=False, json_path=None, report=None):
     report.table("Op coverage: every op of every model, most nodes first", coverage,
                  key="coverage")
     report.figure("models", len(rows))
+    if partitioner is not None:
+        report.figure("partitioner", partitioner)
     report.figure("imported", sum(r["import_seconds"] is not None for r in rows))
     report.figure("unsupported_kinds",
                   len({c["op"] for c in coverage if not c["supported"]}))

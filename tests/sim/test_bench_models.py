@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from rdakit.cli import main
+from rdakit.compiler.partition import DEFAULT_STRATEGY
 from rdakit.errors import UserError
 
 torch = pytest.importorskip("torch")
@@ -37,6 +38,7 @@ def test_quick_json_has_a_row_with_every_key_per_model(quick):
         assert r["status"] in bench.STATUSES or r["status"].startswith(
             ("import failed: ", "does not fit: "))
     assert data["figures"]["models"] == len(suite.MODELS)
+    assert data["figures"]["partitioner"] == DEFAULT_STRATEGY
     assert data["figures"]["failed_runs"] == 0
     assert set(data["titles"]) == {"models", "coverage", "figures"}
 
