@@ -77,7 +77,7 @@ def test_bad_programs_are_refused_naming_them(programs, tmp_path, capsys, comman
         (text, f"'{text}' is not a torch.export program (a .pt2 file from torch.export.save): "
                f"it is not a zip archive"),
         (foreign, f"'{foreign}' is not a torch.export program (a .pt2 file from "
-                  f"torch.export.save): "),
+                  f"torch.export.save): file in archive is not in a subdirectory: a.txt\n"),
         (programs / "gelu.pt2", f"'{programs / 'gelu.pt2'}' has 2 unsupported op kinds (2 "
                                 f"nodes): aten.gelu.default x1, aten.sin.default x1"),
     ]

@@ -109,17 +109,23 @@ def load_program(path):
     """
     check_program_file(path)
     torch = require_torch(repr(str(path)))
-    # torch logs the traceback of a failed load before raising: the user gets our message.
+    # torch logs the traceback of a failed load (its reason) and raises a vaguer error: the
+    # log is kept from the user and its reason goes into our message.
     log = logging.getLogger("torch.export")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    propagate, handlers = log.propagate, log.handlers[:]
+    log.propagate, log.handlers = False, [handler]
     try:
         return torch.export.load(str(path))
     except Exception as e:  # torch raises many kinds for a damaged or foreign archive
+        logged = [r.exc_info[1] for r in records if r.exc_info and r.exc_info[1] is not None]
         raise ModelImportError(f"{str(path)!r} is not a torch.export program (a .pt2 file from "
-                               f"torch.export.save): {_reason(e)}") from None
+                               f"torch.export.save): {_reason(logged[0] if logged else e)}"
+                               ) from None
     finally:
-        log.setLevel(level)
+        log.propagate, log.handlers = propagate, handlers
 
 
 def _reason(error):
