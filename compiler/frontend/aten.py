@@ -85,9 +85,10 @@ ATEN_OPS = _ops(
     AtenOp("aten.rsub.Scalar", REQUANT, "c - x for a constant c"),
     AtenOp("aten.mul.Tensor", REQUANT,
            "x * y, broadcasting; by a positive constant scalar: free (a new scale)"),
-    AtenOp("aten.div.Tensor", ("sub", "clip"),
-           "x / c for a constant c only: free (a new scale), negated if c < 0"),
-    AtenOp("aten.neg.default", ("sub", "clip"), "-x (0 - x, saturated to [-127, 127])"),
+    AtenOp("aten.div.Tensor", REQUANT,
+           "x / c for a constant c only: by a scalar free (a new scale; x * -1 and a clip if "
+           "c < 0), by a tensor an elementwise product"),
+    AtenOp("aten.neg.default", ("mul", "clip"), "x * -1, saturated to [-127, 127]; same scale"),
     AtenOp("aten.relu.default", ("relu",), "max(x, 0), same scale"),
     AtenOp("aten.clamp.default", ("clip",), "clip to the quantized bounds, same scale"),
     AtenOp("aten.hardtanh.default", ("clip",), "clip to the quantized bounds, same scale"),

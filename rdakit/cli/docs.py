@@ -9,6 +9,7 @@ import pathlib
 import re
 
 from rdakit.boards.build import BOARDS, board_preset
+from rdakit.compiler.frontend.aten import ATEN_OPS
 from rdakit.hdl.memory.unit import CHECK_ORDER, TIMING
 from rdakit.hdl.spec.bitstream import LOAD_STATUS_DOC, LoadStatus
 from rdakit.hdl.spec.frames import (
@@ -112,6 +113,14 @@ def _load_status():
     return "\n".join(lines)
 
 
+def _aten_ops():
+    lines = ["| aten op | IR op(s) | how |", "|---|---|---|"]
+    for name, op in ATEN_OPS.items():
+        ir = ", ".join(f"`{k}`" for k in op.ir) or "-"
+        lines.append(f"| `{name}` | {'(view) ' if op.layout else ''}{ir} | {op.note} |")
+    return "\n".join(lines)
+
+
 #: file name in docs/ -> section name -> function returning the Markdown.
 SECTIONS = {
     "memory-unit.md": {"ops": _mu_ops, "packets": _mu_packets, "checks": _mu_checks,
@@ -120,6 +129,7 @@ SECTIONS = {
     "verification.md": {"properties": _properties},
     "boards.md": {"frames": _frames},
     "bitstream.md": {"load-status": _load_status},
+    "import.md": {"aten-ops": _aten_ops},
 }
 
 
