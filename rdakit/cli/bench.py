@@ -27,10 +27,11 @@ from rdakit.cli.options import (
     parse_grid,
     system_from_args,
 )
-from rdakit.cli.outputs import add_output, image_suffixes
+from rdakit.cli.outputs import add_input, add_output, image_suffixes
 from rdakit.cli.progress import progress_bar
 from rdakit.compiler.partition import DEFAULT_STRATEGY, STRATEGIES
 from rdakit.compiler.partition.clusters import LinkModel
+from rdakit.compiler.partition.wgraph import load as load_graph
 from rdakit.compiler.workloads import WORKLOADS
 from rdakit.errors import UserError
 from rdakit.hdl.cluster.system import System
@@ -224,8 +225,23 @@ def _bench_clusters(args):
 
 # --- partition and calibrate ------------------------------------------------------------------
 
+def _check_partition(args):
+    """``--units`` as unit counts, and ``--graph`` read and checked before any work (a bad
+    file is a GraphFileError naming it: exit 2)."""
+    try:
+        units = tuple(int(u) for u in args.units.split(","))
+    except ValueError:
+        units = ()
+    if not units or any(not 1 <= u <= partition.MAX_UNITS for u in units):
+        raise UserError(f"--units must be unit counts from 1 to {partition.MAX_UNITS} "
+                        f"separated by commas, not {args.units!r}")
+    args.unit_counts = units
+    args.user_graph = load_graph(args.graph) if args.graph is not None else None
+
+
 def _bench_partition(args):
-    partition.run(quick=args.quick, json_path=args.json, seed=args.seed)
+    partition.run(quick=args.quick, json_path=args.json, seed=args.seed, graph=args.user_graph,
+                  units=args.unit_counts)
     return 0
 
 
@@ -457,12 +473,21 @@ def register(commands):
 
     p = sub.add_parser(
         "partition", help="partitioners: cut, balance, time and makespan",
-        description="Every partitioner (multilevel KL/FM, cost-based greedy, DQN, HEFT, "
-                    "round-robin, static, METIS, Mt-KaHyPar) on workloads, random layered "
-                    "DAGs and 2-D grids: cut, imbalance, seconds and estimated makespan.")
+        description="Every partitioner (auto, multilevel KL/FM, cost-based greedy, DQN, HEFT, "
+                    "round-robin, static, METIS, Mt-KaHyPar) on workloads, transformer-shaped "
+                    "graphs, random layered DAGs and 2-D grids, or on your graph (--graph): "
+                    "cut, balance, pipeline bottleneck, busiest link, seconds and estimated "
+                    "makespan.")
     p.add_argument("--quick", action="store_true", help="small graphs only (smoke test)")
+    p.add_argument("--graph", metavar="FILE",
+                   help="a JSON node-link graph of your own (work per node in cycles, bytes "
+                        "per edge; docs/compiler.md): every partitioner on it alone")
+    add_input(p, "graph", "--graph")
+    p.add_argument("--units", default=",".join(map(str, partition.USER_UNITS)), metavar="LIST",
+                   help="unit counts for --graph (default: %(default)s)")
     add_output(p, "--json", metavar="FILE", help="also write the figures to FILE")
     add_number(p, "--seed", low=0, default=0, help="seed of the DQN training")
+    add_check(p, _check_partition)
     p.set_defaults(func=_bench_partition)
 
     p = sub.add_parser(

@@ -15,7 +15,12 @@ Two tables and a few headline figures (through :class:`rdakit.sim.bench.report.R
 Figures: ``dqn_train_seconds``, ``dqn_train_episodes``; ``grid_100k_k64_multilevel_seconds``
 and ``_cut`` with ``grid_100k_k64_metis_cut`` (full run only); ``multilevel_vs_metis_geomean``
 (geometric mean of the multilevel/METIS cut ratio over the graphs where both meet the balance
-tolerance) and ``multilevel_within_5pct_of_metis`` (how many of those graphs).
+tolerance) and ``multilevel_within_5pct_of_metis`` (how many of those graphs);
+``auto_vs_mtkahypar_worst`` and ``auto_within_5pct_of_mtkahypar`` (the default ``auto`` against
+Mt-KaHyPar where both meet the balance rule).
+
+With ``graph`` (``--graph FILE``), a user's graph alone, into each of ``units``
+(``--units``), the shipped DQN agent instead of one trained for the run.
 """
 
 import math
@@ -100,8 +105,20 @@ def _strategy(name, cost, agent):
     return get_strategy(name)
 
 
-def run(*, quick=False, json_path=None, console=None, seed=0):
+#: Unit counts a user's graph (``--graph``) is partitioned into by default.
+USER_UNITS = (4, 16, 64)
+#: Most units ``--units`` takes (Mt-KaHyPar and the partition's measures are per unit pair).
+MAX_UNITS = 1024
+
+
+def run(*, quick=False, json_path=None, console=None, seed=0, graph=None, units=USER_UNITS):
     """Run the benchmark; print the tables and write ``json_path`` if given.
+
+    Parameters
+    ----------
+    graph : WeightedGraph, optional
+        A user's graph (:func:`~rdakit.compiler.partition.wgraph.load`): every partitioner on
+        it alone, into each of ``units``, with the shipped DQN agent (no training).
 
     Returns
     -------
@@ -109,15 +126,20 @@ def run(*, quick=False, json_path=None, console=None, seed=0):
     """
     report = Report("partition", console=console)
     cost = CostModel()
-    episodes = 60 if quick else 800
-    t0 = time.perf_counter()
-    agent = dqn.train(episodes=episodes, seed=seed, cost=cost)
-    report.figure("dqn_train_seconds", round(time.perf_counter() - t0, 2))
-    report.figure("dqn_train_episodes", episodes)
+    if graph is None:
+        episodes = 60 if quick else 800
+        t0 = time.perf_counter()
+        agent = dqn.train(episodes=episodes, seed=seed, cost=cost)
+        report.figure("dqn_train_seconds", round(time.perf_counter() - t0, 2))
+        report.figure("dqn_train_episodes", episodes)
+        cases = graphs(quick, cost)
+    else:
+        agent = dqn.DQNAgent.load(dqn.DEFAULT_WEIGHTS)
+        cases = [("user", graph, int(k)) for k in units]
     skip = mtkahypar_available()
     names = [p for p in PARTITIONERS if not (p == "mtkahypar" and skip)]
-    rows, span_rows, ratios = [], [], []
-    for family, g, k in graphs(quick, cost):
+    rows, span_rows, ratios, vs_kahypar = [], [], [], []
+    for family, g, k in cases:
         targets = Targets(k)
         results, refused = {}, {}
         for name in names:
@@ -147,6 +169,10 @@ def run(*, quick=False, json_path=None, console=None, seed=0):
         ml, me = results["multilevel"], results["metis"]
         if ml.imbalance <= EPS + 1e-9 and me.imbalance <= EPS + 1e-9 and me.cut > 0:
             ratios.append(ml.cut / me.cut)
+        mk, auto = results.get("mtkahypar"), results["auto"]
+        if mk is not None and mk.cut > 0 and all(within_limits(g, targets, r.parts, EPS)
+                                                 for r in (mk, auto)):
+            vs_kahypar.append(auto.cut / mk.cut)
         if family == "workload" and "dqn" in results:
             row = {"graph": g.name, "k": k, "lower_bound": round(ml.lower_bound)}
             for name in ("dqn", "greedy", "heft", "round_robin", "static", "multilevel",
@@ -161,11 +187,18 @@ def run(*, quick=False, json_path=None, console=None, seed=0):
             report.figure("grid_100k_k64_metis_cut", me.cut)
     columns = ["graph", "k", "nodes", "partitioner", "cut", "ref_cut", "vs_metis", "imbalance",
                "balanced", "bottleneck", "busiest_link", "empty", "seconds", "makespan",
-               "lower_bound", "acyclic", "warnings", "refused"]
+               "lower_bound", "acyclic"]
+    # Warnings and refusals are long: under the table (and in every row of the JSON).
+    said = {}
+    for r in rows:
+        for text in filter(None, [r.get("warnings"), r.get("refused")]):
+            said.setdefault(text, []).append(f"{r['graph']} k={r['k']} {r['partitioner']}")
     notes = (f"balance tolerance {EPS} for auto, multilevel, METIS and Mt-KaHyPar (balanced: "
              f"within the balance rule's limits); the schedulers "
              f"(greedy, dqn, heft) and baselines do not target balance"
-             + (f"; Mt-KaHyPar skipped: {skip}" if skip else ""))
+             + (f"; Mt-KaHyPar skipped: {skip}" if skip else "")
+             + "".join(f"\n{', '.join(where[:4])}{' ...' if len(where) > 4 else ''}: {text}"
+                       for text, where in said.items()))
     report.table("partition: cut, balance and time", rows, key="partition", columns=columns,
                  notes=notes)
     report.table("makespan on workloads (cycles, cost model)", span_rows, key="makespan",
@@ -175,5 +208,9 @@ def run(*, quick=False, json_path=None, console=None, seed=0):
                       round(math.exp(float(np.mean(np.log(ratios)))), 4))
         report.figure("multilevel_within_5pct_of_metis",
                       f"{sum(r <= 1.05 for r in ratios)}/{len(ratios)}")
+    if vs_kahypar:
+        report.figure("auto_vs_mtkahypar_worst", round(max(vs_kahypar), 4))
+        report.figure("auto_within_5pct_of_mtkahypar",
+                      f"{sum(r <= 1.05 for r in vs_kahypar)}/{len(vs_kahypar)}")
     report.finish(json_path)
     return report

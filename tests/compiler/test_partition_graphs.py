@@ -211,3 +211,43 @@ def test_hostile_graph_files_give_a_graph_or_a_graph_file_error(tmp_path_factory
         assert str(e).startswith(f"Graph file {str(path)!r}")
     else:
         assert g.n >= 1
+
+
+# --- rdakit bench partition --graph --------------------------------------------------------------
+
+def test_bench_partition_on_a_users_graph(tmp_path, capsys):
+    from rdakit.cli import main
+
+    g = nx.DiGraph()
+    g.add_nodes_from([(f"n{i}", {"work": 10 + i}) for i in range(12)])
+    g.add_edges_from((f"n{i}", f"n{i + 1}", {"bytes": 100}) for i in range(11))
+    path = write(tmp_path, nx.node_link_data(g, edges="edges"))
+    out = tmp_path / "out.json"
+    assert main(["bench", "partition", "--graph", str(path), "--units", "2,32",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["tables"]["partition"]
+    assert {(r["k"], r["partitioner"]) for r in rows} >= {(2, "auto"), (2, "dqn"), (32, "dqn")}
+    dqn32 = next(r for r in rows if r["k"] == 32 and r["partitioner"] == "dqn")
+    assert dqn32["refused"].startswith("The DQN agent was trained on 2, 4, 8, 16 units")
+    auto2 = next(r for r in rows if r["k"] == 2 and r["partitioner"] == "auto")
+    assert auto2["balanced"] and auto2["cut"] == 100
+    assert "does not generalise to 32" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--graph", "{bad}"], "rdakit: error: Graph file '{bad}' is not JSON"),
+    (["--graph", "{missing}"],
+     "rdakit: error: Graph file '{missing}' cannot be read: No such file"),
+    (["--units", "4,x"], "rdakit: error: --units must be unit counts from 1 to 1024 separated "
+                         "by commas, not '4,x'"),
+    (["--units", "0"], "rdakit: error: --units must be unit counts from 1 to 1024"),
+])
+def test_bench_partition_refuses_bad_input_with_exit_2(tmp_path, capsys, args, message):
+    from rdakit.cli import main
+
+    bad = write(tmp_path, "{")
+    names = {"bad": str(bad), "missing": str(tmp_path / "none.json")}
+    args = [a.format(**names) for a in args]
+    assert main(["bench", "partition", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message.format(**names)) and "Traceback" not in err
