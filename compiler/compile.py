@@ -64,6 +64,9 @@ class CompileSummary:
     unused : tuple of str
         Nodes no output reads (in graph order): they are left out of the programs (an unread
         input gets no buffer), and :meth:`lines` says so.
+    partition_warnings : tuple of str
+        What the partitioner's backend said (:attr:`PartitionResult.warnings`), printed as
+        warnings.
     """
 
     graph: str
@@ -77,6 +80,7 @@ class CompileSummary:
     instructions: dict
     mu_buffers: dict
     unused: tuple = ()
+    partition_warnings: tuple = ()
 
     def lines(self):
         """The summary as text lines."""
@@ -96,12 +100,13 @@ class CompileSummary:
     def warnings(self):
         """The lines of the summary that warn (``warning: ...``): what a command prints even
         when it prints nothing else of the summary."""
+        out = [f"warning: partitioner {self.partitioner}: {w}" for w in self.partition_warnings]
         if not self.unused:
-            return []
+            return out
         shown = ", ".join(repr(n) for n in self.unused[:8])
         more = f" and {len(self.unused) - 8} more" if len(self.unused) > 8 else ""
-        return [f"warning: {len(self.unused)} nodes read by no output are left out: "
-                f"{shown}{more}"]
+        return out + [f"warning: {len(self.unused)} nodes read by no output are left out: "
+                      f"{shown}{more}"]
 
 
 def unused(graph):
@@ -240,7 +245,7 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
         instructions={cu: p.instructions for cu, p in job.programs.items()},
         mu_buffers={mu: (u["host_buffers"], u["bound_words"], u["bound_slots"])
                     for mu, u in job.mu_usage.items()},
-        unused=unused(graph))
+        unused=unused(graph), partition_warnings=result.warnings)
     job.workload = wl
     return job, summary
 

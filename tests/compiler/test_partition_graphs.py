@@ -251,3 +251,13 @@ def test_bench_partition_refuses_bad_input_with_exit_2(tmp_path, capsys, args, m
     assert main(["bench", "partition", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith(message.format(**names)) and "Traceback" not in err
+
+
+def test_compile_prints_the_partitioners_warnings(tmp_path, capsys):
+    from rdakit.cli import main
+
+    # The MLP on the 8 CUs of a 4x4 fabric: METIS cannot bisect some parts and says so.
+    assert main(["compile", "mlp", "--fabric", "4x4", "--partitioner", "metis",
+                 "--place-steps", "0", "-o", str(tmp_path / "mlp.bit")]) == 0
+    assert ("warning: partitioner metis: METIS said: Cannot bisect a graph with 0 vertices!"
+            in capsys.readouterr().out)
