@@ -339,11 +339,14 @@ class Lowerer:
             return [self._mask_row(self.tensors[op.out].layout.cols)]
         if op.kind == "ew" and self.ew_needs_mask(op):
             return [self._mask_row(self.tensors[op.out].layout.cols)]
-        if op.kind == "reduce" and op.attrs["op"] == "max" and op.attrs["axis"] == "row":
+        if (op.kind == "reduce" and op.attrs["op"] == "max" and op.attrs["axis"] == "row") or (
+                op.kind == "softmax" and "causal" not in op.attrs):
             lay = self.tensors[op.ins[0]].layout
             row = np.full(lay.cw * lanes, INT_MAX, dtype=np.int64)
             row[lay.cols:] = -(1 << 31)
             return [(f"lrow{lay.cols}", row.reshape(-1, lanes))]
+        if op.kind == "exp" and self.tensors[op.out].layout.cols % lanes:
+            return [self._mask_row(self.tensors[op.out].layout.cols)]
         return []
 
     def _mask_row(self, cols):

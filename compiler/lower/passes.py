@@ -39,7 +39,8 @@ __all__ = ["LOWERABLE_KINDS", "LoweringPass", "Legalize", "FuseElementwise", "Pl
 LOWERABLE_KINDS = frozenset({
     "input", "const", "output", "matmul", "add", "sub", "mul", "max", "min", "relu", "shr",
     "shl", "clip", "transpose", "reduce_sum", "reduce_max", "slice", "concat", "append", "topk",
-    "take", "dispatch", "combine",
+    "take", "dispatch", "combine", "exp", "softmax", "gelu", "silu", "layer_norm", "rms_norm",
+    "embedding",
 })
 
 _BINARY = {"add": AluFn.ADD, "sub": AluFn.SUB, "mul": AluFn.MUL, "max": AluFn.MAX,
@@ -261,6 +262,23 @@ class Legalize(LoweringPass):
 
     def _combine(self, plan, n, kind, ins, lay, attrs):
         plan.add_op(n, "combine", ins, lay, n, plan.cu_of(n), shift=int(attrs["shift"]))
+
+    def _intop(self, plan, n, kind, ins, lay, attrs):
+        """The integer non-linear ops (rdakit.compiler.intops): one op each, with the graph's
+        attributes and the input's dtype (which clips can be left out)."""
+        cu = plan.cu_of(n)
+        ins = list(ins)
+        if kind == "softmax" and attrs.get("causal") is not None:
+            # Column positions, INT_MAX on padding lanes: a row's causal mask is built from it.
+            lx = plan.layout(ins[0])
+            pos = np.full(lx.cw * plan.lanes, INT_MAX, dtype=np.int64)
+            pos[:lx.cols] = np.arange(lx.cols)
+            ins.append(plan.const(f"softmax/pos{lx.cols}", pos.reshape(1, -1),
+                                  plan.nearest_mus(cu)[0]))
+        plan.add_op(n, kind, ins, lay, n, cu, dtype=plan.g.type_of(ins[0]).dtype,
+                    **{k: v for k, v in attrs.items() if v is not None})
+
+    _exp = _softmax = _gelu = _silu = _layer_norm = _rms_norm = _embedding = _intop
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,9 +8,15 @@ emits its code on ``cu.asm``. Registers r0..r7 (:mod:`rdakit.compiler.lower.regi
 its temporaries; ``docs/compiler.md`` describes each template.
 """
 
-from rdakit.compiler.lower.layout import INT_MIN
+import math
+
+import numpy as np
+
+from rdakit.compiler import intops
+from rdakit.compiler.lower.layout import INT_MIN, MASK32
 from rdakit.compiler.lower.registers import (
     COUNT,
+    R0,
     R1,
     R2,
     R3,
@@ -601,3 +607,391 @@ def combine(lw, g, op):
     if local_sum:
         asm.stream(AluFn.ADD, a=out, a_base=0, n=lo.words, b_mode=BMode.LOCAL, b_val=0,
                    b_stride=1, d_mode=DMode.WRITE, d_ref=out, d_base=0, d_stride=1)
+
+
+# The integer non-linear ops (rdakit.compiler.intops): each is a sequence of stream passes over
+# a stretch of the output (its first pass reads the input and appends), with per-lane operands
+# kept in the op's slots of the local buffer and per-row scalars (a row's maximum, sum,
+# reciprocal, mean, square root) computed by short scalar loops: the ALU has no divide and no
+# square root. Each reproduces its reference in intops bit for bit.
+
+class Local(int):
+    """A word offset in the local buffer, as a pass's second operand or destination."""
+
+
+class Passes:
+    """Stream passes over ``n`` words of the output at word ``base`` (an int or a register):
+    ``run(fn, b=..., dst=...)`` is one pass ``post(fn(a, b) >> shift)`` reading ``a`` from the
+    output (or ``src = (ref, base)``) and writing it back (``dst`` None), appending it
+    (``"append"``), into the local buffer (a :class:`Local`) or reducing it into a register
+    (``("sum", r)``, ``("max", r)``); ``b`` is None (zero), an immediate, a register (a scalar
+    in every lane) or a :class:`Local` (a vector of ``n`` words)."""
+
+    def __init__(self, asm, out, base, n):
+        self.asm, self.out, self.base, self.n = asm, out, base, n
+
+    def run(self, fn, b=None, dst=None, *, src=None, shift=0, relu=False):
+        a, a_base = src if src is not None else (self.out, self.base)
+        kw = dict(a=a, a_base=a_base, n=self.n, shift=shift, relu=relu)
+        if isinstance(b, Local):
+            kw.update(b_mode=BMode.LOCAL, b_val=int(b), b_stride=1)
+        elif b is not None:
+            kw.update(b_mode=BMode.SCALAR, b_val=b if isinstance(b, Reg) else int(b) & MASK32)
+        if dst is None:
+            kw.update(d_mode=DMode.WRITE, d_ref=self.out, d_base=self.base)
+        elif dst == "append":
+            kw.update(d_mode=DMode.APPEND, d_ref=self.out)
+        elif isinstance(dst, Local):
+            kw.update(d_mode=DMode.LOCAL, d_base=int(dst))
+        else:
+            mode, rd = dst
+            kw.update(d_mode=DMode.SUM if mode == "sum" else DMode.MAX, rd=rd)
+        self.asm.stream(fn, **kw)
+
+    def chain(self, src, stages):
+        """The stages ``(fn, b, shift)`` of a pass chain: the first reads ``src`` and appends,
+        the others rewrite the output; with no stage, a copy."""
+        stages = stages or [(AluFn.PASS, None, 0)]
+        for i, (fn, b, shift) in enumerate(stages):
+            if i == 0:
+                self.run(fn, b, "append", src=src, shift=shift)
+            else:
+                self.run(fn, b, shift=shift)
+
+
+def clip_stages(dtype, lo, hi):
+    """MAX/MIN stages saturating a ``dtype`` tensor to ``[lo, hi]`` (none where its range is
+    inside already)."""
+    info = np.iinfo(dtype)
+    return ([(AluFn.MAX, lo, 0)] if info.min < lo else []) + (
+        [(AluFn.MIN, hi, 0)] if info.max > hi else [])
+
+
+def div_loop(asm, rem, ds, q, bit, qbits):
+    """``q = rem // d`` for a quotient below ``2**qbits``, by restoring division: ``ds`` holds
+    ``d`` and must be able to hold ``d << (qbits - 1)`` (``rem`` and ``ds`` are clobbered)."""
+    asm.alui(AluFn.SHL, ds, ds, qbits - 1)
+    asm.li(bit, 1 << (qbits - 1))
+    asm.li(q, 0)
+
+    def body(head):
+        skip = asm.label()
+        asm.branch(Op.BLT, skip, ra=rem, rb=ds)
+        asm.alu(AluFn.SUB, rem, rem, ds)
+        asm.alu(AluFn.OR, q, q, bit)
+        asm.place(skip)
+        asm.alui(AluFn.SHRU, ds, ds, 1)
+        asm.alui(AluFn.SHRU, bit, bit, 1)
+        asm.branch(Op.BNZ, head, ra=bit)
+    asm.loop(body)
+
+
+def elementwise(lw, g, op, slots, first, rest, after=None):
+    """An elementwise op over the whole tensor in chunks of words: ``first`` stages read the
+    input and append, ``rest(p, slot)`` emits the later passes (``slot(k)`` is the k-th local
+    slot of the chunk's size), ``after(n)`` (``n`` the words, an int or R2) what follows the
+    whole tensor; nothing runs for an empty dynamic input."""
+    (x,) = op.ins[:1]
+    asm, out = g.asm, g.out
+    rx, bx = lw.ref(g, x)
+    n = words_of(lw, g, x, rx, R2)
+    if n == 0:
+        return
+    lw.need_local(g, op, slots)
+    chunk = g.local_top // slots
+    end = asm.label()
+    if isinstance(n, Reg):
+        asm.branch(Op.BZ, end, ra=R2)
+
+    def slot(k):
+        return Local(k * chunk)
+
+    if not isinstance(n, Reg) and n <= chunk:
+        p = Passes(asm, out, 0, n)
+        p.chain((rx, bx), first)
+        rest(p, lambda k: Local(k * n))
+    else:
+        if not isinstance(n, Reg):
+            asm.li(R2, n)
+        asm.li(R1, 0)
+
+        def body(head):
+            asm.alu(AluFn.SUB, R3, R2, R1)
+            asm.alui(AluFn.MIN, R3, R3, chunk)
+            asm.alui(AluFn.ADD, R4, R1, bx)
+            p = Passes(asm, out, R1, R3)
+            p.chain((rx, R4), first)
+            rest(p, slot)
+            asm.alu(AluFn.ADD, R1, R1, R3)
+            asm.branch(Op.BLT, head, ra=R1, rb=R2)
+        asm.loop(body)
+    if after is not None:
+        after(n)
+    asm.place(end)
+
+
+def iexp_passes(p, slot, extra_shift=0):
+    """i-exp of ``u`` (the output holds it): ``z = u >> E`` into ``slot(0)``, ``r = u & (2**E -
+    1)``, ``r * (r - 2 q_b) + q_b^2 + q_c`` (= ``(r - q_b)^2 + q_c``), then ``>> z`` (and
+    ``>> extra_shift``)."""
+    qb, qc, _, _ = intops.exp_consts()
+    p.run(AluFn.PASS, dst=slot(0), shift=intops.EXP_BITS)
+    p.run(AluFn.AND, (1 << intops.EXP_BITS) - 1)
+    p.run(AluFn.SUB, 2 * qb, slot(1))
+    p.run(AluFn.MUL, slot(1))
+    p.run(AluFn.ADD, qb * qb + qc)
+    p.run(AluFn.SHR, slot(0), shift=extra_shift)
+
+
+@template("exp")
+def exp(lw, g, op):
+    """``u = (clip(x, -clip, 0) * -mult) >> shift``, then i-exp (:func:`iexp_passes`); padding
+    lanes masked at the end."""
+    a = op.attrs
+    first = clip_stages(op.attrs["dtype"], -a["clip"], 0) + [
+        (AluFn.MUL, -a["mult"], a["shift"])]
+    lo = lw.tensors[op.out].layout
+
+    def mask(n):
+        rows = lo.rows if not isinstance(n, Reg) else rows_of(g, R2, lo.cw, R3, R4)
+        g.asm.stream(AluFn.AND, a=g.out, a_base=0, n=lo.cw, outer=rows, a_ostride=lo.cw,
+                     b_mode=BMode.LOCAL, b_val=g.local[f"mask{lo.cols}"], b_stride=1,
+                     b_ostride=0, d_mode=DMode.WRITE, d_ref=g.out, d_base=0, d_stride=1)
+    elementwise(lw, g, op, 2, first, iexp_passes, mask if lo.cols % lw.lanes else None)
+
+
+def act(kind):
+    @template(kind)
+    def lower_act(lw, g, op):
+        """``t`` (rounded requantization), then ``t * q + |t| * ((q_half - v^2) >> 14)`` with
+        ``v = relu(q_c - |t|)``: slots hold ``t`` (then ``-v``), ``t * q`` and ``|t|``."""
+        a = op.attrs
+        q_c, q_half, q, _ = intops.act_consts(kind)
+        h = (1 << a["shift"]) >> 1
+        first = clip_stages(a["dtype"], -a["clip"], a["clip"])
+        first += ([(AluFn.MUL, a["mult"], 0), (AluFn.ADD, h, a["shift"])] if h
+                  else [(AluFn.MUL, a["mult"], a["shift"])])
+
+        def rest(p, slot):
+            p.run(AluFn.PASS, dst=slot(0))                     # t
+            p.run(AluFn.MUL, q, slot(1))                       # t * q
+            p.run(AluFn.MUL, -1)                               # -t
+            p.run(AluFn.MAX, slot(0), slot(2))                 # |t|
+            p.run(AluFn.MIN, slot(0))                          # -|t|
+            p.run(AluFn.ADD, q_c, relu=True)                   # v
+            p.run(AluFn.MUL, -1, slot(0))                      # -v
+            p.run(AluFn.MUL, slot(0))                          # -v^2
+            p.run(AluFn.ADD, q_half, shift=intops.ACT_G_SHIFT)  # G
+            p.run(AluFn.MUL, slot(2))                          # |t| G
+            p.run(AluFn.ADD, slot(1))                          # + t q
+        elementwise(lw, g, op, 3, first, rest)
+    return lower_act
+
+
+act("gelu")
+act("silu")
+
+
+@template("softmax")
+def softmax(lw, g, op):
+    """Per row: the maximum of the kept lanes (a MAX stream of ``min(x, L)``, ``L`` INT_MAX on
+    kept lanes and INT_MIN on masked and padding lanes: a constant row, or built from the
+    column positions for a causal row), ``u`` from ``max(min(x - m, L), -clip)``, i-exp shifted
+    by the row's sum shift, a SUM stream, ``f = 2**30 // sum`` by a scalar loop (one bit a
+    step), then ``min((e * f + 2**(29 - B)) >> (30 - B), 2**B - 1)``."""
+    x = op.ins[0]
+    a = op.attrs
+    lx = lw.tensors[x].layout
+    rx, bx = lw.ref(g, x)
+    asm, out = g.asm, g.out
+    cw, bits = lx.cw, a["out_bits"]
+    causal = "causal" in a
+    lw.need_local(g, op, 3 * cw)
+    if causal:
+        rp, bp = lw.ref(g, op.ins[1])
+        mask = Local(2 * cw)
+    else:
+        mask = Local(g.local[f"lrow{lx.cols}"])
+    wide = a["dtype"] == "int32"
+    shift_sum = intops.softmax_sum_shift(lx.cols)
+
+    def slot(k):
+        return Local(k * cw)
+
+    def body():
+        p = Passes(asm, out, R3, cw)
+        appended = False
+        if causal:
+            # -1 on kept lanes (position - (i + k + 1) < 0), 0 elsewhere; XOR INT_MIN: L.
+            p.run(AluFn.SUB, R4, "append", src=(rp, bp), shift=31)
+            p.run(AluFn.XOR, INT_MIN, mask)
+            appended = True
+        src = (rx, R1)
+        if wide:
+            stages = [(AluFn.MAX, -(1 << 30), 0), (AluFn.MIN, (1 << 30) - 1, 0)]
+            if appended:
+                p.run(stages[0][0], stages[0][1], src=src)
+                p.run(stages[1][0], stages[1][1])
+            else:
+                p.chain(src, stages)
+                appended = True
+            src = None
+        p.run(AluFn.MIN, mask, ("max", R5), src=src)
+        p.run(AluFn.SUB, R5, None if appended else "append", src=src)
+        p.run(AluFn.MIN, mask)
+        p.run(AluFn.MAX, -a["clip"])
+        p.run(AluFn.MUL, -a["mult"], shift=a["shift"])
+        iexp_passes(p, slot, shift_sum)
+        p.run(AluFn.PASS, dst=("sum", R5))
+        # f = 2**30 // sum: the remainder starts at bit 30 of the numerator (its only one).
+        asm.li(R6, 1)
+        asm.li(R7, 0)
+        asm.li(R0, 1 << intops.RECIP_BITS)
+
+        def div(head):
+            skip = asm.label()
+            asm.branch(Op.BLT, skip, ra=R6, rb=R5)
+            asm.alu(AluFn.SUB, R6, R6, R5)
+            asm.alu(AluFn.OR, R7, R7, R0)
+            asm.place(skip)
+            asm.alui(AluFn.SHL, R6, R6, 1)
+            asm.alui(AluFn.SHRU, R0, R0, 1)
+            asm.branch(Op.BNZ, head, ra=R0)
+        asm.loop(div)
+        p.run(AluFn.MUL, R7)
+        p.run(AluFn.ADD, 1 << (intops.RECIP_BITS - 1 - bits), shift=intops.RECIP_BITS - bits)
+        p.run(AluFn.MIN, (1 << bits) - 1)
+
+    offsets = [(R1, bx, cw), (R3, 0, cw)] + ([(R4, a["causal"] + 1, 1)] if causal else [])
+    row_loop(lw, g, x, rx, offsets, body)
+
+
+def norm(kind):
+    @template(kind)
+    def lower_norm(lw, g, op):
+        """Per row: ``x'`` (shifted, saturated), for layer_norm the mean (a SUM stream, a
+        division loop) and ``d = x' - mu``; ``Q``, a SUM stream of ``(d * d) >> v`` (for
+        layer_norm less what the padding lanes, which hold ``-mu``, added); ``T`` brought to
+        [2**28, 2**30) by a branch-free loop, its square root (one bit a step), ``R = N_C //
+        root`` (a division loop); then ``z = clip((d * R) >> (29 - frac - e))`` (SHIFT from a
+        register), ``z * w`` (+ ``b``), the weight and bias rows staged in the local buffer."""
+        x, w = op.ins[:2]
+        a = op.attrs
+        lx = lw.tensors[x].layout
+        rx, bx = lw.ref(g, x)
+        asm, out = g.asm, g.out
+        cw, c = lx.cw, lx.cols
+        lo, hi, v, n_c = intops.norm_consts(kind, c)
+        frac, eps = a["frac"], a.get("eps", 0)
+        zm = (math.isqrt(c - 1) + 1) << frac
+        layer = kind == "layer_norm"
+        lw.need_local(g, op, (4 if layer else 3) * cw)
+        d_slot, w_slot, b_slot = Local(0), Local(cw), Local(2 * cw)
+        for name, at in zip(op.ins[1:], (w_slot, b_slot), strict=False):
+            r, base = lw.ref(g, name)
+            asm.stream(AluFn.PASS, a=r, a_base=base, n=cw, d_mode=DMode.LOCAL, d_base=int(at))
+        shift = a["shift"]
+        if shift >= 0:
+            first = [(AluFn.PASS, None, shift)] + clip_stages_after(a["dtype"], shift, lo, hi)
+        else:
+            k = -shift
+            first = clip_stages(a["dtype"], lo >> k, hi >> k) + [(AluFn.MUL, 1 << k, 0)]
+
+        def body():
+            p = Passes(asm, out, R3, cw)
+            p.chain((rx, R1), first)
+            if layer:
+                p.run(AluFn.PASS, dst=("sum", R5))
+                asm.alui(AluFn.ADD, R5, R5, c << intops.NORM_BITS)
+                asm.li(R4, c)
+                div_loop(asm, R5, R4, R6, R7, intops.NORM_BITS + 1)
+                asm.alui(AluFn.SUB, R6, R6, 1 << intops.NORM_BITS)       # mu
+                p.run(AluFn.SUB, R6)                                        # d
+                asm.alu(AluFn.MUL, R4, R6, R6)
+                asm.alui(AluFn.SHR, R4, R4, v)
+                asm.alui(AluFn.MUL, R4, R4, cw * lw.lanes - c)              # padding's share
+            p.run(AluFn.PASS, dst=d_slot)
+            p.run(AluFn.MUL, d_slot, ("sum", R5), shift=v)
+            if layer:
+                asm.alu(AluFn.SUB, R5, R5, R4)
+            asm.alui(AluFn.MIN, R5, R5, intops.INT32_MAX - eps)
+            asm.alui(AluFn.ADD, R5, R5, eps)
+            asm.alui(AluFn.MAX, R5, R5, 1)                                  # T
+            # (T, e) to [2**28, 2**30): one step down if T >= 2**30, up to 14 steps up.
+            asm.alui(AluFn.SLT, R0, R5, intops.NORM_HI)
+            asm.alui(AluFn.XOR, R6, R0, 1)
+            asm.alui(AluFn.SHL, R0, R6, 1)
+            asm.alu(AluFn.SHR, R5, R5, R0)
+            asm.alui(AluFn.MUL, R6, R6, -1)                                 # e
+            asm.li(R7, 14)
+
+            def up(head):
+                asm.alui(AluFn.SLT, R0, R5, intops.NORM_LO)
+                asm.alu(AluFn.ADD, R6, R6, R0)
+                asm.alui(AluFn.SHL, R0, R0, 1)
+                asm.alu(AluFn.SHL, R5, R5, R0)
+                asm.branch(Op.LOOP, head, ra=R7)
+            asm.loop(up)
+            # Square root: one bit a step, from bit 14.
+            asm.li(R4, 0)
+            asm.li(R7, 1 << (intops.NORM_BITS))
+
+            def root(head):
+                skip = asm.label()
+                asm.alu(AluFn.OR, R0, R4, R7)
+                asm.alu(AluFn.MUL, R0, R0, R0)
+                asm.branch(Op.BLT, skip, ra=R5, rb=R0)
+                asm.alu(AluFn.OR, R4, R4, R7)
+                asm.place(skip)
+                asm.alui(AluFn.SHRU, R7, R7, 1)
+                asm.branch(Op.BNZ, head, ra=R7)
+            asm.loop(root)
+            asm.li(R5, n_c)
+            div_loop(asm, R5, R4, R7, R0, 16)                               # R
+            asm.li(R4, intops.NORM_ONE - frac)
+            asm.alu(AluFn.SUB, R4, R4, R6)                                  # the shift
+            p.run(AluFn.MUL, R7, shift=R4)
+            p.run(AluFn.MAX, -zm)
+            p.run(AluFn.MIN, zm)
+            p.run(AluFn.MUL, w_slot)
+            if layer:
+                p.run(AluFn.ADD, b_slot)
+        row_loop(lw, g, x, rx, [(R1, bx, cw), (R3, 0, cw)], body)
+    return lower_norm
+
+
+def clip_stages_after(dtype, shift, lo, hi):
+    """The saturation stages of a ``dtype`` tensor shifted right by ``shift``."""
+    info = np.iinfo(dtype)
+    return ([(AluFn.MAX, lo, 0)] if info.min >> shift < lo else []) + (
+        [(AluFn.MIN, hi, 0)] if info.max >> shift > hi else [])
+
+
+norm("layer_norm")
+norm("rms_norm")
+
+
+@template("embedding")
+def embedding(lw, g, op):
+    """The indices staged in the local buffer; per index: LGET it, clamp it to the table's
+    rows, and one stream appends that row of the table."""
+    table, idx = op.ins
+    lt, li = lw.tensors[table].layout, lw.tensors[idx].layout
+    rt, bt = lw.ref(g, table)
+    ri, bi = lw.ref(g, idx)
+    asm, out = g.asm, g.out
+    lw.need_local(g, op, li.words)
+    asm.stream(AluFn.PASS, a=ri, a_base=bi, n=li.words, d_mode=DMode.LOCAL, d_base=0)
+    asm.li(R1, 0)
+    asm.li(COUNT, li.rows * li.cols)
+
+    def body(head):
+        asm.emit(Op.LGET, rd=R5, rb=R1, imm=0)
+        asm.alui(AluFn.MAX, R5, R5, 0)
+        asm.alui(AluFn.MIN, R5, R5, lt.rows - 1)
+        asm.alui(AluFn.MUL, R5, R5, lt.cw)
+        asm.alui(AluFn.ADD, R5, R5, bt)
+        asm.stream(AluFn.PASS, a=rt, a_base=R5, n=lt.cw, d_mode=DMode.APPEND, d_ref=out)
+        asm.alui(AluFn.ADD, R1, R1, 1)
+        asm.branch(Op.LOOP, head, ra=COUNT)
+    asm.loop(body)

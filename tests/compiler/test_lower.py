@@ -539,15 +539,16 @@ def test_local_buffer_too_small():
 
 
 def test_unsupported_op_kind(monkeypatch):
-    spec = OpSpec("softmax", 1, lambda n, i, a: i[0], lambda a, attrs: a[0], lambda i, o, a: 0,
-                  False, "not lowerable")
-    monkeypatch.setitem(graph_module.OP_KINDS, "softmax", spec)
-    g = _graph("sm", lambda g: g.output("y", g.add("softmax", g.input("x", (2, 4)), name="s")))
+    spec = OpSpec("frobnicate", 1, lambda n, i, a: i[0], lambda a, attrs: a[0],
+                  lambda i, o, a: 0, False, "not lowerable")
+    monkeypatch.setitem(graph_module.OP_KINDS, "frobnicate", spec)
+    g = _graph("sm", lambda g: g.output("y", g.add("frobnicate", g.input("x", (2, 4)),
+                                                   name="s")))
     with pytest.raises(LoweringError, match=re.escape(
-            "Node 's' has op kind 'softmax', which the lowering does not support (it lowers "
-            "add, append, clip, combine, concat, const, dispatch, input, matmul, max, min, "
-            "mul, output, reduce_max, reduce_sum, relu, shl, shr, slice, sub, take, topk, "
-            "transpose)")):
+            "Node 's' has op kind 'frobnicate', which the lowering does not support (it lowers "
+            "add, append, clip, combine, concat, const, dispatch, embedding, exp, gelu, input, "
+            "layer_norm, matmul, max, min, mul, output, reduce_max, reduce_sum, relu, rms_norm, "
+            "shl, shr, silu, slice, softmax, sub, take, topk, transpose)")):
         compile_workload(g, params=P2, place_steps=10)
 
 
