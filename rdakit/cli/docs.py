@@ -10,6 +10,7 @@ import re
 
 from rdakit.boards.build import BOARDS, board_preset
 from rdakit.compiler.frontend.aten import ATEN_OPS
+from rdakit.compiler.graph import OP_KINDS
 from rdakit.hdl.memory.unit import CHECK_ORDER, TIMING
 from rdakit.hdl.spec.bitstream import LOAD_STATUS_DOC, LoadStatus
 from rdakit.hdl.spec.frames import (
@@ -107,6 +108,14 @@ def _frames():
     return "\n".join(lines)
 
 
+def _ir_ops():
+    lines = ["| kind | inputs | meaning |", "|---|---|---|"]
+    for kind, spec in OP_KINDS.items():
+        arity = spec.arity if spec.arity is not None else f">= {spec.min_inputs}"
+        lines.append(f"| `{kind}` | {arity} | {spec.doc} |")
+    return "\n".join(lines)
+
+
 def _load_status():
     lines = ["| status | code | meaning |", "|---|---|---|"]
     lines += [f"| `{st.name}` | {st.value} | {LOAD_STATUS_DOC[st]} |" for st in LoadStatus]
@@ -126,6 +135,7 @@ SECTIONS = {
     "memory-unit.md": {"ops": _mu_ops, "packets": _mu_packets, "checks": _mu_checks,
                        "timing": _mu_timing},
     "compute-unit.md": {"isa": _isa},
+    "compiler.md": {"ir": _ir_ops},
     "verification.md": {"properties": _properties},
     "boards.md": {"frames": _frames},
     "bitstream.md": {"load-status": _load_status},
