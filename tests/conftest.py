@@ -20,12 +20,16 @@ Helpers are plain functions, imported by name (``from conftest import wrap32``):
 this folder on ``sys.path`` to load this file (the tests are not a package).
 """
 
+import collections
 import pathlib
 
 import numpy as np
 import pytest
 from amaranth.back import verilog
 from amaranth.sim import Simulator
+
+from rdakit.hdl.fabric.top import Fabric
+from rdakit.sim.runtime.host import AmaranthTransport, HostDriver
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -175,6 +179,56 @@ def run_checked(dut, testbench):
     sim.add_clock(1e-6)
     sim.add_testbench(testbench)
     sim.run()
+
+
+class SharedFabric:
+    """One simulation of ``Fabric(params)`` shared by the tests of a module: :meth:`run` hands
+    it ``body(host)`` (a :class:`~rdakit.sim.runtime.host.HostDriver` whose transport gives up
+    after ``reply_cycles``) and steps the simulator until the body returns (raising what it
+    raised), failing the test if it has not after about ``cycles`` cycles (simulator steps: at
+    least two a cycle). ``cycles`` counts the clock cycles simulated so far."""
+
+    def __init__(self, params, *, reply_cycles):
+        self.fabric = Fabric(params)
+        self.sim = Simulator(self.fabric)
+        self.sim.add_clock(1e-9)
+        self.queue = collections.deque()
+        self.done = {}
+        self.cycles = 0
+
+        async def server(ctx):
+            host = HostDriver(params, AmaranthTransport(ctx, self.fabric,
+                                                        reply_cycles=reply_cycles))
+            while True:
+                if not self.queue:
+                    await ctx.tick()
+                    continue
+                key, body = self.queue.popleft()
+                try:
+                    self.done[key] = (True, await body(host))
+                except Exception as e:                        # handed to the test
+                    self.done[key] = (False, e)
+
+        async def clock(ctx):
+            async for _ in ctx.tick():
+                self.cycles += 1
+
+        self.sim.add_testbench(server, background=True)
+        self.sim.add_process(clock)
+
+    def run(self, body, *, cycles=20_000):
+        key = object()
+        self.queue.append((key, body))
+        for _ in range(2 * cycles):
+            if key in self.done:
+                break
+            self.sim.advance()
+        else:
+            pytest.fail(f"no result after {cycles} cycles: the host port is wedged")
+        ok, value = self.done.pop(key)
+        if not ok:
+            raise value
+        return value
 
 
 async def drive_mesh(ctx, net, n, queues, *, ready_p, rng, on_eject, limit, until=None):

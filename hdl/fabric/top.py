@@ -12,8 +12,9 @@ routed to the bridge tile, which hands them to the ``bridge_*`` ports and inject
 them.
 """
 
-from amaranth.hdl import Cat, Const, Module, Mux, Signal
+from amaranth.hdl import Cat, Const, Module, Mux, Shape, Signal
 from amaranth.lib import stream, wiring
+from amaranth.lib.fifo import SyncFIFOBuffered
 from amaranth.lib.wiring import In, Out
 
 from rdakit.hdl.compute.sequencer import _tile_mask
@@ -26,6 +27,7 @@ from rdakit.hdl.spec.bitstream import params_hash
 from rdakit.hdl.spec.config import MU_MAP, STATUS_BITS, TILE_COUNTERS, config_bus_signature
 from rdakit.hdl.spec.flit import flit_layout
 from rdakit.hdl.spec.packets import (
+    HOST_IN_FLIGHT,
     HostCmd,
     MsgKind,
     MUOp,
@@ -161,8 +163,11 @@ class Merge(wiring.Component):
 
 class HostPort(wiring.Component):
     """The host's way into the fabric: bitstream loading, MU requests, configuration reads,
-    start and status (``docs/fabric.md``). One command at a time: a command with a reply is
-    finished when its reply has been taken.
+    start and status (``docs/fabric.md``). MU requests are pipelined: up to
+    :data:`~rdakit.hdl.spec.packets.HOST_IN_FLIGHT` commands with a reply may be outstanding
+    (sent, their reply not yet taken); replies come in the order of the commands for requests to
+    one MU, and any command that is not an MU request waits for every request in flight, so its
+    reply comes after theirs.
 
     Every command with a reply gets it, whatever its fields. An MU request whose reference
     does not name an MU tile of the grid (a CU, or coordinates off the grid: the layout is a
@@ -226,11 +231,25 @@ class HostPort(wiring.Component):
         m.d.comb += self.configured.eq(loader.configured)
 
         cmd = self.cmd.payload
-        reply = Signal(host_reply_layout(p))
-        reply_valid = Signal()
-        m.d.comb += [self.reply.valid.eq(reply_valid), self.reply.payload.eq(reply)]
-        with m.If(self.reply.valid & self.reply.ready):
-            m.d.sync += reply_valid.eq(0)
+        # Every reply goes through one queue, in the order of the commands. MU requests are
+        # pipelined: one is sent whenever the queue has room for every reply outstanding
+        # (requests in flight plus replies queued), so the response network never waits on the
+        # host and the host may send the next request before the last is answered. Any other
+        # command waits until no request is in flight, so its reply comes after theirs.
+        m.submodules.replies = replies = SyncFIFOBuffered(
+            width=Shape.cast(host_reply_layout(p)).width, depth=HOST_IN_FLIGHT)
+        push = Signal(host_reply_layout(p))
+        m.d.comb += [
+            replies.w_data.eq(push),
+            self.reply.valid.eq(replies.r_rdy),
+            self.reply.payload.eq(replies.r_data),
+            replies.r_en.eq(self.reply.ready),
+        ]
+        in_flight = Signal(range(HOST_IN_FLIGHT + 1))
+        room = Signal()
+        quiet = Signal()
+        m.d.comb += [room.eq(in_flight + replies.level < HOST_IN_FLIGHT),
+                     quiet.eq(in_flight == 0)]
 
         running = Signal()
         run_cycles = Signal(32)
@@ -285,69 +304,79 @@ class HostPort(wiring.Component):
             self.req_out.payload.payload.eq(req),
             self.req_out.payload.dst.x.eq(cmd.req.ref.mu[:cb]),
             self.req_out.payload.dst.y.eq(cmd.req.ref.mu[cb:2 * cb]),
-            self.resp_in.ready.eq(1),    # room is reserved: one request at a time
+            self.resp_in.ready.eq(1),    # room is reserved: see `room`
         ]
+        sent = Signal()
+        answered = Signal()
+        m.d.comb += [sent.eq(self.req_out.valid & self.req_out.ready),
+                     answered.eq(self.resp_in.valid & ~quiet)]
+        m.d.sync += in_flight.eq(in_flight + sent - answered)
 
+        read_ok = Signal()
         with m.FSM():
             with m.State("IDLE"):
-                with m.If(self.cmd.valid & ~reply_valid):
-                    m.d.sync += [reply.eq(0), reply.kind.eq(cmd.kind), reply.ok.eq(1)]
-                    with m.Switch(cmd.kind):
-                        with m.Case(HostCmd.LOAD_BEGIN):
-                            m.d.comb += [loader.begin.eq(1), self.cmd.ready.eq(1)]
-                        with m.Case(HostCmd.LOAD_WORD):
-                            m.d.comb += [loader.words.valid.eq(1), self.cmd.ready.eq(1)]
-                        with m.Case(HostCmd.MU_REQUEST):
-                            with m.If(~names_mu):
-                                m.d.comb += self.cmd.ready.eq(1)
-                                m.d.sync += [
-                                    reply_valid.eq(1), reply.ok.eq(0),
-                                    reply.resp.op.eq(cmd.req.op),
-                                    reply.resp.status.eq(MUStatus.BAD_DESTINATION),
-                                    reply.resp.tag.eq(cmd.req.tag & ~(1 << host_bit)),
-                                    reply.resp.ref.eq(cmd.req.ref),
-                                ]
-                            with m.Else():
-                                m.d.comb += self.req_out.valid.eq(1)
-                                with m.If(self.req_out.ready):
-                                    m.d.comb += self.cmd.ready.eq(1)
-                                    m.next = "WAIT_RESP"
-                        with m.Case(HostCmd.CFG_READ):
-                            with m.If(~loader.bus_we):
-                                m.d.comb += [self.bus_re.eq(on_grid), self.bus_x.eq(cmd.x),
-                                             self.bus_y.eq(cmd.y), self.bus_addr.eq(cmd.addr),
-                                             self.cmd.ready.eq(1)]
-                                m.d.sync += reply.ok.eq(on_grid)
-                                m.next = "READ"
-                        with m.Case(HostCmd.START):
-                            m.d.comb += self.cmd.ready.eq(1)
-                            m.d.sync += reply_valid.eq(1)
-                            with m.If(loader.configured & ~running):
+                # A command with an immediate reply runs when nothing is in flight (its reply
+                # after theirs) and the queue has room for it.
+                answer = Signal()
+                m.d.comb += [answer.eq(self.cmd.valid & quiet & room),
+                             push.kind.eq(cmd.kind), push.ok.eq(1)]
+                with m.Switch(cmd.kind):
+                    with m.Case(HostCmd.LOAD_BEGIN):
+                        m.d.comb += [loader.begin.eq(self.cmd.valid),
+                                     self.cmd.ready.eq(1)]
+                    with m.Case(HostCmd.LOAD_WORD):
+                        m.d.comb += [loader.words.valid.eq(self.cmd.valid),
+                                     self.cmd.ready.eq(1)]
+                    with m.Case(HostCmd.MU_REQUEST):
+                        with m.If(~names_mu):
+                            m.d.comb += [
+                                self.cmd.ready.eq(answer), replies.w_en.eq(answer),
+                                push.ok.eq(0),
+                                push.resp.op.eq(cmd.req.op),
+                                push.resp.status.eq(MUStatus.BAD_DESTINATION),
+                                push.resp.tag.eq(cmd.req.tag & ~(1 << host_bit)),
+                                push.resp.ref.eq(cmd.req.ref),
+                            ]
+                        with m.Else():
+                            m.d.comb += [self.req_out.valid.eq(self.cmd.valid & room),
+                                         self.cmd.ready.eq(self.req_out.ready & room)]
+                    with m.Case(HostCmd.CFG_READ):
+                        with m.If(answer & ~loader.bus_we):
+                            m.d.comb += [self.bus_re.eq(on_grid), self.bus_x.eq(cmd.x),
+                                         self.bus_y.eq(cmd.y), self.bus_addr.eq(cmd.addr),
+                                         self.cmd.ready.eq(1)]
+                            m.d.sync += read_ok.eq(on_grid)
+                            m.next = "READ"
+                    with m.Case(HostCmd.START):
+                        m.d.comb += [self.cmd.ready.eq(answer), replies.w_en.eq(answer)]
+                        with m.If(loader.configured & ~running):
+                            with m.If(answer):
                                 m.d.comb += self.start.eq(1)
                                 m.d.sync += [running.eq(1), run_cycles.eq(0)]
-                            with m.Else():
-                                m.d.sync += reply.ok.eq(0)
-                        with m.Case(HostCmd.STATUS):
-                            m.d.comb += self.cmd.ready.eq(1)
-                            m.d.sync += [reply_valid.eq(1), reply.word.eq(status)]
-                        with m.Case(HostCmd.CYCLES):
-                            m.d.comb += self.cmd.ready.eq(1)
-                            m.d.sync += [reply_valid.eq(1), reply.word.eq(run_cycles)]
-                        with m.Case(HostCmd.LOAD_STATUS):
-                            m.d.comb += self.cmd.ready.eq(1)
-                            m.d.sync += [reply_valid.eq(1),
-                                         reply.word.eq(Cat(loader.status.as_value(),
-                                                           Const(0, 4), loader.cycles[:24]))]
-            with m.State("WAIT_RESP"):
-                with m.If(self.resp_in.valid):
-                    m.d.sync += [reply_valid.eq(1), reply.resp.eq(self.resp_in.payload.payload
-                                                                  .body)]
-                    m.d.sync += reply.resp.tag.eq(
-                        self.resp_in.payload.payload.body.tag & ~(1 << host_bit))
-                    m.next = "IDLE"
+                        with m.Else():
+                            m.d.comb += push.ok.eq(0)
+                    with m.Case(HostCmd.STATUS):
+                        m.d.comb += [self.cmd.ready.eq(answer), replies.w_en.eq(answer),
+                                     push.word.eq(status)]
+                    with m.Case(HostCmd.CYCLES):
+                        m.d.comb += [self.cmd.ready.eq(answer), replies.w_en.eq(answer),
+                                     push.word.eq(run_cycles)]
+                    with m.Case(HostCmd.LOAD_STATUS):
+                        m.d.comb += [self.cmd.ready.eq(answer), replies.w_en.eq(answer),
+                                     push.word.eq(Cat(loader.status.as_value(), Const(0, 4),
+                                                      loader.cycles[:24]))]
             with m.State("READ"):
-                m.d.sync += [reply_valid.eq(1), reply.word.eq(Mux(reply.ok, self.bus_rdata, 0))]
+                # Entered with nothing in flight and room in the queue: the reply goes in now.
+                m.d.comb += [replies.w_en.eq(1), push.kind.eq(HostCmd.CFG_READ),
+                             push.ok.eq(read_ok), push.word.eq(Mux(read_ok, self.bus_rdata, 0))]
                 m.next = "IDLE"
+        # A response: queued (a command's immediate reply never comes in the same cycle, as it
+        # waits for nothing to be in flight). One arriving with nothing in flight is not the
+        # host's: dropped, as before.
+        with m.If(answered):
+            body = self.resp_in.payload.payload.body
+            m.d.comb += [replies.w_en.eq(1), push.kind.eq(HostCmd.MU_REQUEST), push.ok.eq(1),
+                         push.resp.eq(body), push.resp.tag.eq(body.tag & ~(1 << host_bit))]
         return m
 
 

@@ -15,8 +15,8 @@ from rdakit.hdl.spec.params import MUParams
 __all__ = [
     "MUOp", "MUStatus", "OP_DOC", "STATUS_DOC",
     "MsgKind", "coord_layout", "node_layout", "ref_layout", "mu_request_layout",
-    "mu_response_layout", "msg_layout", "host_tag_bit", "HostCmd", "host_cmd_layout",
-    "host_reply_layout", "pack", "unpack",
+    "mu_response_layout", "msg_layout", "host_tag_bit", "HostCmd", "HOST_IN_FLIGHT",
+    "host_cmd_layout", "host_reply_layout", "pack", "unpack",
 ]
 
 
@@ -177,6 +177,12 @@ class HostCmd(enum.Enum, shape=3):
     STATUS = 5        #: reply ``word`` = status bits (``docs/fabric.md``)
     CYCLES = 6        #: reply ``word`` = cycles of the last run, START to done
     LOAD_STATUS = 7   #: reply ``word`` = LoadStatus | load cycles << 8
+
+
+#: Replies the host port holds for the host: the depth of its reply queue, and so the commands
+#: with a reply that may be outstanding (sent, reply not yet taken). MU requests are pipelined
+#: up to this many (``docs/fabric.md``, "Host port"); the host driver keeps its bursts within it.
+HOST_IN_FLIGHT = 16
 
 
 @functools.cache

@@ -4,7 +4,11 @@
 with two coroutines, ``send(cmd: int)`` and ``recv() -> int``, plus ``tick(n)`` to let cycles
 pass. :class:`AmaranthTransport` drives a :class:`~rdakit.hdl.fabric.top.Fabric` in Amaranth's
 simulator; :class:`CocotbTransport` drives its Verilog under cocotb (Icarus or Verilator). The
-board bridge's UART transport has the same three methods.
+board bridge's UART transport has the same three methods. A transport may also have
+``burst(cmds) -> replies``, which sends commands that each have a reply while it takes the
+replies in the same cycles (one command a cycle when the fabric keeps up); the driver uses it for
+the MU requests of a vector transfer and otherwise keeps up to
+:data:`~rdakit.hdl.spec.packets.HOST_IN_FLIGHT` of them outstanding with ``send`` and ``recv``.
 
 Nothing waits without a bound. The simulator transports give up on a command the fabric does
 not take, or a reply that does not come, after ``reply_cycles`` cycles; :meth:`HostDriver.wait_done`
@@ -21,6 +25,7 @@ from rdakit.errors import UserError
 from rdakit.hdl.spec.bitstream import LoadStatus, file_words
 from rdakit.hdl.spec.config import CU_MAP, STATUS_BITS, decode_cu_status
 from rdakit.hdl.spec.packets import (
+    HOST_IN_FLIGHT,
     HostCmd,
     MUOp,
     MUStatus,
@@ -180,6 +185,51 @@ class HostDriver:
             raise HostError(f"{request['op'].name} failed: {status}")
         return resp
 
+    async def mu_burst(self, requests, *, what):
+        """Send MU requests for one MU pipelined (up to ``HOST_IN_FLIGHT`` outstanding, through
+        the transport's ``burst`` when it has one); return their responses in request order.
+        Each request's tag is its position modulo the tags the host may use, checked on its
+        response (requests to one MU are answered in order: a response out of order is a
+        :class:`HostError`). ``what`` names the transfer in a timeout."""
+        tags = 1 << (self.params.mu.tag_bits - 1)
+        words = []
+        for i, request in enumerate(requests):
+            try:
+                words.append(pack(self.cmd_layout, {"kind": HostCmd.MU_REQUEST,
+                                                    "req": {**request, "tag": i % tags}}))
+            except ValueError as e:
+                raise HostArgumentError(f"MU_REQUEST: {e}") from None
+        try:
+            burst = getattr(self.transport, "burst", None)
+            if burst is not None:
+                replies = await burst(words)
+            else:
+                replies = []
+                for i, word in enumerate(words):
+                    if i >= HOST_IN_FLIGHT:
+                        replies.append(await self.transport.recv())
+                    await self.transport.send(word)
+                while len(replies) < len(words):
+                    replies.append(await self.transport.recv())
+        except TimeoutError as e:
+            raise NoReply(f"{what}: {e}") from None
+        responses = []
+        for i, reply in enumerate(replies):
+            r = unpack(self.reply_layout, reply)
+            if r["kind"] is not HostCmd.MU_REQUEST or r["resp"]["tag"] != i % tags:
+                raise HostError(f"{what}: reply {i} is of kind {r['kind']} with tag "
+                                f"{r['resp']['tag']}, not the MU_REQUEST reply of tag {i % tags}")
+            responses.append(r["resp"])
+        return responses
+
+    async def _all_ok(self, requests, *, what):
+        responses = await self.mu_burst(requests, what=what)
+        for request, resp in zip(requests, responses, strict=True):
+            if resp["status"] is not MUStatus.OK:
+                status = getattr(resp["status"], "name", resp["status"])
+                raise HostError(f"{request['op'].name} failed: {status}")
+        return responses
+
     async def alloc(self, mu_xy, weight=1):
         """Allocate a buffer in the MU at ``mu_xy`` (``(x, y)``, or ``(x, y, cluster)``) with
         total weight ``weight``; return its reference (an int as a CU register holds it)."""
@@ -253,8 +303,9 @@ class HostDriver:
         if a.size % self.lanes:
             raise HostArgumentError(f"array must hold whole vectors of {self.lanes} lanes, "
                                     f"not {a.size} elements (shape {a.shape})")
-        for row in a.reshape(-1, self.lanes):
-            await self._ok({"op": MUOp.APPEND, "ref": d, "data": pack_vector(row)})
+        await self._all_ok([{"op": MUOp.APPEND, "ref": d, "data": pack_vector(row)}
+                            for row in a.reshape(-1, self.lanes)],
+                           what=f"APPEND of {a.size // self.lanes} vectors to MU {d['mu']}")
 
     async def read_vectors(self, ref, n=None):
         """Read ``n`` vector words (default: the buffer's length) as an n × lanes array."""
@@ -262,10 +313,10 @@ class HostDriver:
         if n is None:
             n = (await self._ok({"op": MUOp.LEN, "ref": d}))["data"]
         n = _int("n", n, 0, 1 << self.params.mu.index_bits)
-        rows = []
-        for i in range(n):
-            resp = await self._ok({"op": MUOp.READ, "ref": d, "index": i})
-            rows.append(unpack_vector(resp["data"], self.lanes))
+        responses = await self._all_ok([{"op": MUOp.READ, "ref": d, "index": i}
+                                        for i in range(n)],
+                                       what=f"READ of {n} vectors from MU {d['mu']}")
+        rows = [unpack_vector(resp["data"], self.lanes) for resp in responses]
         return np.array(rows, dtype=np.int32).reshape(n, self.lanes)
 
     # --- running ---------------------------------------------------------------------------
@@ -375,6 +426,35 @@ class AmaranthTransport:
         ctx.set(self.fabric.reply.ready, 0)
         return value
 
+    async def burst(self, values):
+        """Send ``values`` (commands that each have a reply), one a cycle as the fabric takes
+        them, taking replies in the same cycles; return the replies. ``TimeoutError`` after
+        ``reply_cycles`` cycles without progress."""
+        ctx, cmd, reply = self.ctx, self.fabric.cmd, self.fabric.reply
+        replies, i, waited = [], 0, 0
+        ctx.set(reply.ready, 1)
+        try:
+            while len(replies) < len(values):
+                if i < len(values):
+                    ctx.set(cmd.valid, 1)
+                    ctx.set(self._cmd, values[i])
+                else:
+                    ctx.set(cmd.valid, 0)
+                _, _, sent, taken, value = await ctx.tick().sample(
+                    cmd.valid & cmd.ready, reply.valid, self._reply)
+                i += sent
+                if taken:
+                    replies.append(value)
+                waited = 0 if sent or taken else waited + 1
+                if waited >= self.reply_cycles:
+                    raise TimeoutError(f"no progress in {self.reply_cycles} cycles after "
+                                       f"{i} of {len(values)} commands were taken and "
+                                       f"{len(replies)} replies came")
+        finally:
+            ctx.set(cmd.valid, 0)
+            ctx.set(reply.ready, 0)
+        return replies
+
     async def tick(self, n=1):
         await self.ctx.tick().repeat(n)
 
@@ -452,6 +532,34 @@ class CocotbTransport:
             raise TimeoutError(f"no reply in {self.reply_cycles} cycles")
         self._reply_ready.value = 0
         return value
+
+    async def burst(self, values):
+        """As :meth:`AmaranthTransport.burst`: one command a cycle while replies are taken."""
+        replies, i, waited = [], 0, 0
+        self._reply_ready.value = 1
+        try:
+            while len(replies) < len(values):
+                if i < len(values):
+                    self._cmd_payload.value = values[i]
+                    self._cmd_valid.value = 1
+                else:
+                    self._cmd_valid.value = 0
+                await self._ro
+                sent = i < len(values) and bool(self._cmd_ready.value)
+                taken = bool(self._reply_valid.value)
+                if taken:
+                    replies.append(self._reply_payload.value.to_unsigned())
+                await self._edge
+                i += sent
+                waited = 0 if sent or taken else waited + 1
+                if waited >= self.reply_cycles:
+                    raise TimeoutError(f"no progress in {self.reply_cycles} cycles after "
+                                       f"{i} of {len(values)} commands were taken and "
+                                       f"{len(replies)} replies came")
+        finally:
+            self._cmd_valid.value = 0
+            self._reply_ready.value = 0
+        return replies
 
     async def tick(self, n=1):
         for _ in range(n):

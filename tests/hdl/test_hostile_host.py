@@ -1,34 +1,30 @@
 # amaranth: UnusedElaboratable=no
 """Hostile host input (issue 19, classes 1 and 2): nothing wedges the host port, nothing leaks.
 
-One 2x2 fabric in Amaranth's simulator, shared by every test of the module (:class:`Shared`
+One 2x2 fabric in Amaranth's simulator, shared by every test of the module (``SharedFabric``
 serves one command body after another from a single simulation), with coordinates one bit
 wider than the grid needs, so that references can name tiles off the grid. Every body runs under
 a cycle bound: a port that stops answering fails the test instead of hanging it.
 """
 
 import asyncio
-import collections
 
 import numpy as np
 import pytest
-from amaranth.sim import Simulator
-from conftest import hostile
+from conftest import SharedFabric, hostile
 from hypothesis import given
 from hypothesis import strategies as st
 
 from rdakit.compiler.job import Job
 from rdakit.errors import UserError
 from rdakit.hdl.fabric.config_loader import LoadStatus
-from rdakit.hdl.fabric.top import Fabric
 from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
 from rdakit.hdl.spec.config import MU_MAP
 from rdakit.hdl.spec.isa import assemble
-from rdakit.hdl.spec.packets import HostCmd, MUOp, MUStatus, host_tag_bit
+from rdakit.hdl.spec.packets import HOST_IN_FLIGHT, HostCmd, MUOp, MUStatus, host_tag_bit
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.runtime.counters import read_mu_counters
 from rdakit.sim.runtime.host import (
-    AmaranthTransport,
     HostArgumentError,
     HostDriver,
     HostTimeout,
@@ -45,51 +41,9 @@ MU = MU_TILES[0]
 REPLY_CYCLES = 2_000
 
 
-class Shared:
-    """One simulation of ``Fabric(params)``; :meth:`run` hands it ``body(host)`` and steps the
-    simulator until the body returns (raising what it raised), failing the test if it has not
-    after about ``cycles`` cycles (simulator steps: at least two a cycle)."""
-
-    def __init__(self, params):
-        self.fabric = Fabric(params)
-        self.sim = Simulator(self.fabric)
-        self.sim.add_clock(1e-9)
-        self.queue = collections.deque()
-        self.done = {}
-
-        async def server(ctx):
-            host = HostDriver(params, AmaranthTransport(ctx, self.fabric,
-                                                        reply_cycles=REPLY_CYCLES))
-            while True:
-                if not self.queue:
-                    await ctx.tick()
-                    continue
-                key, body = self.queue.popleft()
-                try:
-                    self.done[key] = (True, await body(host))
-                except Exception as e:                        # handed to the test
-                    self.done[key] = (False, e)
-
-        self.sim.add_testbench(server, background=True)
-
-    def run(self, body, *, cycles=20_000):
-        key = object()
-        self.queue.append((key, body))
-        for _ in range(2 * cycles):
-            if key in self.done:
-                break
-            self.sim.advance()
-        else:
-            pytest.fail(f"no result after {cycles} cycles: the host port is wedged")
-        ok, value = self.done.pop(key)
-        if not ok:
-            raise value
-        return value
-
-
 @pytest.fixture(scope="module")
 def fabric():
-    return Shared(P)
+    return SharedFabric(P, reply_cycles=REPLY_CYCLES)
 
 
 async def free_blocks(host):
@@ -306,18 +260,20 @@ def test_failed_jobs_free_everything_and_the_next_job_runs(fabric):
 
 
 def test_a_reply_that_never_comes_names_the_command(fabric):
-    """The transport's bound: a command the port does not take (it holds the reply of a
-    command sent with ``reply=False``, which nobody takes) ends in a HostTimeout naming the
-    command and the cycles, not a hang."""
+    """The transport's bound: a command the port does not take (its reply queue is full of
+    the replies of commands sent with ``reply=False``, which nobody takes) ends in a
+    HostTimeout naming the command and the cycles, not a hang."""
     async def body(host):
-        await host._command({"kind": HostCmd.STATUS}, reply=False)   # its reply stays
+        for _ in range(HOST_IN_FLIGHT):                               # their replies stay
+            await host._command({"kind": HostCmd.STATUS}, reply=False)
         host.transport.reply_cycles = 100
         try:
             await host.cfg_read(1, 0, MU_MAP.FREE_BLOCKS)
         except HostTimeout as e:
             error = e
         host.transport.reply_cycles = REPLY_CYCLES
-        await host.transport.recv()                                   # take it
+        for _ in range(HOST_IN_FLIGHT):                               # take them
+            await host.transport.recv()
         return error, await host.status()
 
     error, st = fabric.run(body)
