@@ -79,7 +79,8 @@ def test_unknown_subcommand(cmd):
     ["verilog"], ["verilog", "mu"], ["verilog", "router"], ["verilog", "noc"],
     ["verilog", "fabric"], ["verilog", "system"], ["bench"], ["bench", "mu"], ["bench", "noc"],
     ["bench", "fabric"], ["bench", "e2e"], ["bench", "race"], ["bench", "clusters"],
-    ["bench", "partition"], ["bench", "calibrate"], ["bench", "boards"], ["compile"],
+    ["bench", "partition"], ["bench", "calibrate"], ["bench", "boards"], ["bench", "models"],
+    ["compile"],
     ["inspect"], ["import"], ["run"], ["board"], ["board", "build"], ["board", "run"],
     ["doctor"], ["docs"], ["verify"],
 ])
