@@ -44,6 +44,8 @@ import zipfile
 
 import numpy as np
 
+from rdakit.compiler import intops
+from rdakit.compiler.frontend import conv
 from rdakit.compiler.frontend.aten import (
     ATEN_OPS,
     live_nodes,
@@ -52,7 +54,7 @@ from rdakit.compiler.frontend.aten import (
     prepare,
     unsupported_summary,
 )
-from rdakit.compiler.graph import DataflowGraph, GraphError
+from rdakit.compiler.graph import OP_KINDS, DataflowGraph, GraphError
 from rdakit.errors import UserError
 
 __all__ = ["ModelImportError", "ImportedModel", "AccuracyReport", "OutputAccuracy",
@@ -66,6 +68,15 @@ QMAX = 127
 EXAMPLE_SEED = 0
 
 _INT32 = (1 << 31) - 1
+
+#: Fraction bits of the imported softmax's probabilities: int8 in [0, 127], no requantization
+#: (``intops.softmax_params(scale, SOFTMAX_BITS)``; at most 0.0078 from float, docs/compiler.md).
+SOFTMAX_BITS = 7
+SOFTMAX_SCALE = 2.0 ** -SOFTMAX_BITS
+
+#: Bits a requantization multiplier keeps for the terms of the integer non-linear ops, whose
+#: int32 results span up to 31 bits (:func:`_pre_shift`).
+MULT_BITS = 12
 
 
 class ModelImportError(UserError):
@@ -335,6 +346,7 @@ class _Builder:
         self.next = 0
         self.memo = {}                 # (shape, address bytes) -> node
         self.names = set()
+        self.int_inputs = set()        # graph inputs of integers (indices), 1-D
 
     def name(self, stem):
         """A node name from ``stem`` not used yet."""
@@ -428,34 +440,50 @@ class _Builder:
 
     # --- requantization ------------------------------------------------------------------
 
-    def requant(self, terms, scale, *, bias=None, stem, shape2d):
+    def requant(self, terms, scale, *, bias=None, stem, shape2d, pre=0):
         """``clip(round(sum_k real(t_k) / scale + bias / scale))`` to int8 in integer ops.
 
         ``terms`` are ``(node, real scale, bound)``: an int tensor whose real value is
         ``scale * value`` (a scale per column is an array), and the largest ``|value|`` it
         can hold (per column too). ``bias`` (real units) broadcasts to ``shape2d``. The shift
         is the largest (at most 31) for which ``sum_k bound_k * |m_k| + |c|`` stays within
-        int32; if none does, the terms are shifted right first.
+        int32. A term that would leave int32 even at shift 0 is first clipped to the values
+        whose result does not saturate anyway (as is an added term beyond them), so the result
+        is still exact. A term of many bits, such as an integer GELU's, may be shifted right by
+        ``pre`` bits first so that its multiplier keeps :data:`MULT_BITS` bits
+        (:func:`_pre_shift`).
         """
         rows, cols = shape2d
         bias = None if bias is None else np.broadcast_to(
             np.asarray(bias, dtype=np.float64).reshape(_bias_shape(bias, shape2d)), shape2d)
-        pre = 0
-        while True:
-            chosen = None
-            for n in range(31, -1, -1):
-                ms = [np.rint(np.asarray(s, dtype=np.float64) * 2.0 ** (n - pre) / scale)
-                      for _, s, _ in terms]
-                c = np.zeros((1, 1)) if bias is None else np.rint(bias * 2.0 ** (n - pre) / scale)
-                c = c + (1 << (n - 1) if n else 0)
-                total = sum(np.max(np.asarray(b, dtype=np.float64) / 2 ** pre * np.abs(m))
-                            for (_, _, b), m in zip(terms, ms, strict=True))
-                if total + np.max(np.abs(c)) <= _INT32:
-                    chosen = n, ms, c
-                    break
-            if chosen is not None:
+        spans = [float(np.max(np.asarray(b, np.float64) * np.abs(np.asarray(s, np.float64))))
+                 / scale for _, s, b in terms]          # each term's range in output steps
+        if bias is not None:
+            top = QMAX + 1 + sum(spans)
+            bias = np.clip(bias, -top * scale, top * scale)
+        cmax = 0.0 if bias is None else float(np.max(np.abs(bias))) / scale
+        clipped = []
+        for k, (node, s, b) in enumerate(terms):
+            need = QMAX + 1 + cmax + sum(spans) - spans[k]
+            if spans[k] > need and spans[k] > 1 << 30:
+                t = int(math.ceil(need * scale / float(np.min(np.abs(s)))))
+                node = self.add("clip", node, stem=f"{stem}_sat", lo=-t, hi=t, dtype="int32")
+                b = t
+            clipped.append((node, s, b))
+        terms = clipped
+        chosen = None
+        for n in range(31, -1, -1):
+            ms = [np.rint(np.asarray(s, dtype=np.float64) * 2.0 ** (n + pre) / scale)
+                  for _, s, _ in terms]
+            c = np.zeros((1, 1)) if bias is None else np.rint(bias * 2.0 ** n / scale)
+            c = c + (1 << (n - 1) if n else 0)
+            total = sum(np.max(np.asarray(b, dtype=np.float64) / 2 ** pre * np.abs(m))
+                        for (_, _, b), m in zip(terms, ms, strict=True))
+            if total + np.max(np.abs(c)) <= _INT32:
+                chosen = n, ms, c
                 break
-            pre += 1
+        if chosen is None:  # pragma: no cover - the clipping above makes shift 0 fit
+            raise AssertionError(f"requantization {stem}: no shift keeps int32")
         n, ms, c = chosen
         acc = None
         for (node, _, _), m in zip(terms, ms, strict=True):
@@ -473,6 +501,13 @@ class _Builder:
         if n:
             acc = self.add("shr", acc, stem=f"{stem}_shr", shift=n)
         return self.add("clip", acc, stem=stem, lo=-QMAX, hi=QMAX, dtype="int8")
+
+
+def _pre_shift(bound):
+    """The right shift of an int32 term bounded by ``bound`` before its requantization, so that
+    its multiplier keeps :data:`MULT_BITS` bits (the shifted-out bits are far below one step of
+    the int8 result)."""
+    return max(0, int(bound).bit_length() - (31 - MULT_BITS))
 
 
 def _bias_shape(bias, shape2d):
@@ -517,6 +552,14 @@ def _per_channel(w):
 def _value(v):
     """An operand as a value of the walk: a Python number is a constant."""
     return v if isinstance(v, _Act | _Const) else _Const(np.asarray(v, dtype=np.float64))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unused:
+    """A result of a multi-result op the importer does not compute (``why``: the refusal if
+    a node reads it)."""
+
+    why: str
 
 
 class _NodeError(Exception):
@@ -694,12 +737,13 @@ class _Walker:
             bands.append(slice(lo, hi))
         return bands
 
-    def banded(self, node, operands, make, scale, *, shape=None, out_cols=None, lead=0):
+    def banded(self, node, operands, make, scale, *, shape=None, out_cols=None, lead=0,
+               out_shape=None):
         """The activation of ``node``: ``make(ins, rows, stem) -> IR node`` applied band by
         band (:meth:`_bands` of ``operands[lead]``), each operand as :meth:`_operand2d` gives
-        it; the output has the node's calibrated shape and ``out_cols`` columns a band
-        (default the fold's)."""
-        out_shape = tuple(self.cal[node.name].shape)
+        it; the output has ``out_shape`` (default the node's calibrated shape) and ``out_cols``
+        columns a band (default the fold's)."""
+        out_shape = tuple(self.cal[node.name].shape) if out_shape is None else out_shape
         shape = out_shape if shape is None else shape
         r_all, cols = _fold2d(shape)
         bands = self._bands(operands[lead], shape)
@@ -857,6 +901,262 @@ class _Walker:
             parts.append(self.b.base(out, m, n))
         return _Act(np.concatenate(parts).reshape(out_shape), scale)
 
+    # Integer non-linear ops (rdakit.compiler.intops) -------------------------------------------
+
+    def _last(self, x, dims):
+        """``x`` with the dimensions ``dims`` moved last and folded into one; the permutation
+        that moves them back (None when they are already last)."""
+        a = x.addr
+        dims = [_dim(d, a.ndim) for d in dims]
+        kept = [d for d in range(a.ndim) if d not in dims]
+        order = kept + dims
+        moved = np.transpose(a, order)
+        shape = moved.shape
+        flat = moved.reshape(moved.shape[:len(kept)] + (-1,))
+        back = None if order == list(range(a.ndim)) else np.argsort(order)
+        return _Act(flat, x.scale, x.dtype), shape, back
+
+    def intop(self, node, x, kind, attrs, out_scale, *, scale=None):
+        """``kind`` (an int32 result of real scale ``out_scale``) on the int8 activation ``x``,
+        band by band, requantized to ``scale`` (default: the node's calibrated scale). The
+        bound of the int32 result is exact: the op run on every int8 value."""
+        scale = self.value_scale(node) if scale is None else scale
+        every = np.arange(-QMAX, QMAX + 1, dtype=np.int32)[None, :]
+        bound = int(np.max(np.abs(OP_KINDS[kind].evaluate([every], attrs).astype(np.int64))))
+        cols = _fold2d(x.shape)[1]
+
+        def make(ins, rows, stem):
+            y = self.b.add(kind, ins[0], stem=f"{stem}_{kind}", **attrs)
+            return self.b.requant([(y, out_scale, bound)], scale, stem=stem,
+                                  shape2d=(rows, cols), pre=_pre_shift(bound))
+        return self.banded(node, [x], make, scale)
+
+    def activation(self, node, x, kind):
+        """GELU or SiLU: :func:`intops.gelu_params` of the input's scale."""
+        self._check_float(x)
+        params = {"gelu": intops.gelu_params, "silu": intops.silu_params}[kind]
+        try:
+            attrs = params(x.scale)
+        except ValueError as e:
+            _refuse(f"the input's scale {x.scale:g} is out of the integer {kind}'s range: {e}")
+        return self.intop(node, x, kind, attrs, intops.output_scale(kind, attrs))
+
+    def exp(self, node, x):
+        """``exp(x) = exp(x - M) exp(M)``, ``M`` the largest calibrated input (in steps): the
+        integer exp takes ``x - M <= 0``; an input beyond ``M`` counts as ``M``."""
+        self._check_float(x)
+        top = int(np.clip(np.ceil(np.max(self.cal_in(node, "self")) / x.scale - 1e-9),
+                          -QMAX, QMAX))
+        if top * x.scale > 700:
+            _refuse(f"exp of inputs up to {top * x.scale:g} overflows")
+        attrs = intops.exp_params(x.scale)
+        shifted = x
+        if top:
+            k = self.b.const(np.full((1, 1), -top, np.int32), f"{node.name}_m")
+
+            def sub(ins, rows, stem):
+                return self.b.add("add", ins[0], k, stem=f"{stem}_sub")
+            shifted = self.banded(node, [x], sub, x.scale)
+        return self.intop(node, shifted, "exp", attrs,
+                          intops.output_scale("exp", attrs) * math.exp(top * x.scale))
+
+    def cal_in(self, node, arg):
+        """The calibrated float value of the operand ``arg`` of ``node`` (by its schema name)."""
+        from torch.fx.operator_schemas import normalize_function
+        pair = normalize_function(node.target, tuple(node.args), dict(node.kwargs),
+                                  normalize_to_only_use_kwargs=True)
+        kw = pair.kwargs if pair is not None else node.kwargs
+        a = kw[arg] if arg in kw else kw["input" if arg == "self" else arg]
+        return self.cal[a.name] if hasattr(a, "name") else np.asarray(a, np.float64)
+
+    def softmax(self, node, x, dim):
+        """Softmax over ``dim``: int8 probabilities of scale ``2**-SOFTMAX_BITS``, no
+        requantization."""
+        self._check_float(x)
+        moved, shape, back = self._last(x, [dim])
+        attrs = self._softmax_attrs(x.scale)
+
+        def make(ins, rows, stem):
+            return self.b.add("softmax", ins[0], stem=stem, **attrs)
+        out = self.banded(node, [moved], make, SOFTMAX_SCALE, shape=moved.shape,
+                          out_shape=moved.shape)
+        addr = out.addr.reshape(shape)
+        return _Act(addr if back is None else np.transpose(addr, back), SOFTMAX_SCALE)
+
+    @staticmethod
+    def _softmax_attrs(scale, causal=None):
+        try:
+            attrs = intops.softmax_params(scale, SOFTMAX_BITS)
+        except ValueError as e:
+            _refuse(f"the logits' scale {scale:g} is out of the integer softmax's range: {e}")
+        return attrs if causal is None else dict(attrs, causal=int(causal))
+
+    def norm(self, node, kind, x, shape, weight, bias, eps):
+        """LayerNorm or RMSNorm over the trailing dimensions ``shape``: int8 weights (one
+        scale), the bias in the op at the result's scale, requantized."""
+        self._check_float(x)
+        for what, v in (("weight", weight), ("bias", bias)):
+            if isinstance(v, _Act):
+                _refuse(f"the {what} must be a constant, not a tensor computed from the inputs")
+        n = len(shape)
+        if tuple(x.shape[x.addr.ndim - n:]) != tuple(shape):
+            _refuse(f"normalized_shape {list(shape)} is not the trailing shape of the input "
+                    f"{list(x.shape)}")
+        moved, _, _ = self._last(x, range(x.addr.ndim - n, x.addr.ndim))
+        c = moved.shape[-1]
+        w = np.ones(c) if weight is None else np.asarray(weight.value, np.float64).reshape(c)
+        ws = _scale_of(w)
+        wq = _quantize(w, ws)
+        params = intops.layer_norm_params if kind == "layer_norm" else intops.rms_norm_params
+        try:
+            attrs = params(x.scale, QMAX * x.scale, c, "int8", float(eps))
+        except ValueError as e:
+            _refuse(str(e))
+        out_scale = intops.output_scale(kind, attrs, ws)
+        bq = None
+        if kind == "layer_norm":
+            b = np.zeros(c) if bias is None else np.asarray(bias.value, np.float64).reshape(c)
+            bq = np.rint(b / out_scale)
+            if np.abs(bq).max(initial=0) > (1 << 30):
+                _refuse("the bias is too large for the weights (more than 2**30 steps of "
+                        "weight scale / 2**frac)")
+        bound = intops._z_max(c, attrs["frac"]) * int(np.abs(wq.astype(np.int64)).max()) + (
+            0 if bq is None else int(np.abs(bq).max(initial=0)))
+        scale = self.value_scale(node)
+        wnode = self.b.const(wq, f"{node.name}_w")
+        bnode = None if bq is None else self.b.const(bq.astype(np.int32), f"{node.name}_b")
+
+        def make(ins, rows, stem):
+            y = self.b.add(kind, ins[0], wnode, *([] if bnode is None else [bnode]),
+                           stem=f"{stem}_{kind}", **attrs)
+            return self.b.requant([(y, out_scale, bound)], scale, stem=stem,
+                                  shape2d=(rows, c), pre=_pre_shift(bound))
+        out_shape = tuple(self.cal_out(node).shape)
+        out = self.banded(node, [moved], make, scale, shape=moved.shape, out_shape=moved.shape)
+        return _Act(out.addr.reshape(out_shape), scale)
+
+    def cal_out(self, node):
+        """The calibrated value of ``node`` (the first result of a multi-result op)."""
+        v = self.cal[node.name]
+        return v[0] if isinstance(v, list) else v
+
+    def embedding(self, node, table, idx):
+        """Rows of a constant table (int8, one scale) chosen by int32 indices (a graph input,
+        whole or a contiguous run of it)."""
+        if not isinstance(table, _Const):
+            _refuse("the table must be a constant (the embedding's weights)")
+        if not isinstance(idx, _Act) or idx.scale is not None:
+            _refuse("the indices must be integers computed from the inputs")
+        t = np.asarray(table.value, np.float64)
+        if t.ndim != 2:
+            _refuse(f"the table must be 2-D (rows, columns), not of shape {list(t.shape)}")
+        scale = _scale_of(t)
+        tnode = self.b.const(_quantize(t, scale), f"{node.name}_table")
+        flat = idx.addr.reshape(-1)
+        k, r, c = self.b._decode(flat)
+        base = self.b.bases[int(k[0])] if flat.size else None
+        start = int(flat[0] - self.b.offsets[int(k[0])]) if flat.size else 0
+        if (not flat.size or not (k == k[0]).all() or base[0] not in self.b.int_inputs
+                or not (flat == flat[0] + np.arange(flat.size)).all()):
+            _refuse("the indices must be a graph input, or a contiguous run of one (no "
+                    "reordering)")
+        ids = base[0]
+        if (start, flat.size) != (0, base[1] * base[2]):
+            ids = self.b.add("slice", ids, stem=f"{node.name}_ids", axis=0, start=start,
+                             stop=start + flat.size)
+        out = self.b.add("embedding", tnode, ids, stem=node.name)
+        return self.b.act(out, idx.shape + (t.shape[1],), scale)
+
+    def attention(self, node, kw):
+        """``scaled_dot_product_attention``: per batch index (head), ``q @ k^T`` requantized
+        with the scale and any additive mask, an integer softmax (causal for ``is_causal`` or
+        a constant causal mask), ``p @ v`` requantized."""
+        q, k, v = kw["query"], kw["key"], kw["value"]
+        self._check_float(q, k, v)
+        if kw.get("dropout_p", 0.0):
+            _refuse("dropout_p must be 0 (export the model in eval mode)")
+        q, k, v = (t if isinstance(t, _Act) else self.act_of(
+            t, _scale_of(np.asarray(t.value, np.float64)), f"{node.name}_{n}")
+            for t, n in ((q, "q"), (k, "k"), (v, "v")))
+        qa, ka, va = q.addr, k.addr, v.addr
+        if min(qa.ndim, ka.ndim, va.ndim) < 2:
+            _refuse("query, key and value must have at least 2 dimensions")
+        if kw.get("enable_gqa") and qa.ndim >= 3 and ka.shape[-3] != qa.shape[-3]:
+            rep = qa.shape[-3] // ka.shape[-3]
+            ka, va = np.repeat(ka, rep, axis=-3), np.repeat(va, rep, axis=-3)
+        e = qa.shape[-1]
+        sc = kw.get("scale")
+        sc = 1.0 / math.sqrt(e) if sc is None else float(sc)
+        length, width = qa.shape[-2], ka.shape[-2]
+        qf = self.cal_in(node, "query")
+        kf = self.cal_in(node, "key")
+        if kf.shape != ka.shape:
+            kf = np.repeat(kf, ka.shape[-3] // kf.shape[-3], axis=-3)
+        scores = np.matmul(qf, np.swapaxes(kf, -1, -2)) * sc
+        bias, causal = self._attention_mask(kw, scores.shape)
+        if bias is not None:
+            scores = scores + bias
+        keep = np.ones(scores.shape[-2:], bool) if causal is None else (
+            np.arange(width)[None, :] <= np.arange(length)[:, None] + causal)
+        s_scale = _scale_of(np.where(keep, scores, 0.0))
+        attrs = self._softmax_attrs(s_scale, causal)
+        out_scale = self.value_scale(node)
+        batch = np.broadcast_shapes(qa.shape[:-2], ka.shape[:-2], va.shape[:-2],
+                                    scores.shape[:-2])
+        qb = np.broadcast_to(qa, batch + qa.shape[-2:])
+        kb = np.broadcast_to(np.swapaxes(ka, -1, -2), batch + (e, width))
+        vb = np.broadcast_to(va, batch + va.shape[-2:])
+        bb = None if bias is None else np.broadcast_to(bias, batch + (length, width))
+        parts = []
+        for i, index in enumerate(np.ndindex(*batch)):
+            stem = node.name if not batch else f"{node.name}_{i}"
+            acc = self.b.add("matmul", self.b.block(np.ascontiguousarray(qb[index])),
+                             self.b.block(np.ascontiguousarray(kb[index])), stem=f"{stem}_qk")
+            s = self.b.requant([(acc, q.scale * k.scale * sc, QMAX * QMAX * e)], s_scale,
+                               bias=None if bb is None else np.where(keep, bb[index], 0.0),
+                               stem=f"{stem}_s", shape2d=(length, width))
+            p = self.b.add("softmax", s, stem=f"{stem}_p", **attrs)
+            acc = self.b.add("matmul", p, self.b.block(np.ascontiguousarray(vb[index])),
+                             stem=f"{stem}_pv")
+            out = self.b.requant([(acc, SOFTMAX_SCALE * v.scale, QMAX * QMAX * width)],
+                                 out_scale, stem=stem, shape2d=(length, vb.shape[-1]))
+            parts.append(self.b.base(out, length, vb.shape[-1]))
+        return _Act(np.concatenate(parts).reshape(batch + (length, vb.shape[-1])), out_scale)
+
+    def _attention_mask(self, kw, shape):
+        """``(bias, causal)`` of an attention's mask: the finite additive part (real units, or
+        None) and ``k`` of a causal pattern (row ``i`` keeps the columns ``j <= i + k``; None
+        for no masked entry)."""
+        mask, length, width = kw.get("attn_mask"), shape[-2], shape[-1]
+        if kw.get("is_causal"):
+            if mask is not None:
+                _refuse("is_causal and attn_mask together")
+            return None, 0
+        if mask is None:
+            return None, None
+        if isinstance(mask, _Act):
+            _refuse("the attention mask must be a constant, not a tensor computed from the "
+                    "inputs")
+        m = np.asarray(mask.value)
+        if m.dtype == bool:
+            m = np.where(m, 0.0, -np.inf)
+        m = np.asarray(m, np.float64)
+        masked = np.isneginf(m)
+        if np.isnan(m).any() or np.isposinf(m).any():
+            _refuse("the attention mask holds NaN or +inf")
+        bias = np.where(masked, 0.0, m)
+        bias = None if not bias.any() else bias
+        if not masked.any():
+            return bias, None
+        rows = np.broadcast_to(masked, shape[:-2] + (length, width)).reshape(-1, length, width)
+        kept0 = int((~rows[0, 0]).sum())
+        causal = kept0 - 1
+        want = np.arange(width)[None, :] > np.arange(length)[:, None] + causal
+        if causal < 0 or not (rows == want).all():
+            _refuse("an attention mask that masks entries (-inf or False) must be causal: row "
+                    "i keeps the columns j <= i + k for one k >= 0")
+        return bias, causal
+
     # Dispatch ------------------------------------------------------------------------------
 
     def node(self, node, args, kw):
@@ -865,7 +1165,10 @@ class _Walker:
         base = name.split(".")[1]
         op = ATEN_OPS[name]
         if name == "operator.getitem":
-            return args[0][args[1]]
+            value = args[0][args[1]]
+            if isinstance(value, _Unused):
+                _refuse(value.why)
+            return value
         if base in ("split", "split_with_sizes", "chunk", "unbind"):
             return self.pieces(node, kw, kw["input"] if "input" in kw else kw["self"])
         if base == "cat":
@@ -924,6 +1227,30 @@ class _Walker:
                 _refuse("the added tensor must be a constant")
             return self.matmul(node, kw["mat1"], kw["mat2"], alpha=kw.get("alpha", 1),
                                bias=np.asarray(bias.value, np.float64) * kw.get("beta", 1))
+        if base in ("softmax", "_softmax", "_safe_softmax"):
+            if kw.get("half_to_float") or kw.get("dtype") not in (None, self.torch.float32):
+                _refuse("a softmax to another dtype is not supported")
+            return self.softmax(node, x, kw["dim"])
+        if base in ("gelu", "silu"):
+            return self.activation(node, x, base)
+        if base == "exp":
+            return self.exp(node, x)
+        if base in ("layer_norm", "native_layer_norm"):
+            out = self.norm(node, "layer_norm", x, kw["normalized_shape"], kw.get("weight"),
+                            kw.get("bias"), kw.get("eps", 1e-5))
+            if base == "layer_norm":
+                return out
+            why = "the mean and 1/std results of native_layer_norm are not supported"
+            return [out, _Unused(why), _Unused(why)]
+        if base == "rms_norm":
+            eps = kw.get("eps")
+            eps = float(np.finfo(np.float32).eps) if eps is None else eps
+            return self.norm(node, "rms_norm", x, kw["normalized_shape"], kw.get("weight"),
+                             None, eps)
+        if base == "embedding":
+            return self.embedding(node, kw["weight"], kw["indices"])
+        if base == "scaled_dot_product_attention":
+            return self.attention(node, kw)
         if base in ("mm", "bmm"):
             return self.matmul(node, x, kw["mat2"])
         if base == "matmul":
@@ -1073,16 +1400,21 @@ def import_program(program, example_inputs=None, *, name=None, seed=EXAMPLE_SEED
         if np.issubdtype(v.dtype, np.floating):
             scale = _scale_of(v)
             q = _quantize(v, scale)
-            builder.g.input(node_name, _fold2d(q.shape), "int8")
-            env[n.name] = builder.act(node_name, q.shape, scale)
+            # An image a convolution reads: (N * C, H * W), the NCHW bytes (conv.image_fold).
+            shape2d = conv.image_fold(n, q.shape) or _fold2d(q.shape)
+            builder.g.input(node_name, shape2d, "int8")
+            env[n.name] = _Act(builder.base(node_name, *shape2d).reshape(q.shape), scale)
         else:
             if (np.abs(v) > _INT32).any():
                 raise ModelImportError(f"input {n.name} of {what} holds integers beyond int32")
+            # Indices are 1-D in the IR (an embedding of (N,) indices gives (N, D) rows).
             q = v.astype(np.int32)
             scale = None
-            builder.g.input(node_name, _fold2d(q.shape), "int32")
-            env[n.name] = builder.act(node_name, q.shape, None, "int32")
-        inputs[node_name] = q.reshape(_fold2d(q.shape))
+            builder.g.input(node_name, (max(1, q.size),), "int32")
+            builder.int_inputs.add(node_name)
+            env[n.name] = _Act(builder.base(node_name, 1, q.size).reshape(q.shape), None,
+                               "int32")
+        inputs[node_name] = q.reshape(-1) if scale is None else q.reshape(shape2d)
         input_scales[node_name] = scale
     for n in program.graph.nodes:
         if n.op != "call_function":
@@ -1100,7 +1432,7 @@ def import_program(program, example_inputs=None, *, name=None, seed=EXAMPLE_SEED
                                       normalize_to_only_use_kwargs=True)
             kw = pair.kwargs if pair is not None else kwargs
         try:
-            value = walker.node(n, args, kw)
+            value = conv.dispatch(walker, n, args, kw)  # convolutions, pooling; else walker.node
         except _NodeError as e:
             raise ModelImportError(f"{_capital(what)}: node {n.name} ({op_name(n.target)}): "
                                    f"{e}") from None
