@@ -24,9 +24,9 @@ class TinyMLP(torch.nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-class Gelu(torch.nn.Module):
+class Unsupported(torch.nn.Module):
     def forward(self, x):
-        return torch.nn.functional.gelu(x) + torch.sin(x)
+        return torch.tanh(x) + torch.sin(x)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,8 @@ def programs(tmp_path_factory):
     torch.manual_seed(0)
     torch.export.save(torch.export.export(TinyMLP().eval(), (torch.randn(2, 8),)),
                       folder / "mlp.pt2")
-    torch.export.save(torch.export.export(Gelu(), (torch.randn(2, 4),)), folder / "gelu.pt2")
+    torch.export.save(torch.export.export(Unsupported(), (torch.randn(2, 4),)),
+                      folder / "unsupported.pt2")
     return folder
 
 
@@ -78,8 +79,9 @@ def test_bad_programs_are_refused_naming_them(programs, tmp_path, capsys, comman
                f"it is not a zip archive"),
         (foreign, f"'{foreign}' is not a torch.export program (a .pt2 file from "
                   f"torch.export.save): file in archive is not in a subdirectory: a.txt\n"),
-        (programs / "gelu.pt2", f"'{programs / 'gelu.pt2'}' has 2 unsupported op kinds (2 "
-                                f"nodes): aten.gelu.default x1, aten.sin.default x1"),
+        (programs / "unsupported.pt2", f"'{programs / 'unsupported.pt2'}' has 2 unsupported op "
+                                       f"kinds (2 nodes): aten.sin.default x1, "
+                                       f"aten.tanh.default x1"),
     ]
     for path, message in cases:
         assert main([command, str(path), "--fabric" if command != "import" else "--seed",
