@@ -8,12 +8,12 @@ import re
 
 import numpy as np
 import pytest
+from conftest import hostile
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from rdakit.compiler import intops
 from rdakit.compiler.graph import DataflowGraph, GraphError
-from tests.conftest import hostile
 
 RNG = np.random.default_rng(20)
 ERF = np.vectorize(math.erf)
