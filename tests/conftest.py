@@ -46,9 +46,9 @@ SLOW = {
 }
 
 
-#: Tests marked ``long`` (in the default suite and CI, out of the inner loop), by node id (all
-#: parametrizations, or one in brackets), with their time in one run of the suite on a loaded
-#: 2-core machine (about twice what an idle one takes).
+#: Tests marked ``long`` (in the default suite and CI, out of the inner loop), by file (all its
+#: tests) or node id (all parametrizations, or one in brackets), with their time in one run of
+#: the suite on a loaded 2-core machine (about twice what an idle one takes).
 LONG = {
     "hdl/test_host_bridge.py::test_kernel_through_the_uart_is_bit_exact": "330 s (setup)",
     "test_cli.py::test_bench_mu_quick_json": "12 s (170 s before the MU started in 9 cycles)",
@@ -110,6 +110,19 @@ LONG = {
     # The inner loop took 2 min 03 s on an idle machine with the above out of it.
     "hdl/test_system.py::test_shared_buffer_freed_once_after_the_last_remote_holder": "5 s",
     "hdl/test_mesh.py::test_dual_mesh_responses_flow_while_requests_are_stuck": "5 s",
+    # Issue 20's model suite and importer runs and issue 18's host-port tests (a loaded machine,
+    # --durations): torch exports in module fixtures, interpreter runs of imported programs, one
+    # fabric simulation per module. The importer's refusals, coverage, quantization and graph
+    # file tests, the integer ops' tests and the partitioners' stay in the loop.
+    "compiler/test_models.py": "19 s (the exports' fixture) + 25 tests",
+    "sim/test_bench_models.py": "15 s (setup) + 13 tests",
+    "compiler/test_torch_import_nonlinear.py": "21 s",
+    "hdl/test_host_port.py": "10 s (setup) + 8 + 4 s",
+    "compiler/test_bench.py::test_bench_partition_quick": "5.5 s (15 s loaded)",
+    "compiler/test_torch_import.py::test_interpreter_is_bit_exact_against_the_graph":
+        "3.3 + 1.2 + 1.0 s",
+    "compiler/test_torch_import.py::test_saved_program_imports_the_same_and_random_inputs_are_seeded":
+        "1.7 s",
 }
 
 
@@ -149,8 +162,10 @@ def pytest_collection_modifyitems(config, items):
             continue
         if rel.parts[0] == "cosim":
             item.add_marker(pytest.mark.cosim)
-        # A table names a test (all its parametrizations) or one parametrization.
-        ids = {f"{rel.as_posix()}::{item.name.split('[')[0]}", f"{rel.as_posix()}::{item.name}"}
+        # A table names a file (all its tests), a test (all its parametrizations) or one
+        # parametrization.
+        ids = {rel.as_posix(), f"{rel.as_posix()}::{item.name.split('[')[0]}",
+               f"{rel.as_posix()}::{item.name}"}
         for table, mark in ((SLOW, pytest.mark.slow), (LONG, pytest.mark.long)):
             if ids & table.keys():
                 item.add_marker(mark)
