@@ -44,7 +44,7 @@ import numpy as np
 from rdakit.compiler.frontend import importer as _imp
 from rdakit.compiler.frontend.aten import op_name
 
-__all__ = ["CONV_OPS", "NATIVE_OPS", "dispatch", "image_fold", "native"]
+__all__ = ["CONV_OPS", "NATIVE_OPS", "dispatch", "image_fold", "native", "fold_batch_norm"]
 
 CONVOLUTION = "aten.convolution.default"
 BATCH_NORM = "aten._native_batch_norm_legit_no_training.default"
@@ -258,7 +258,7 @@ def _masked_taps(walker, x, win, cols, stem, *, fill, kind):
             continue
         t = _shift(walker, x, win.rows, cols, shift, fill, f"{stem}_t{i}{j}")
         if not ok.all():
-            key = (kind == "max", win.n, win.h, win.w, shift)
+            key = (kind == "max", win.n, win.h, win.w, shift, ok.tobytes())
             if kind == "max":
                 m = _const(walker, ("mask",) + key, lambda ok=ok: np.where(
                     ok, _imp.QMAX, -_imp.QMAX).astype(np.int8).reshape(-1, 1),
@@ -342,6 +342,16 @@ def _bn_affine(walker, node, channels):
     return a, beta - mu * a
 
 
+def fold_batch_norm(weight, bias, scale, shift):
+    """A convolution's float ``(weight, bias)`` with the batch norm ``y = scale * x + shift``
+    (per output channel, :func:`_bn_affine`) after it folded in: ``conv(x, weight', bias') ==
+    bn(conv(x, weight, bias))``."""
+    weight = np.asarray(weight, np.float64)
+    scale = np.asarray(scale, np.float64)
+    return (weight * scale.reshape((-1,) + (1,) * (weight.ndim - 1)),
+            np.asarray(bias, np.float64) * scale + shift)
+
+
 def _foldable_bn(walker, node, channels):
     """The batch norm that only reads ``node`` (a convolution) and can be folded into it, with
     its affine, or (None, None)."""
@@ -376,9 +386,7 @@ def convolution(walker, node, kw):
     b = np.zeros(cout) if bias is None else np.asarray(bias.value, np.float64).reshape(cout)
     bn, affine = _foldable_bn(walker, node, cout)
     if bn is not None:
-        a, shift = affine
-        w = w * a[:, None, None, None]
-        b = b * a + shift
+        w, b = fold_batch_norm(w, b, *affine)
         _state(walker).folded.add(bn.name)
         scale = _imp._scale_of(walker.cal[bn.name][0])
     else:

@@ -1,0 +1,207 @@
+"""Convolutions, batch norm and pooling in the torch.export importer (compiler/frontend/conv.py):
+conv2d with strides, paddings, dilation and channel counts close to torch's float conv on the
+dequantized input and bit-exact on the interpreter against the graph's evaluate; batch norm
+folded exactly; max, average and adaptive pooling; bad parameters refused naming the node; the
+suite's ResNet (slow)."""
+
+import numpy as np
+import pytest
+
+from rdakit.compiler.frontend import conv
+from rdakit.compiler.frontend.importer import ModelImportError, import_program
+
+torch = pytest.importorskip("torch")
+
+from rdakit.cli import main  # noqa: E402
+from rdakit.compiler.compile import compile_workload  # noqa: E402
+from rdakit.hdl.spec.params import fabric_params  # noqa: E402
+from rdakit.sim.runtime.job import run_job_interp  # noqa: E402
+
+P4 = fabric_params(4, 4, prog_len=4096, mu_words=32768, max_buffers=64)
+
+#: (in channels, out channels, kernel, stride, padding, dilation) of each conv of the zoo.
+CONVS = [(3, 4, 3, 1, 1, 1), (3, 6, 3, 2, 1, 1), (3, 5, 1, 2, 0, 1), (3, 8, 3, 1, 0, 1),
+         (3, 4, 3, 1, 2, 2), (3, 16, 1, 1, 0, 1)]
+
+
+class Zoo(torch.nn.Module):
+    """Every conv of CONVS on one image batch, then pooling of the first one's ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = torch.nn.ModuleList(
+            torch.nn.Conv2d(ci, co, k, stride=s, padding=p, dilation=d, bias=i % 2 == 0)
+            for i, (ci, co, k, s, p, d) in enumerate(CONVS))
+        self.bn = torch.nn.BatchNorm2d(4)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-0.5, 0.5)
+            self.bn.running_var.uniform_(0.5, 2.0)
+            self.bn.weight.uniform_(-1.5, 1.5)
+
+    def forward(self, x):
+        ys = [c(x) for c in self.convs]
+        r = torch.relu(ys[0])
+        out = (*ys, self.bn(r),
+               torch.nn.functional.max_pool2d(r, 3, 2, 1),
+               torch.nn.functional.avg_pool2d(r, 2),
+               torch.nn.functional.avg_pool2d(r, 3, 1, 1, count_include_pad=False),
+               torch.nn.functional.adaptive_avg_pool2d(r, 1),
+               torch.nn.functional.adaptive_avg_pool2d(r, 2))
+        # NHWC outputs: the IR tensors as they are (an NCHW output would be copied row by row).
+        return tuple(o.permute(0, 2, 3, 1) for o in out)
+
+
+class ConvBN(torch.nn.Module):
+    def __init__(self, bn=True):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8) if bn else torch.nn.Identity()
+        if bn:
+            with torch.no_grad():
+                self.bn.running_mean.uniform_(-0.3, 0.3)
+                self.bn.running_var.uniform_(0.2, 3.0)
+                self.bn.weight.uniform_(-2, 2)
+                self.bn.bias.uniform_(-1, 1)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
+def _export(module, x):
+    return torch.export.export(module.eval(), (x,))
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    torch.manual_seed(0)
+    module = Zoo().eval()
+    x = torch.randn(2, 3, 8, 8)
+    return module, x, import_program(_export(module, x), name="zoo")
+
+
+def test_zoo_imports_every_op(zoo):
+    _, _, model = zoo
+    assert all(c["supported"] for c in model.coverage.values())
+    assert {"aten.convolution.default", "aten.max_pool2d_with_indices.default",
+            "aten.avg_pool2d.default"} <= set(model.coverage)
+
+
+def test_convolutions_are_close_to_torch_on_the_dequantized_input(zoo):
+    module, x, model = zoo
+    (name,) = model.inputs
+    q = model.inputs[name].reshape(x.shape)                 # the NCHW bytes, (N * C, H * W)
+    xq = torch.tensor(q * model.input_scales[name], dtype=torch.float32)
+    got = model.dequantize(model.evaluate())
+    for i, c in enumerate(module.convs):
+        want = c(xq).permute(0, 2, 3, 1).detach().numpy().astype(np.float64)
+        y = got["y" + str(i)]
+        cosine = float((want * y).sum() / np.linalg.norm(want) / np.linalg.norm(y))
+        assert cosine >= 0.99, (CONVS[i], cosine)
+
+
+def test_every_output_is_close_to_float(zoo):
+    _, _, model = zoo
+    for o in model.accuracy.outputs:
+        assert o.cosine >= 0.99, o
+
+
+@pytest.mark.slow  # 22 s: the zoo's 464 ops compiled for a 4x4 fabric and interpreted
+def test_interpreter_is_bit_exact_against_the_graph(zoo):
+    _, _, model = zoo
+    job = compile_workload(model.workload(), params=P4, place_steps=200)[0]
+    outputs, result, _ = run_job_interp(job)
+    assert result.ok, result.errors
+    got, want = job.decode(outputs, check_padding=True), model.evaluate()
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_image_input_is_its_nchw_bytes_and_taps_are_row_shifts(zoo):
+    _, x, model = zoo
+    (name,) = model.inputs
+    assert model.inputs[name].shape == (2 * 3, 8 * 8)
+    kinds = {}
+    for n in model.graph.order():
+        kinds[model.graph.kind(n)] = kinds.get(model.graph.kind(n), 0) + 1
+    # One matmul per conv, one selection per image of each strided op, one for each pool to
+    # 1x1 or 2x2 (avg_pool2d with stride), nothing per row.
+    # 464 ops measured; a per-row copy of any 8x8 activation would add hundreds.
+    assert len(model.graph) < 500, kinds
+
+
+@pytest.mark.parametrize("hw, stride", [(2, 1), (2, 2), (1, 1), (4, 2)])
+def test_small_images_whose_taps_share_a_shift(hw, stride):
+    # On a 2-wide image the taps (-1, +1) and (0, -1) are both a shift of -1 row with
+    # different masks: each tap has its own.
+    torch.manual_seed(0)
+    module = torch.nn.Conv2d(4, 8, 3, stride=stride, padding=1)
+    model = import_program(_export(module, torch.randn(2, 4, hw, hw)))
+    assert model.accuracy.cosine >= 0.99
+
+
+def test_batch_norm_folds_exactly_in_float():
+    torch.manual_seed(4)
+    module = ConvBN().eval().double()
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    bn = module.bn
+    scale = (bn.weight / torch.sqrt(bn.running_var + bn.eps)).detach().numpy()
+    shift = (bn.bias - bn.running_mean * bn.weight / torch.sqrt(bn.running_var + bn.eps)
+             ).detach().numpy()
+    w, b = conv.fold_batch_norm(module.conv.weight.detach().numpy(),
+                                module.conv.bias.detach().numpy(), scale, shift)
+    folded = torch.nn.functional.conv2d(x, torch.tensor(w), torch.tensor(b), padding=1)
+    want = bn(module.conv(x))
+    assert float((folded - want).abs().max()) < 1e-5
+
+
+def test_batch_norm_after_a_conv_costs_no_op():
+    torch.manual_seed(5)
+    x = torch.randn(1, 3, 6, 6)
+    with_bn = import_program(_export(ConvBN(True), x))
+    without = import_program(_export(ConvBN(False), x))
+    assert len(with_bn.graph) == len(without.graph)
+    assert with_bn.accuracy.cosine >= 0.99
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: torch.nn.Conv2d(4, 4, 3, groups=2),
+     r"node convolution \(aten.convolution.default\): groups=2 is not supported"),
+    (lambda: torch.nn.Conv2d(4, 4, 3, padding=2),
+     r"node convolution \(aten.convolution.default\): the convolution's padding \[2, 2\] is "
+     r"more than half the kernel's span"),
+    (lambda: torch.nn.MaxPool2d(2, ceil_mode=True),
+     r"node max_pool2d_with_indices \(aten.max_pool2d_with_indices.default\): ceil_mode=True "
+     r"is not supported"),
+    (lambda: torch.nn.ConvTranspose2d(4, 4, 3),
+     r"unsupported op kinds|transposed convolutions are not supported"),
+])
+def test_bad_parameters_are_refused_naming_the_node(make, message):
+    torch.manual_seed(6)
+    with pytest.raises(ModelImportError, match=message):
+        import_program(_export(make(), torch.randn(1, 4, 6, 6)))
+
+
+def test_cli_refuses_a_bad_convolution_with_exit_2(tmp_path, capsys):
+    path = tmp_path / "grouped.pt2"
+    torch.export.save(_export(torch.nn.Conv2d(4, 4, 3, groups=4), torch.randn(1, 4, 6, 6)),
+                      str(path))
+    assert main(["import", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"'{path}': node convolution (aten.convolution.default): groups=4 is not " \
+           "supported (only groups=1)" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_suite_resnet_imports_runs_bit_exact_and_agrees_with_float():
+    from rdakit.compiler.frontend import models
+    program, inputs = models.export("resnet")
+    model = import_program(program, inputs, name="resnet")
+    assert all(c["supported"] for c in model.coverage.values())
+    assert model.accuracy.top1 >= 0.95
+    job = compile_workload(model.workload(), params=fabric_params(
+        2, 2, prog_len=8192, mu_words=65536), place_steps=200)[0]
+    outputs, result, _ = run_job_interp(job)
+    assert result.ok, result.errors
+    np.testing.assert_array_equal(job.decode(outputs)["y"], model.evaluate()["y"])
