@@ -152,7 +152,7 @@ def test_batch_norm_folds_exactly_in_float():
                                 module.conv.bias.detach().numpy(), scale, shift)
     folded = torch.nn.functional.conv2d(x, torch.tensor(w), torch.tensor(b), padding=1)
     want = bn(module.conv(x))
-    assert float((folded - want).abs().max()) < 1e-5
+    assert float((folded - want).abs().max().detach()) < 1e-5
 
 
 def test_batch_norm_after_a_conv_costs_no_op():
