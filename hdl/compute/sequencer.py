@@ -79,11 +79,6 @@ NONBLOCKING = (Op.ALLOC, Op.READ, Op.LEN)
 AFTER_STREAM = (*MU_INSTRUCTIONS, *FENCED, Op.VSET, Op.VCLR, Op.LGET, Op.LSET)
 
 
-def _tile_mask(params, kind):
-    """Bit ``y << coord_bits | x`` set for every tile of ``kind`` ("C" or "M") of the grid."""
-    return sum(1 << (y << params.coord_bits | x) for x, y in params.tiles(kind))
-
-
 class _State(enum.Enum, shape=2):
     IDLE = 0     # not running: done
     RUN = 1      # executing the instruction on the program read port
@@ -352,8 +347,8 @@ class Sequencer(wiring.Component):
         # tile of the grid and a message's ID a CU tile (a cluster's bits, above 2 * coord_bits,
         # are the bridges' business). Otherwise the flit would be dropped as misrouted and the
         # CU would wait forever for its answer.
-        mu_tiles = Const(_tile_mask(p, "M"), 1 << 2 * cb)
-        cu_tiles = Const(_tile_mask(p, "C"), 1 << 2 * cb)
+        mu_tiles = Const(p.tile_mask("M"), 1 << 2 * cb)
+        cu_tiles = Const(p.tile_mask("C"), 1 << 2 * cb)
         ra_is_mu = mu_tiles.bit_select(ra_v[:2 * cb], 1)
         to_is_cu = cu_tiles.bit_select(to[:2 * cb], 1)
         stream_to_mu = (mu_tiles.bit_select(sf[S.A_REF][:2 * cb], 1)

@@ -17,7 +17,6 @@ from amaranth.lib import stream, wiring
 from amaranth.lib.fifo import SyncFIFOBuffered
 from amaranth.lib.wiring import In, Out
 
-from rdakit.hdl.compute.sequencer import _tile_mask
 from rdakit.hdl.compute.unit import ComputeUnit
 from rdakit.hdl.fabric.config_loader import ConfigLoader, LoadStatus
 from rdakit.hdl.memory.unit import MemoryUnit
@@ -292,7 +291,7 @@ class HostPort(wiring.Component):
         # sent, it would be dropped as misrouted (a CU tile) or at injection (off the grid),
         # and the port would wait forever for its response.
         host_bit = host_tag_bit(p)
-        mu_tiles = Const(_tile_mask(params, "M"), 1 << 2 * cb)
+        mu_tiles = Const(params.tile_mask("M"), 1 << 2 * cb)
         names_mu = mu_tiles.bit_select(cmd.req.ref.mu[:2 * cb], 1)
         on_grid = (cmd.x < params.cols) & (cmd.y < params.rows)
         req = Signal(mu_request_layout(p))

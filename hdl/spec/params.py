@@ -438,6 +438,11 @@ class FabricParams:
         return [(x, y) for y in range(self.rows) for x in range(self.cols)
                 if kind is None or self.grid[y][x] == kind]
 
+    def tile_mask(self, kind):
+        """The layout as a constant table: bit ``y << coord_bits | x`` set for every tile of
+        ``kind`` ("C" or "M"). The sequencer and the host port check a destination with it."""
+        return sum(1 << (y << self.coord_bits | x) for x, y in self.tiles(kind))
+
     @property
     def cluster_bits(self):
         return self.mu.cluster_bits
