@@ -730,6 +730,46 @@ def elementwise(lw, g, op, slots, first, rest, after=None):
     asm.place(end)
 
 
+def chunk_words(words, budget):
+    """The chunk of a row of ``words`` walked in ``budget``-word chunks: as even as the
+    fewest chunks allow, so that most rows need no shorter last chunk."""
+    count = -(-words // max(budget, 1))
+    return -(-words // count)
+
+
+def row_chunks(asm, out, words, chunk, regs, count, body):
+    """``body(p)`` over a row of ``words`` words in chunks of ``chunk`` (the last may be
+    shorter): ``p`` is the :class:`Passes` of the chunk at word ``regs[0]`` of the output;
+    each ``(reg, start)`` of ``regs`` (``start`` a register or an int) starts at ``start``
+    and advances by ``chunk``. The whole chunks run in a loop counted in ``count``, a
+    shorter last one after it."""
+    full, tail = divmod(words, chunk)
+
+    def advance():
+        for reg, _ in regs:
+            asm.alui(AluFn.ADD, reg, reg, chunk)
+
+    for reg, start in regs:
+        if isinstance(start, Reg):
+            asm.alui(AluFn.ADD, reg, start, 0)
+        else:
+            asm.li(reg, start)
+    if full == 1:
+        body(Passes(asm, out, regs[0][0], chunk))
+        if tail:
+            advance()
+    elif full > 1:
+        asm.li(count, full)
+
+        def loop(head):
+            body(Passes(asm, out, regs[0][0], chunk))
+            advance()
+            asm.branch(Op.LOOP, head, ra=count)
+        asm.loop(loop)
+    if tail:
+        body(Passes(asm, out, regs[0][0], tail))
+
+
 def iexp_passes(p, slot, extra_shift=0):
     """i-exp of ``u`` (the output holds it): ``z = u >> E`` into ``slot(0)``, ``r = u & (2**E -
     1)``, ``r * (r - 2 q_b) + q_b^2 + q_c`` (= ``(r - q_b)^2 + q_c``), then ``>> z`` (and
@@ -885,11 +925,17 @@ def norm(kind):
         frac, eps = a["frac"], a.get("eps", 0)
         zm = (math.isqrt(c - 1) + 1) << frac
         layer = kind == "layer_norm"
-        lw.need_local(g, op, (4 if layer else 3) * cw)
+        # A row whose slots (d, w, b; and the constants) do not fit the local buffer: the
+        # passes with a per-lane operand go over it in chunks of one slot (see row_chunks).
+        long = (4 if layer else 3) * cw > g.local_top
+        lw.need_local(g, op, 1 if long else (4 if layer else 3) * cw)
+        chunk = chunk_words(cw, g.local_top)
         d_slot, w_slot, b_slot = Local(0), Local(cw), Local(2 * cw)
-        for name, at in zip(op.ins[1:], (w_slot, b_slot), strict=False):
-            r, base = lw.ref(g, name)
-            asm.stream(AluFn.PASS, a=r, a_base=base, n=cw, d_mode=DMode.LOCAL, d_base=int(at))
+        params = [lw.ref(g, name) for name in op.ins[1:]]
+        if not long:
+            for (r, base), at in zip(params, (w_slot, b_slot), strict=False):
+                asm.stream(AluFn.PASS, a=r, a_base=base, n=cw, d_mode=DMode.LOCAL,
+                           d_base=int(at))
         shift = a["shift"]
         if shift >= 0:
             first = [(AluFn.PASS, None, shift)] + clip_stages_after(a["dtype"], shift, lo, hi)
@@ -910,8 +956,23 @@ def norm(kind):
                 asm.alu(AluFn.MUL, R4, R6, R6)
                 asm.alui(AluFn.SHR, R4, R4, v)
                 asm.alui(AluFn.MUL, R4, R4, cw * lw.lanes - c)              # padding's share
-            p.run(AluFn.PASS, dst=d_slot)
-            p.run(AluFn.MUL, d_slot, ("sum", R5), shift=v)
+            if long:
+                # R5 = the sum of (d * d) >> v, chunk by chunk (R4, the padding's share, is
+                # kept in R7 meanwhile; the loop counts in R6 once mu is no longer needed).
+                if layer:
+                    asm.alui(AluFn.ADD, R7, R4, 0)
+                asm.li(R5, 0)
+
+                def square(q):
+                    q.run(AluFn.PASS, dst=d_slot)
+                    q.run(AluFn.MUL, d_slot, ("sum", R4), shift=v)
+                    asm.alu(AluFn.ADD, R5, R5, R4)
+                row_chunks(asm, out, cw, chunk, [(R0, R3)], R6, square)
+                if layer:
+                    asm.alui(AluFn.ADD, R4, R7, 0)
+            else:
+                p.run(AluFn.PASS, dst=d_slot)
+                p.run(AluFn.MUL, d_slot, ("sum", R5), shift=v)
             if layer:
                 asm.alu(AluFn.SUB, R5, R5, R4)
             asm.alui(AluFn.MIN, R5, R5, intops.INT32_MAX - eps)
@@ -953,9 +1014,20 @@ def norm(kind):
             p.run(AluFn.MUL, R7, shift=R4)
             p.run(AluFn.MAX, -zm)
             p.run(AluFn.MIN, zm)
-            p.run(AluFn.MUL, w_slot)
-            if layer:
-                p.run(AluFn.ADD, b_slot)
+            if long:
+                # * w (+ b) chunk by chunk, each chunk of w (b) streamed into the one slot.
+                def scale(q):
+                    for (r, _), reg, fn in zip(params, (R5, R6), (AluFn.MUL, AluFn.ADD),
+                                               strict=False):
+                        q.run(AluFn.PASS, dst=d_slot, src=(r, reg))
+                        q.run(fn, d_slot)
+                regs = [(R0, R3)] + [(reg, base) for (_, base), reg in zip(params, (R5, R6),
+                                                                           strict=False)]
+                row_chunks(asm, out, cw, chunk, regs, R7, scale)
+            else:
+                p.run(AluFn.MUL, w_slot)
+                if layer:
+                    p.run(AluFn.ADD, b_slot)
         row_loop(lw, g, x, rx, [(R1, bx, cw), (R3, 0, cw)], body)
     return lower_norm
 
