@@ -48,12 +48,16 @@ class AtenOp:
         One line for the documentation: what it becomes and under which conditions.
     layout : bool
         Whether it is a layout op (free view or explicit copy).
+    routing : bool
+        Whether it is imported only as part of a recognised mixture-of-experts routing
+        (:mod:`rdakit.compiler.frontend.moe`); elsewhere it is refused naming the node.
     """
 
     name: str
     ir: tuple
     note: str
     layout: bool = False
+    routing: bool = False
 
 
 def _ops(*entries):
@@ -62,6 +66,13 @@ def _ops(*entries):
 
 def _layout(name, note):
     return AtenOp(name, LAYOUT_COPIES, note, layout=True)
+
+
+def _routing(name, ir, note):
+    return AtenOp(name, ir, f"mixture-of-experts routing only (moe): {note}", routing=True)
+
+
+_DROPPED = "an assertion or a check it feeds, dropped (no data)"
 
 
 _MATMUL = ("matmul",) + REQUANT
@@ -166,6 +177,29 @@ ATEN_OPS = _ops(
     _layout("aten.expand.default", "broadcast by the consumer where the IR broadcasts, else "
                                    "copies"),
     _layout("operator.getitem", "picks one result of a multi-result op (split, chunk)"),
+    _routing("aten.topk.default", ("topk", "take", "softmax"),
+             "top-k of the router's int8 logits; gates: softmax of the chosen logits if "
+             "renormalised, else the chosen probabilities"),
+    _routing("aten.nonzero.default", (), "torch.where on an expert's one-hot mask: its tokens"),
+    _routing("aten.eq.Tensor", (), "the one-hot mask of the top-k indices, dropped"),
+    _routing("aten.eq.Scalar", (), "the mask indices == e, dropped"),
+    _routing("aten._to_copy.default", (), "the one-hot mask's dtype, dropped"),
+    _routing("aten.index.Tensor", ("dispatch",),
+             "x[token]: dispatch (run-time rows); gates[token, slot]: the combine's gates"),
+    _routing("aten.index_put.default", ("combine",) + REQUANT,
+             "accumulating the gated expert outputs at their tokens: one combine, requantized"),
+    _routing("aten.index_add.default", ("combine",) + REQUANT, "as index_put"),
+    _routing("aten.full_like.default", (), "the zeros the experts' outputs are added into"),
+    _routing("aten.zeros_like.default", (), "as full_like"),
+    _routing("aten.logical_not.default", (), _DROPPED),
+    _routing("aten.any.dims", (), _DROPPED),
+    _routing("aten.ge.Scalar", (), _DROPPED),
+    _routing("aten.lt.Scalar", (), _DROPPED),
+    _routing("aten._assert_async.msg", (), _DROPPED),
+    _routing("aten._assert_scalar.default", (), _DROPPED),
+    _routing("aten.sym_size.int", (), _DROPPED),
+    _routing("operator.ge", (), _DROPPED),
+    _routing("operator.le", (), _DROPPED),
 )
 
 
@@ -223,7 +257,7 @@ def live_nodes(program):
     return live
 
 
-def op_coverage(exported_program, *, decompose=True):
+def op_coverage(exported_program, *, decompose=True, routed=None):
     """Count the op kinds of a program and say which the importer handles.
 
     Parameters
@@ -233,6 +267,9 @@ def op_coverage(exported_program, *, decompose=True):
     decompose : bool
         Count the graph the importer walks (:func:`prepare`), the default, or, if False, the
         program's graph as given.
+    routed : set of str, optional
+        Names of the nodes of the recognised mixture-of-experts routings
+        (:func:`rdakit.compiler.frontend.moe.recognise`); default: recognised here.
 
     Returns
     -------
@@ -240,19 +277,28 @@ def op_coverage(exported_program, *, decompose=True):
         By op name (:func:`op_name`), sorted: ``{"count": nodes, "folded": nodes that read no
         graph input (folded to constants at import), "supported": bool, "ir": list of IR
         kinds}``. A kind is supported if the importer handles it (:func:`supported`) or if
-        every node of it is folded. Only ``call_function`` nodes are ops (inputs, parameters
-        and the output are not).
+        every node of it is folded; a routing kind (:attr:`AtenOp.routing`) only if every node
+        of it that is not folded is part of a recognised routing. Only ``call_function``
+        nodes are ops (inputs, parameters and the output are not).
     """
     program = prepare(exported_program) if decompose else exported_program
     live = live_nodes(program)
-    counts, folded = {}, {}
+    if routed is None:
+        # moe imports this module (the registry): imported here, not at the top.
+        from rdakit.compiler.frontend import moe
+        routed = moe.routed_nodes(program, live)
+    counts, folded, stray = {}, {}, {}
     for node in program.graph.nodes:
         if node.op == "call_function":
             name = op_name(node.target)
             counts[name] = counts.get(name, 0) + 1
             folded[name] = folded.get(name, 0) + (node.name not in live)
+            op = ATEN_OPS.get(name)
+            stray[name] = stray.get(name, 0) + (
+                op is not None and op.routing and node.name in live and node.name not in routed)
     return {name: {"count": counts[name], "folded": folded[name],
-                   "supported": supported(name) or folded[name] == counts[name],
+                   "supported": (supported(name) and not stray[name])
+                   or folded[name] == counts[name],
                    "ir": list(ATEN_OPS[name].ir) if supported(name) else []}
             for name in sorted(counts)}
 

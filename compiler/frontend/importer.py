@@ -45,7 +45,7 @@ import zipfile
 import numpy as np
 
 from rdakit.compiler import intops
-from rdakit.compiler.frontend import conv
+from rdakit.compiler.frontend import conv, moe
 from rdakit.compiler.frontend.aten import (
     ATEN_OPS,
     live_nodes,
@@ -562,6 +562,15 @@ class _Unused:
     why: str
 
 
+@dataclasses.dataclass(frozen=True)
+class _Routed:
+    """A node of a recognised mixture-of-experts routing that has no value of its own (the
+    pattern's other nodes read it; :mod:`~rdakit.compiler.frontend.moe` checked that no other
+    node does)."""
+
+    name: str
+
+
 class _NodeError(Exception):
     """An op the importer handles in general but not with these operands."""
 
@@ -582,6 +591,7 @@ class _Walker:
         self.b = builder
         self.cal = calibration           # node name -> float numpy output
         self.torch = torch
+        self.routes = {}                 # id(moe.Routing) -> its IR routing, gates, outputs
 
     # Shared helpers ------------------------------------------------------------------------
 
@@ -1157,6 +1167,57 @@ class _Walker:
                     "i keeps the columns j <= i + k for one k >= 0")
         return bias, causal
 
+    # Mixture of experts --------------------------------------------------------------------
+
+    def routed(self, node, role, env):
+        """The value of ``node``, of ``role`` in a recognised routing (:mod:`moe`): the topk
+        gives the IR's ``topk`` and gates, an expert's ``x[token]`` its ``dispatch``, the last
+        scatter the ``combine`` of every expert's output; the other nodes have no value."""
+        kind, routing = role[0], role[1]
+        if kind == "drop":
+            return _Routed(node.name)
+        state = self.routes.setdefault(id(routing), {"ys": {}})
+        if kind == "topk":
+            logits = env[routing.logits.name]
+            if not isinstance(logits, _Act) or logits.scale is None:
+                _refuse("the router's logits must be computed from the inputs")
+            ln = self.b.materialize(logits)
+            idx = self.b.add("topk", ln, stem=f"{node.name}_idx", k=routing.k)
+            attrs = self._softmax_attrs(logits.scale)
+            if routing.renormalised:
+                # p_i / sum_j p_j over the chosen j is the softmax of the chosen logits.
+                chosen = self.b.add("take", ln, idx, stem=f"{node.name}_logits")
+                gate = self.b.add("softmax", chosen, stem=f"{node.name}_gates", **attrs)
+            else:
+                probs = self.b.add("softmax", ln, stem=f"{node.name}_probs", **attrs)
+                gate = self.b.add("take", probs, idx, stem=f"{node.name}_gates")
+            state.update(idx=idx, gate=gate)
+            return _Routed(node.name)
+        member = role[2] if len(role) > 2 else next(
+            m for m in routing.members if m.scatter is node)
+        if kind == "gather":
+            x = env[routing.tokens.name]
+            self._check_float(x)
+            rows = self.b.add("dispatch", self.b.materialize(x), state["idx"], stem=node.name,
+                              expert=member.index, experts=routing.experts)
+            return self.b.act(rows, x.shape, x.scale)
+        y = env[member.output.name]
+        self._check_float(y)
+        state["ys"][member.index] = y
+        if kind == "gated":
+            return _Routed(node.name)
+        ys = [state["ys"][e] for e in range(routing.experts)]
+        common = max(y.scale for y in ys)        # every expert's output at one scale
+        nodes = [self.b.materialize(self.rescale(y, common, f"{node.name}_e{e}"))
+                 for e, y in enumerate(ys)]
+        total = self.b.add("combine", state["idx"], state["gate"], *nodes,
+                           stem=f"{node.name}_sum", shift=0)
+        shape = tuple(self.cal[node.name].shape)
+        scale = self.value_scale(node)
+        out = self.b.requant([(total, common * SOFTMAX_SCALE, routing.k * QMAX * QMAX)], scale,
+                             stem=node.name, shape2d=_fold2d(shape))
+        return self.b.act(out, shape, scale)
+
     # Dispatch ------------------------------------------------------------------------------
 
     def node(self, node, args, kw):
@@ -1361,7 +1422,12 @@ def import_program(program, example_inputs=None, *, name=None, seed=EXAMPLE_SEED
 
     program = prepare(program)
     live = live_nodes(program)
-    coverage = op_coverage(program, decompose=False)
+    try:
+        plan = moe.recognise(program, live)
+    except moe.RoutingError as e:
+        raise ModelImportError(f"{_capital(what)}: node {e.node.name} ({op_name(e.node.target)})"
+                               f": {e}") from None
+    coverage = op_coverage(program, decompose=False, routed=set(plan.roles))
     message = unsupported_summary(coverage, _capital(what))
     if message:
         raise ModelImportError(message)
@@ -1386,6 +1452,11 @@ def import_program(program, example_inputs=None, *, name=None, seed=EXAMPLE_SEED
             raise ModelImportError(f"{_capital(what)} has an input of kind {spec.kind.name} "
                                    f"({spec.arg.name}), which the importer does not take")
     calibration, float_out = _calibrate(torch, program, flat_args)
+    for node_name, rows in plan.dynamic.items():
+        # An expert's rows are as many as torch routed to it; in the IR they are run-time rows
+        # bounded by the tokens: zero rows keep the scales and give the IR's shapes.
+        v = calibration[node_name]
+        calibration[node_name] = np.concatenate([v, np.zeros((rows - len(v),) + v.shape[1:])])
 
     builder = _Builder(name)
     walker = _Walker(builder, calibration, torch)
@@ -1432,7 +1503,11 @@ def import_program(program, example_inputs=None, *, name=None, seed=EXAMPLE_SEED
                                       normalize_to_only_use_kwargs=True)
             kw = pair.kwargs if pair is not None else kwargs
         try:
-            value = conv.dispatch(walker, n, args, kw)  # convolutions, pooling; else walker.node
+            role = plan.roles.get(n.name)
+            if role is not None:
+                value = walker.routed(n, role, env)
+            else:
+                value = conv.dispatch(walker, n, args, kw)  # convolutions, pooling; else node
         except _NodeError as e:
             raise ModelImportError(f"{_capital(what)}: node {n.name} ({op_name(n.target)}): "
                                    f"{e}") from None
