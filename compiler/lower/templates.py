@@ -242,6 +242,31 @@ def ew(lw, g, op):
         asm.li(R5, bb)
         asm.emit(Op.READ, fn=0, rd=R5, ra=rb, rb=R5)
         asm.stream(s0.fn, a=rx, a_base=bx, n=n, b_mode=BMode.SCALAR, b_val=R5, **kw)
+    elif mode == "row" and cw > g.local_top:
+        # A row longer than the free local buffer: x copied to the output, then per chunk of
+        # columns the row's chunk staged in the local buffer and one stream a row rewrites
+        # that chunk of the output in place.
+        lw.need_local(g, op, 1)
+        chunk = chunk_words(cw, g.local_top)
+        asm.stream(AluFn.PASS, a=rx, a_base=bx, n=n, d_mode=DMode.APPEND, d_ref=out)
+        nrows = rows()
+
+        def columns(c):
+            asm.stream(AluFn.PASS, a=rb, a_base=R6, n=c, d_mode=DMode.LOCAL, d_base=0)
+            asm.alui(AluFn.ADD, R1, R7, 0)
+            if isinstance(nrows, Reg):
+                asm.alui(AluFn.ADD, R5, nrows, 0)
+            else:
+                asm.li(R5, nrows)
+
+            def row(head):
+                asm.stream(s0.fn, a=out, a_base=R1, n=c, b_mode=BMode.LOCAL, b_val=0,
+                           b_stride=1, shift=s0.shift, relu=s0.relu, d_mode=DMode.WRITE,
+                           d_ref=out, d_base=R1, d_stride=1)
+                asm.alui(AluFn.ADD, R1, R1, cw)
+                asm.branch(Op.LOOP, head, ra=R5)
+            asm.loop(row)
+        column_chunks(asm, cw, chunk, [(R7, 0), (R6, bb)], R0, columns)
     elif mode == "row":
         lw.need_local(g, op, cw)
         asm.stream(AluFn.PASS, a=rb, a_base=bb, n=cw, d_mode=DMode.LOCAL, d_base=0)
@@ -743,6 +768,14 @@ def row_chunks(asm, out, words, chunk, regs, count, body):
     each ``(reg, start)`` of ``regs`` (``start`` a register or an int) starts at ``start``
     and advances by ``chunk``. The whole chunks run in a loop counted in ``count``, a
     shorter last one after it."""
+    column_chunks(asm, words, chunk, regs, count,
+                  lambda n: body(Passes(asm, out, regs[0][0], n)))
+
+
+def column_chunks(asm, words, chunk, regs, count, body):
+    """``body(n)`` for each chunk of ``n`` words of ``words`` (chunks of ``chunk``, the last
+    may be shorter), as :func:`row_chunks`: each ``(reg, start)`` of ``regs`` starts at
+    ``start`` and advances by ``chunk``."""
     full, tail = divmod(words, chunk)
 
     def advance():
@@ -755,19 +788,19 @@ def row_chunks(asm, out, words, chunk, regs, count, body):
         else:
             asm.li(reg, start)
     if full == 1:
-        body(Passes(asm, out, regs[0][0], chunk))
+        body(chunk)
         if tail:
             advance()
     elif full > 1:
         asm.li(count, full)
 
         def loop(head):
-            body(Passes(asm, out, regs[0][0], chunk))
+            body(chunk)
             advance()
             asm.branch(Op.LOOP, head, ra=count)
         asm.loop(loop)
     if tail:
-        body(Passes(asm, out, regs[0][0], tail))
+        body(tail)
 
 
 def iexp_passes(p, slot, extra_shift=0):

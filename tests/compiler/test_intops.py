@@ -425,3 +425,29 @@ def test_norms_of_rows_longer_than_the_local_buffer_are_bit_exact(lanes, cols, d
     want = g.evaluate(inputs)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.parametrize("lanes,cols", [(1, 150), (4, 300), (4, 770)])
+def test_a_row_operand_longer_than_the_local_buffer_is_bit_exact(lanes, cols):
+    """The per-channel requantization of a wide linear layer (``(x * m_row + b_row) >> s``,
+    clipped; static and dynamic rows, one of them empty): the row operand longer than the
+    64 local words goes through the local buffer in chunks of columns."""
+    from rdakit.hdl.spec.params import fabric_params
+    rng = np.random.default_rng(cols)
+    g = DataflowGraph(f"row_{cols}")
+    m = g.const("m", rng.integers(-2**14, 2**14, cols).astype(np.int32))
+    b = g.const("b", rng.integers(-2**20, 2**20, cols).astype(np.int32))
+    for name, dyn in (("x", False), ("xd", True), ("xe", True)):
+        x = g.input(name, (3, cols), "int32", dynamic=dyn, **({"expected_rows": 2} if dyn
+                                                                else {}))
+        y = g.add("shr", g.add("add", g.add("mul", x, m), b), shift=7)
+        g.output(f"o_{name}", g.add("clip", y, lo=-128, hi=127))
+    g.validate()
+    params = fabric_params(2, 2, prog_len=4096, lanes=lanes, local_words=64, mu_words=4096)
+    inputs = {"x": rng.integers(-2**15, 2**15, (3, cols)).astype(np.int32),
+              "xd": rng.integers(-2**15, 2**15, (2, cols)).astype(np.int32),
+              "xe": np.zeros((0, cols), np.int32)}
+    _, got = run_interp(g, params, inputs, seed=lanes)
+    want = g.evaluate(inputs)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
