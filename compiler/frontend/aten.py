@@ -72,7 +72,9 @@ def _routing(name, ir, note):
     return AtenOp(name, ir, f"mixture-of-experts routing only (moe): {note}", routing=True)
 
 
-_DROPPED = "an assertion or a check it feeds, dropped (no data)"
+def _dropped(name):
+    return AtenOp(name, (), "an assertion, or a check that only feeds assertions: dropped (no "
+                            "data); elsewhere refused", routing=True)
 
 
 _MATMUL = ("matmul",) + REQUANT
@@ -191,15 +193,15 @@ ATEN_OPS = _ops(
     _routing("aten.index_add.default", ("combine",) + REQUANT, "as index_put"),
     _routing("aten.full_like.default", (), "the zeros the experts' outputs are added into"),
     _routing("aten.zeros_like.default", (), "as full_like"),
-    _routing("aten.logical_not.default", (), _DROPPED),
-    _routing("aten.any.dims", (), _DROPPED),
-    _routing("aten.ge.Scalar", (), _DROPPED),
-    _routing("aten.lt.Scalar", (), _DROPPED),
-    _routing("aten._assert_async.msg", (), _DROPPED),
-    _routing("aten._assert_scalar.default", (), _DROPPED),
-    _routing("aten.sym_size.int", (), _DROPPED),
-    _routing("operator.ge", (), _DROPPED),
-    _routing("operator.le", (), _DROPPED),
+    _dropped("aten.logical_not.default"),
+    _dropped("aten.any.dims"),
+    _dropped("aten.ge.Scalar"),
+    _dropped("aten.lt.Scalar"),
+    _dropped("aten._assert_async.msg"),
+    _dropped("aten._assert_scalar.default"),
+    _dropped("aten.sym_size.int"),
+    _dropped("operator.ge"),
+    _dropped("operator.le"),
 )
 
 
