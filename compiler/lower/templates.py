@@ -784,7 +784,8 @@ def column_chunks(asm, words, chunk, regs, count, body):
 
     for reg, start in regs:
         if isinstance(start, Reg):
-            asm.alui(AluFn.ADD, reg, start, 0)
+            if start != reg:
+                asm.alui(AluFn.ADD, reg, start, 0)
         else:
             asm.li(reg, start)
     if full == 1:
@@ -879,6 +880,9 @@ def softmax(lw, g, op):
     asm, out = g.asm, g.out
     cw, bits = lx.cw, a["out_bits"]
     causal = "causal" in a
+    if 3 * cw > g.local_top or not (causal or softmax_row_fits(cw, lw.cp.local_words)):
+        softmax_long(lw, g, op)
+        return
     lw.need_local(g, op, 3 * cw)
     if causal:
         rp, bp = lw.ref(g, op.ins[1])
@@ -916,24 +920,134 @@ def softmax(lw, g, op):
         p.run(AluFn.MUL, -a["mult"], shift=a["shift"])
         iexp_passes(p, slot, shift_sum)
         p.run(AluFn.PASS, dst=("sum", R5))
-        # f = 2**30 // sum: the remainder starts at bit 30 of the numerator (its only one).
-        asm.li(R6, 1)
-        asm.li(R7, 0)
-        asm.li(R0, 1 << intops.RECIP_BITS)
+        softmax_scale(asm, p, bits)
 
-        def div(head):
-            skip = asm.label()
-            asm.branch(Op.BLT, skip, ra=R6, rb=R5)
-            asm.alu(AluFn.SUB, R6, R6, R5)
-            asm.alu(AluFn.OR, R7, R7, R0)
-            asm.place(skip)
-            asm.alui(AluFn.SHL, R6, R6, 1)
-            asm.alui(AluFn.SHRU, R0, R0, 1)
-            asm.branch(Op.BNZ, head, ra=R0)
-        asm.loop(div)
-        p.run(AluFn.MUL, R7)
-        p.run(AluFn.ADD, 1 << (intops.RECIP_BITS - 1 - bits), shift=intops.RECIP_BITS - bits)
-        p.run(AluFn.MIN, (1 << bits) - 1)
+    offsets = [(R1, bx, cw), (R3, 0, cw)] + ([(R4, a["causal"] + 1, 1)] if causal else [])
+    row_loop(lw, g, x, rx, offsets, body)
+
+
+def softmax_row_fits(cw, local_words):
+    """Whether a softmax row of ``cw`` words without a causal mask may take the path that
+    keeps it in the local buffer (three slots of a row and the ``lrow`` constant); the
+    lowerer asks for that constant only then."""
+    return 4 * cw <= local_words
+
+
+def softmax_scale(asm, p, bits):
+    """``f = 2**30 // sum`` (the sum in r5) by a scalar loop, then the passes of ``p`` to the
+    probabilities of ``bits`` bits."""
+    # The remainder starts at bit 30 of the numerator (its only one).
+    asm.li(R6, 1)
+    asm.li(R7, 0)
+    asm.li(R0, 1 << intops.RECIP_BITS)
+
+    def div(head):
+        skip = asm.label()
+        asm.branch(Op.BLT, skip, ra=R6, rb=R5)
+        asm.alu(AluFn.SUB, R6, R6, R5)
+        asm.alu(AluFn.OR, R7, R7, R0)
+        asm.place(skip)
+        asm.alui(AluFn.SHL, R6, R6, 1)
+        asm.alui(AluFn.SHRU, R0, R0, 1)
+        asm.branch(Op.BNZ, head, ra=R0)
+    asm.loop(div)
+    p.run(AluFn.MUL, R7)
+    p.run(AluFn.ADD, 1 << (intops.RECIP_BITS - 1 - bits), shift=intops.RECIP_BITS - bits)
+    p.run(AluFn.MIN, (1 << bits) - 1)
+
+
+def softmax_long(lw, g, op):
+    """Softmax of rows longer than the local buffer allows: the same passes, but the ones
+    with a per-lane operand go over the row in chunks of two local slots. Per row: the
+    maximum (a causal row: per chunk, ``L`` built in slot 0 and a MAX stream of ``min(x,
+    L)``; otherwise one MAX stream, the last word's padding lanes forced to INT_MIN by the
+    one-word ``ltail`` constant); ``u`` (a causal row: per chunk, ``d = x - m`` saved in slot
+    0, ``L`` rebuilt in the output's chunk and ``min(L, d)``); per chunk i-exp and a SUM
+    stream added up; the reciprocal and the last passes over the whole row."""
+    x = op.ins[0]
+    a = op.attrs
+    lx = lw.tensors[x].layout
+    rx, bx = lw.ref(g, x)
+    asm, out = g.asm, g.out
+    cw, bits = lx.cw, a["out_bits"]
+    causal = "causal" in a
+    lw.need_local(g, op, 2)
+    chunk = chunk_words(cw, g.local_top // 2)
+    if causal:
+        rp, bp = lw.ref(g, op.ins[1])
+    elif lx.cols % lw.lanes:
+        tail = Local(g.local[f"lrow{lx.cols}"] + cw - 1 if f"lrow{lx.cols}" in g.local
+                     else g.local[f"ltail{lx.cols}"])
+    wide = a["dtype"] == "int32"
+    clip = [(AluFn.MAX, -(1 << 30), 0), (AluFn.MIN, (1 << 30) - 1, 0)]
+    shift_sum = intops.softmax_sum_shift(lx.cols)
+    L, d = Local(0), Local(0)
+
+    def walk(body, regs):
+        """``body(p)`` per chunk, R1 (x) and R3 (the output) advanced chunk by chunk and put
+        back after; R7 counts."""
+        full, rest = divmod(cw, chunk)
+        column_chunks(asm, cw, chunk, [(R1, R1), (R3, R3)] + regs, R7,
+                      lambda n: body(Passes(asm, out, R3, n)))
+        moved = chunk * (full if full > 1 or rest else 0)
+        if moved:
+            asm.alui(AluFn.ADD, R1, R1, -moved)
+            asm.alui(AluFn.ADD, R3, R3, -moved)
+
+    def body():
+        p = Passes(asm, out, R3, cw)
+        asm.li(R5, INT_MIN)
+        if causal:
+            def top(q):
+                q.run(AluFn.SUB, R4, "append", src=(rp, R6), shift=31)
+                q.run(AluFn.XOR, INT_MIN, L)
+                src = (rx, R1)
+                if wide:
+                    for fn, b, _ in clip:
+                        q.run(fn, b, src=src)
+                        src = None
+                q.run(AluFn.MIN, L, ("max", R0), src=src)
+                asm.alu(AluFn.MAX, R5, R5, R0)
+            walk(top, [(R6, bp)])
+        else:
+            src = (rx, R1)
+            if wide:
+                p.chain(src, clip)
+                src = None
+            if lx.cols % lw.lanes:
+                q = Passes(asm, out, R3, cw - 1)
+                if cw > 1:
+                    q.run(AluFn.PASS, dst=("max", R5), src=src)
+                asm.alui(AluFn.ADD, R0, R1 if src else R3, cw - 1)
+                q = Passes(asm, out, R0, 1)
+                q.run(AluFn.MIN, tail, ("max", R0), src=(rx, R0) if src else (out, R0))
+                asm.alu(AluFn.MAX, R5, R5, R0)
+            else:
+                p.run(AluFn.PASS, dst=("max", R5), src=src)
+        # u, from d = x - m (masked and padding lanes to INT_MIN, then -clip).
+        if causal:
+            def mid(q):
+                q.run(AluFn.SUB, R5, src=None if wide else (rx, R1))
+                q.run(AluFn.PASS, dst=d)
+                q.run(AluFn.SUB, R4, src=(rp, R6), shift=31)
+                q.run(AluFn.XOR, INT_MIN)
+                q.run(AluFn.MIN, d)
+            walk(mid, [(R6, bp)])
+        else:
+            p.run(AluFn.SUB, R5, None if wide else "append", src=None if wide else (rx, R1))
+            if lx.cols % lw.lanes:
+                asm.alui(AluFn.ADD, R0, R3, cw - 1)
+                Passes(asm, out, R0, 1).run(AluFn.MIN, tail)
+        p.run(AluFn.MAX, -a["clip"])
+        p.run(AluFn.MUL, -a["mult"], shift=a["shift"])
+        asm.li(R5, 0)
+
+        def expsum(q):
+            iexp_passes(q, lambda k: Local(k * chunk), shift_sum)
+            q.run(AluFn.PASS, dst=("sum", R0))
+            asm.alu(AluFn.ADD, R5, R5, R0)
+        walk(expsum, [])
+        softmax_scale(asm, p, bits)
 
     offsets = [(R1, bx, cw), (R3, 0, cw)] + ([(R4, a["causal"] + 1, 1)] if causal else [])
     row_loop(lw, g, x, rx, offsets, body)

@@ -404,6 +404,9 @@ def long_row_graph(rows, cols, dtype, kinds, seed=0):
         "sm": ("softmax", [x], intops.softmax_params(s, 7)),
         "smc": ("softmax", [x], dict(intops.softmax_params(s, 8), causal=cols // 2)),
     }
+    if "smd" in kinds:
+        xd = g.input("xd", (rows + 1, cols), dtype, dynamic=True, expected_rows=rows / 2)
+        nodes["smd"] = ("softmax", [xd], intops.softmax_params(s, 15))
     for name in kinds:
         kind, ins, attrs = nodes[name]
         g.output(f"o_{name}", g.add(kind, *ins, name=name, **attrs))
@@ -412,15 +415,16 @@ def long_row_graph(rows, cols, dtype, kinds, seed=0):
 
 @pytest.mark.parametrize("lanes,cols,dtype", [(1, 150, "int32"), (4, 300, "int8"),
                                               (4, 770, "int16")])
-def test_norms_of_rows_longer_than_the_local_buffer_are_bit_exact(lanes, cols, dtype):
-    """Rows of 150 to 770 elements (38 to 193 words) with 64 words of local buffer: the
-    passes with a per-lane operand go over the row in chunks (3 whole chunks of 50 words; one
+def test_row_wise_ops_on_rows_longer_than_the_local_buffer_are_bit_exact(lanes, cols, dtype):
+    """Rows of 150 to 770 elements (38 to 193 words) with 64 words of local buffer, for
+    layer_norm, rms_norm and softmax (plain, causal, on a dynamic input): the passes with a
+    per-lane operand go over the row in chunks (for the norms 3 whole chunks of 50 words; one
     of 38 and a last of 37; 3 of 49 in a loop and a last of 46, with padding lanes),
     bit-exact against the references."""
     from rdakit.hdl.spec.params import fabric_params
-    g = long_row_graph(3, cols, dtype, ["ln", "rms"], seed=cols)
-    params = fabric_params(2, 2, prog_len=4096, lanes=lanes, local_words=64, mu_words=4096)
-    inputs = intops_inputs(g, cols, dynamic_rows=0)
+    g = long_row_graph(3, cols, dtype, ["ln", "rms", "sm", "smc", "smd"], seed=cols)
+    params = fabric_params(2, 2, prog_len=4096, lanes=lanes, local_words=64, mu_words=8192)
+    inputs = intops_inputs(g, cols, dynamic_rows=2)
     _, got = run_interp(g, params, inputs, seed=lanes)
     want = g.evaluate(inputs)
     for name in want:
