@@ -1192,25 +1192,31 @@ norm("rms_norm")
 
 @template("embedding")
 def embedding(lw, g, op):
-    """The indices staged in the local buffer; per index: LGET it, clamp it to the table's
-    rows, and one stream appends that row of the table."""
+    """The indices staged in the local buffer (a chunk at a time when they do not fit); per
+    index: LGET it, clamp it to the table's rows, and one stream appends that row of the
+    table."""
     table, idx = op.ins
     lt, li = lw.tensors[table].layout, lw.tensors[idx].layout
     rt, bt = lw.ref(g, table)
     ri, bi = lw.ref(g, idx)
     asm, out = g.asm, g.out
-    lw.need_local(g, op, li.words)
-    asm.stream(AluFn.PASS, a=ri, a_base=bi, n=li.words, d_mode=DMode.LOCAL, d_base=0)
-    asm.li(R1, 0)
-    asm.li(COUNT, li.rows * li.cols)
+    lw.need_local(g, op, 1)
+    # More indices than the local buffer holds: staged and looked up a chunk at a time.
+    chunk = chunk_words(li.words, g.local_top)
+    total = li.rows * li.cols
+    for start in range(0, li.words, chunk):
+        n = min(chunk, li.words - start)
+        asm.stream(AluFn.PASS, a=ri, a_base=bi + start, n=n, d_mode=DMode.LOCAL, d_base=0)
+        asm.li(R1, 0)
+        asm.li(COUNT, min(n * lw.lanes, total - start * lw.lanes))
 
-    def body(head):
-        asm.emit(Op.LGET, rd=R5, rb=R1, imm=0)
-        asm.alui(AluFn.MAX, R5, R5, 0)
-        asm.alui(AluFn.MIN, R5, R5, lt.rows - 1)
-        asm.alui(AluFn.MUL, R5, R5, lt.cw)
-        asm.alui(AluFn.ADD, R5, R5, bt)
-        asm.stream(AluFn.PASS, a=rt, a_base=R5, n=lt.cw, d_mode=DMode.APPEND, d_ref=out)
-        asm.alui(AluFn.ADD, R1, R1, 1)
-        asm.branch(Op.LOOP, head, ra=COUNT)
-    asm.loop(body)
+        def body(head):
+            asm.emit(Op.LGET, rd=R5, rb=R1, imm=0)
+            asm.alui(AluFn.MAX, R5, R5, 0)
+            asm.alui(AluFn.MIN, R5, R5, lt.rows - 1)
+            asm.alui(AluFn.MUL, R5, R5, lt.cw)
+            asm.alui(AluFn.ADD, R5, R5, bt)
+            asm.stream(AluFn.PASS, a=rt, a_base=R5, n=lt.cw, d_mode=DMode.APPEND, d_ref=out)
+            asm.alui(AluFn.ADD, R1, R1, 1)
+            asm.branch(Op.LOOP, head, ra=COUNT)
+        asm.loop(body)

@@ -455,3 +455,19 @@ def test_a_row_operand_longer_than_the_local_buffer_is_bit_exact(lanes, cols):
     want = g.evaluate(inputs)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.parametrize("lanes,ids", [(1, 130), (4, 301)])
+def test_more_embedding_indices_than_the_local_buffer_holds(lanes, ids):
+    """130 or 301 indices (130 or 76 words, 64 local words), some out of the table's range:
+    staged a chunk at a time, bit-exact."""
+    from rdakit.hdl.spec.params import fabric_params
+    rng = np.random.default_rng(ids)
+    g = DataflowGraph(f"emb_{ids}")
+    table = g.const("table", rng.integers(-128, 128, (7, 5)).astype(np.int8))
+    g.output("o", g.add("embedding", table, g.input("ids", (ids,), "int32"), name="emb"))
+    g.validate()
+    params = fabric_params(2, 2, prog_len=4096, lanes=lanes, local_words=64, mu_words=4096)
+    inputs = {"ids": rng.integers(-2, 9, ids).astype(np.int32)}
+    _, got = run_interp(g, params, inputs, seed=lanes)
+    np.testing.assert_array_equal(got["o"], g.evaluate(inputs)["o"])
