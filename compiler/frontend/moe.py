@@ -56,11 +56,13 @@ _ZEROS = {"aten.full_like.default", "aten.zeros_like.default", "aten.zeros.defau
           "aten.full.default", "aten.new_zeros.default"}
 #: Ops an expert may apply to its rows (each output row depends on its own input row only,
 #: provided the other operands are constants that do not vary along the rows).
-_ROWWISE = {"aten.linear.default", "aten.silu.default", "aten.gelu.default",
+_ROWWISE = {"aten.linear.default", "aten.mm.default", "aten.addmm.default",
+            "aten.silu.default", "aten.gelu.default",
             "aten.relu.default", "aten.mul.Tensor", "aten.add.Tensor", "aten.sub.Tensor",
             "aten.div.Tensor", "aten.neg.default", "aten.clamp.default",
             "aten.hardtanh.default", "aten.clone.default", "aten.contiguous.default",
             "aten.alias.default", "aten.detach.default", "aten.dropout.default"}
+_MATMULS = {"aten.linear.default", "aten.mm.default", "aten.addmm.default"}
 _VIEWS = {"aten.unsqueeze.default", "aten.view.default", "aten.reshape.default",
           "aten.squeeze.dim", "aten.alias.default", "aten.clone.default"}
 
@@ -373,23 +375,10 @@ def _mask_meaning(torch, program, live, roles, indices, z, tokens, k, experts):
 def _expert(torch, live, roles, routing, z, e, token_major, gates):
     """The expert ``e`` reached from its ``nonzero`` ``z``."""
     roles[z.name] = ("drop", None)
-    unbinds = [u for u in _users(z) if roles.get(u.name) != ("drop", None)]
-    if len(unbinds) != 1 or op_name(unbinds[0].target) != "aten.unbind.int" \
-            or _int(_args(torch, unbinds[0]).get("dim", 0)) != 1:
-        _fail(unbinds[0] if unbinds else z,
-              "the nonzero of a routing mask must be split into its coordinates "
-              "(torch.where: unbind along dimension 1)")
-    ub = unbinds[0]
-    roles[ub.name] = ("drop", None)
-    picks = {}
-    for u in _users(ub):
-        if op_name(u.target) != "operator.getitem":
-            _fail(u, "the coordinates of a routing nonzero may only be picked")
-        picks[u.args[1]] = u
-        roles[u.name] = ("drop", None)
+    picks = _coordinates(torch, z, roles)
     token, slot = (picks.get(0), picks.get(1)) if token_major else (picks.get(1), picks.get(0))
     if token is None:
-        _fail(ub, "the tokens routed to an expert are not used")
+        _fail(z, "the tokens routed to an expert are not used")
     gather = weight = scatter = None
     for u in _users(token):
         name = op_name(u.target)
@@ -452,6 +441,44 @@ def _expert(torch, live, roles, routing, z, e, token_major, gates):
     return Expert(e, gather, region, output, scatter)
 
 
+def _coordinates(torch, z, roles):
+    """The columns of the nonzero ``z`` (``torch.where``'s results) by index: ``unbind(z, 1)``
+    and its picks, ``select(z, 1, c)``, or ``slice(z, 1, c, c + 1)`` squeezed (as torch's
+    decompositions spell unbind)."""
+    picks = {}
+
+    def pick(c, node):
+        if c in picks:
+            _fail(node, "a coordinate of a routing nonzero is taken twice")
+        picks[c] = node
+        roles[node.name] = ("drop", None)
+
+    for u in _users(z):
+        if roles.get(u.name) == ("drop", None):
+            continue                        # its size, for the assertions
+        name = op_name(u.target)
+        kw = _args(torch, u)
+        if name == "aten.unbind.int" and _int(kw.get("dim", 0)) in (1, -1):
+            roles[u.name] = ("drop", None)
+            for g in _users(u):
+                if op_name(g.target) != "operator.getitem":
+                    _fail(g, "the coordinates of a routing nonzero may only be picked")
+                pick(g.args[1], g)
+        elif name == "aten.select.int" and _int(kw.get("dim")) in (1, -1):
+            pick(_int(kw["index"]), u)
+        elif name == "aten.slice.Tensor" and _int(kw.get("dim")) in (1, -1) \
+                and kw.get("step", 1) == 1 and len(u.users) == 1 \
+                and op_name(next(iter(u.users)).target) in ("aten.squeeze.dims",
+                                                           "aten.squeeze.dim") \
+                and _int(kw.get("end")) == _int(kw.get("start")) + 1:
+            roles[u.name] = ("drop", None)
+            pick(_int(kw["start"]), next(iter(u.users)))
+        else:
+            _fail(u, "the nonzero of a routing mask must be split into its coordinates "
+                     "(torch.where: unbind, select or a slice of dimension 1)")
+    return picks
+
+
 def kw_values(torch, scatter):
     kw = _args(torch, scatter)
     return kw.get("values", kw.get("source"))
@@ -488,7 +515,7 @@ def _region(torch, live, gather, output, product, e):
             if a.name in live:
                 _fail(u, f"expert {e} reads {a.name}, an activation outside its rows")
             val = a.meta.get("val")
-            if name != "aten.linear.default" and val is not None and len(val.shape) >= 2 \
+            if name not in _MATMULS and val is not None and len(val.shape) >= 2 \
                     and int(val.shape[0]) != 1:
                 _fail(u, f"expert {e} combines its rows with a constant that varies along "
                          f"them ({a.name})")

@@ -206,3 +206,21 @@ def test_routing_ops_outside_a_routing_are_unsupported():
     assert cov["aten.index.Tensor"]["supported"] is False
     with pytest.raises(ModelImportError, match=r"aten\.index\.Tensor x1"):
         import_program(program)
+
+
+def test_a_program_decomposed_by_its_user_imports_too():
+    """torch's default decompositions turn index_add_ into index_put, zeros_like into
+    full_like and unbind into slices: the same routing, recognised in that spelling too (the
+    rest is kept whole: decomposed, silu becomes a sigmoid the importer refuses)."""
+    x = _inputs()
+    table = torch.export.default_decompositions()
+    ops = (torch.ops.aten.index_add.default, torch.ops.aten.zeros_like.default,
+           torch.ops.aten.unbind.int)
+    program = _export(_module(4, 2), x).run_decompositions({op: table[op] for op in ops})
+    names = {str(n.target) for n in program.graph.nodes}
+    assert {"aten.index_put.default", "aten.full_like.default"} <= names
+    assert "aten.unbind.int" not in names and "aten.index_add.default" not in names
+    model = import_program(program, (x,))
+    assert all(c["supported"] for c in model.coverage.values())
+    assert _kinds(model).count("dispatch") == 4
+    assert model.accuracy.cosine >= 0.99
