@@ -344,10 +344,11 @@ class Lowerer:
             lay = self.tensors[op.ins[0]].layout
             row = np.full(lay.cw * lanes, INT_MAX, dtype=np.int64)
             row[lay.cols:] = -(1 << 31)
+            if op.kind == "softmax" and not lay.cols % lanes:
+                return []       # no padding lane to mask
             if op.kind == "softmax" and not softmax_row_fits(lay.cw, self.cp.local_words):
                 # A long row masks only its last word's padding lanes: one word.
-                return [(f"ltail{lay.cols}", row[-lanes:].reshape(1, lanes))] if (
-                    lay.cols % lanes) else []
+                return [(f"ltail{lay.cols}", row[-lanes:].reshape(1, lanes))]
             return [(f"lrow{lay.cols}", row.reshape(-1, lanes))]
         if op.kind == "exp" and self.tensors[op.out].layout.cols % lanes:
             return [self._mask_row(self.tensors[op.out].layout.cols)]

@@ -887,8 +887,10 @@ def softmax(lw, g, op):
     if causal:
         rp, bp = lw.ref(g, op.ins[1])
         mask = Local(2 * cw)
-    else:
+    elif lx.cols % lw.lanes:
         mask = Local(g.local[f"lrow{lx.cols}"])
+    else:
+        mask = None     # every lane kept: min(x, L) is x
     wide = a["dtype"] == "int32"
     shift_sum = intops.softmax_sum_shift(lx.cols)
 
@@ -913,9 +915,13 @@ def softmax(lw, g, op):
                 p.chain(src, stages)
                 appended = True
             src = None
-        p.run(AluFn.MIN, mask, ("max", R5), src=src)
+        if mask is None:
+            p.run(AluFn.PASS, dst=("max", R5), src=src)
+        else:
+            p.run(AluFn.MIN, mask, ("max", R5), src=src)
         p.run(AluFn.SUB, R5, None if appended else "append", src=src)
-        p.run(AluFn.MIN, mask)
+        if mask is not None:
+            p.run(AluFn.MIN, mask)
         p.run(AluFn.MAX, -a["clip"])
         p.run(AluFn.MUL, -a["mult"], shift=a["shift"])
         iexp_passes(p, slot, shift_sum)
