@@ -1184,14 +1184,19 @@ class _Walker:
             ln = self.b.materialize(logits)
             idx = self.b.add("topk", ln, stem=f"{node.name}_idx", k=routing.k)
             attrs = self._softmax_attrs(logits.scale)
-            if routing.renormalised:
+            gate_scale = SOFTMAX_SCALE
+            if routing.renormalised and routing.k == 1:
+                # One chosen expert: its renormalised gate is exactly 1.
+                gate = self.b.const(np.ones((logits.shape[0], 1), np.int8), f"{node.name}_gates")
+                gate_scale = 1.0
+            elif routing.renormalised:
                 # p_i / sum_j p_j over the chosen j is the softmax of the chosen logits.
                 chosen = self.b.add("take", ln, idx, stem=f"{node.name}_logits")
                 gate = self.b.add("softmax", chosen, stem=f"{node.name}_gates", **attrs)
             else:
                 probs = self.b.add("softmax", ln, stem=f"{node.name}_probs", **attrs)
                 gate = self.b.add("take", probs, idx, stem=f"{node.name}_gates")
-            state.update(idx=idx, gate=gate)
+            state.update(idx=idx, gate=gate, gate_scale=gate_scale)
             return _Routed(node.name)
         member = role[2] if len(role) > 2 else next(
             m for m in routing.members if m.scatter is node)
@@ -1214,7 +1219,8 @@ class _Walker:
                            stem=f"{node.name}_sum", shift=0)
         shape = tuple(self.cal[node.name].shape)
         scale = self.value_scale(node)
-        out = self.b.requant([(total, common * SOFTMAX_SCALE, routing.k * QMAX * QMAX)], scale,
+        bound = routing.k * QMAX * (1 if state["gate_scale"] == 1.0 else QMAX)
+        out = self.b.requant([(total, common * state["gate_scale"], bound)], scale,
                              stem=node.name, shape2d=_fold2d(shape))
         return self.b.act(out, shape, scale)
 

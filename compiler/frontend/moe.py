@@ -11,8 +11,8 @@ each ``topk`` of such a pattern and gives every node of it a role; the importer 
 * ``topk`` on the router's int8 logits (the softmax is monotone, so the experts are the same,
   and the logits keep more distinct values than int8 probabilities);
 * the gates: renormalised top-k probabilities are ``softmax`` over the ``take`` of the top-k
-  logits (``p_i / sum_j p_j = exp(l_i) / sum_j exp(l_j)`` over the chosen ``j``); gates that
-  are not renormalised are the ``take`` of the router's softmax;
+  logits (``p_i / sum_j p_j = exp(l_i) / sum_j exp(l_j)`` over the chosen ``j``; for top-1
+  the constant 1); gates that are not renormalised are the ``take`` of the router's softmax;
 * per expert, ``dispatch`` (its tokens' rows, a run-time number of rows) and the expert's own
   ops on those rows;
 * one ``combine`` of every expert's output (rescaled to one scale) weighted by the gates,
