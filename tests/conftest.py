@@ -118,6 +118,7 @@ LONG = {
     "sim/test_bench_models.py": "15 s (setup) + 13 tests",
     "compiler/test_torch_import_nonlinear.py": "21 s",
     "compiler/test_torch_import_conv.py": "45 s loaded (the zoo's fixture 8-13 s)",
+    "compiler/test_torch_import_moe.py": "12.7 s idle (three exports and interpreter runs)",
     "hdl/test_host_port.py": "10 s (setup) + 8 + 4 s",
     "compiler/test_bench.py::test_bench_partition_quick": "5.5 s (15 s loaded)",
     "compiler/test_torch_import.py::test_interpreter_is_bit_exact_against_the_graph":
