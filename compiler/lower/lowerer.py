@@ -19,7 +19,7 @@ from rdakit.compiler.lower.chains import chain_zero
 from rdakit.compiler.lower.layout import INT_MAX, LoweringError, layout_of
 from rdakit.compiler.lower.registers import ARG, PEER, REF_REGS, TABLE, TEMPS, RefFile
 from rdakit.compiler.lower.result import CompiledJob, ProgramInfo
-from rdakit.compiler.lower.templates import TEMPLATES, softmax_row_fits
+from rdakit.compiler.lower.templates import TEMPLATES, lrow_fits
 from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
 from rdakit.hdl.spec.isa import AluFn, Instr, Op
 from rdakit.hdl.spec.params import RefcountMode
@@ -346,9 +346,10 @@ class Lowerer:
             row[lay.cols:] = -(1 << 31)
             if op.kind == "softmax" and not lay.cols % lanes:
                 return []       # no padding lane to mask
-            if op.kind == "softmax" and not softmax_row_fits(lay.cw, self.cp.local_words):
+            if not lrow_fits(lay.cw, self.cp.local_words):
                 # A long row masks only its last word's padding lanes: one word.
-                return [(f"ltail{lay.cols}", row[-lanes:].reshape(1, lanes))]
+                return [(f"ltail{lay.cols}", row[-lanes:].reshape(1, lanes))] if (
+                    lay.cols % lanes) else []
             return [(f"lrow{lay.cols}", row.reshape(-1, lanes))]
         if op.kind == "exp" and self.tensors[op.out].layout.cols % lanes:
             return [self._mask_row(self.tensors[op.out].layout.cols)]

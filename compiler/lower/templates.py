@@ -400,12 +400,27 @@ def reduce(lw, g, op):
     cw = lx.cw
     is_max = op.attrs["op"] == "max"
     if op.attrs["axis"] == "row" or lx.ndim == 1:
-        # One SUM (or MAX, padding lanes forced to INT_MIN) stream per row.
+        # One SUM (or MAX, padding lanes forced to INT_MIN) stream per row; a row too long
+        # for the lrow constant: a MAX stream of all but the last word, one of the last word
+        # with the ltail constant, the larger of the two.
         def body():
-            if is_max:
+            if is_max and f"lrow{lx.cols}" in g.local:
                 asm.stream(AluFn.MIN, a=rx, a_base=R1, n=cw, b_mode=BMode.LOCAL,
                            b_val=g.local[f"lrow{lx.cols}"], b_stride=1,
                            d_mode=DMode.MAX, rd=R5)
+            elif is_max and lx.cols % lw.lanes:
+                if cw > 1:
+                    asm.stream(AluFn.PASS, a=rx, a_base=R1, n=cw - 1, d_mode=DMode.MAX,
+                               rd=R5)
+                else:
+                    asm.li(R5, INT_MIN)
+                asm.alui(AluFn.ADD, R0, R1, cw - 1)
+                asm.stream(AluFn.MIN, a=rx, a_base=R0, n=1, b_mode=BMode.LOCAL,
+                           b_val=g.local[f"ltail{lx.cols}"], b_stride=1,
+                           d_mode=DMode.MAX, rd=R0)
+                asm.alu(AluFn.MAX, R5, R5, R0)
+            elif is_max:
+                asm.stream(AluFn.PASS, a=rx, a_base=R1, n=cw, d_mode=DMode.MAX, rd=R5)
             else:
                 asm.stream(AluFn.PASS, a=rx, a_base=R1, n=cw, d_mode=DMode.SUM, rd=R5)
             asm.emit(Op.VCLR)
@@ -880,7 +895,7 @@ def softmax(lw, g, op):
     asm, out = g.asm, g.out
     cw, bits = lx.cw, a["out_bits"]
     causal = "causal" in a
-    if 3 * cw > g.local_top or not (causal or softmax_row_fits(cw, lw.cp.local_words)):
+    if 3 * cw > g.local_top or not (causal or lrow_fits(cw, lw.cp.local_words)):
         softmax_long(lw, g, op)
         return
     lw.need_local(g, op, 3 * cw)
@@ -932,10 +947,12 @@ def softmax(lw, g, op):
     row_loop(lw, g, x, rx, offsets, body)
 
 
-def softmax_row_fits(cw, local_words):
-    """Whether a softmax row of ``cw`` words without a causal mask may take the path that
-    keeps it in the local buffer (three slots of a row and the ``lrow`` constant); the
-    lowerer asks for that constant only then."""
+def lrow_fits(cw, local_words):
+    """Whether the ``lrow`` constant of a row of ``cw`` words (INT_MAX on its lanes, INT_MIN
+    on padding) is kept in the local buffer for ``reduce_max`` and a softmax without a causal
+    mask: when it and three slots of the row (a softmax's) fit. A longer row has the
+    one-word ``ltail`` (its last word) instead, when it has padding lanes; the lowerer asks
+    for the constant the templates use."""
     return 4 * cw <= local_words
 
 

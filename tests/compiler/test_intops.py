@@ -471,3 +471,21 @@ def test_more_embedding_indices_than_the_local_buffer_holds(lanes, ids):
     inputs = {"ids": rng.integers(-2, 9, ids).astype(np.int32)}
     _, got = run_interp(g, params, inputs, seed=lanes)
     np.testing.assert_array_equal(got["o"], g.evaluate(inputs)["o"])
+
+
+@pytest.mark.parametrize("lanes,cols", [(1, 260), (4, 258), (4, 300)])
+def test_reduce_max_of_rows_longer_than_the_local_buffer(lanes, cols):
+    """reduce_max over rows whose lrow constant would not leave room (64 local words): all
+    but the last word in one MAX stream, the last word's padding lanes masked by a one-word
+    constant (none without padding), bit-exact with every value negative."""
+    from rdakit.hdl.spec.params import fabric_params
+    rng = np.random.default_rng(cols)
+    g = DataflowGraph(f"rmax_{cols}")
+    x = g.input("x", (3, cols), "int32")
+    g.output("o", g.add("reduce_max", x, name="rm", axis=1))
+    g.validate()
+    params = fabric_params(2, 2, prog_len=4096, lanes=lanes, local_words=64, mu_words=4096)
+    inputs = {"x": rng.integers(-2**31, -1, (3, cols)).astype(np.int32)}
+    inputs["x"][1, -1] = -1
+    _, got = run_interp(g, params, inputs, seed=lanes)
+    np.testing.assert_array_equal(got["o"], g.evaluate(inputs)["o"])
