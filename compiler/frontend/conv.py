@@ -3,36 +3,51 @@
 The importer (:mod:`rdakit.compiler.frontend.importer`) hands every node to :func:`dispatch`,
 which takes the ops of :data:`CONV_OPS` and passes the others on to the importer's own walk.
 
-**Layout.** A 4-D activation ``(N, C, H, W)`` computed here is one 2-D IR tensor of
-``(N * H * W, C)``: rows are spatial positions (row-major over ``n, h, w``), columns are
-channels (NHWC). In that layout every tap of a kernel is a constant shift of the rows: the tap
-``(i, j)`` of a convolution with padding ``p`` and dilation ``d`` reads, for the output
-position of row ``r``, the input row ``r + (i * d - p) * W + (j * d - p)``. So a tap is a
-``slice`` of rows and a ``concat`` with a constant fill (zeros, or ``-127`` for max-pooling)
-where the shift runs off the tensor, and the positions whose source falls outside the image
-(the padding, and the rows that would wrap into the neighbouring image row) are masked by a
-``(N * H * W, 1)`` constant: a ``mul`` by 0/1 and a ``clip`` for a convolution, a ``min`` with
-127/-127 for max-pooling. Each op is a few long streams once lowered (row slices and row
-concatenations are one contiguous stream each; a column-broadcast operand is one stream per row).
+**Layout.** A 4-D activation ``(N, C, H, W)`` computed here is held NHWC: rows are spatial
+positions (row-major over ``n, h, w``), columns are channels. The images are cut into groups
+of at most :data:`GROUP_ROWS` positions (at least one image), one 2-D IR tensor of ``(g * H *
+W, C)`` per group, and every op here works group by group (so no tensor of a batch of large
+images needs more than a few thousand vector words; a batch of small images is one tensor).
+In that layout every tap of a kernel is a constant shift of the rows: the tap ``(i, j)`` with
+padding ``p`` and dilation ``d`` reads, for the output position of row ``r``, the input row
+``r + (i * d - p) * W + (j * d - p)``. So a tap is a ``slice`` of rows and a ``concat`` with a
+constant fill (zeros, or ``-127`` for max-pooling) where the shift runs off the tensor, and
+the positions whose source falls outside the image (the padding, and the rows that would wrap
+into the neighbouring image row or image) are masked by a ``(rows, 1)`` constant: a ``mul``
+by 0/1 (and a ``clip`` back to int8 where needed), a ``min`` with 127/-127 for max-pooling.
+Each op is a few long streams once lowered.
 
-**Convolution** (im2col): the taps concatenated along columns give the ``(N * H * W, K * K *
-C_in)`` matrix, multiplied by the ``(K * K * C_in, C_out)`` weights (int8 per output channel,
-int32 accumulators) and requantized per output channel like a linear layer. A stride or an
-output smaller than the input picks the output positions by a selection matmul per image (a
-0/1 ``(H_out * W_out, H * W)`` constant) before the weights. Batch norm that follows a
-convolution (eval mode: running statistics) is folded into its weights and bias before they
-are quantized; any other batch norm is a per-channel affine, one requantization.
+**Separable taps.** A tap's shift and mask are a horizontal part (``j``) and a vertical part
+(``i``). A convolution shifts and masks the input by each horizontal tap, concatenates them
+along columns (``(rows, K_w * C_in)``), and then for each kernel row ``i`` multiplies a
+vertical shift of that by the ``(K_w * C_in, C_out)`` weights of the row (int8 per output
+channel over the whole kernel, int32 accumulators), masking the product at the images' top and
+bottom edges (a group of one image needs no mask: the fill is outside the image); the rows'
+products are added and requantized per output channel like a linear layer. A kernel row wider
+than :data:`CONV_K` reduction elements is cut into chunks of whole taps. Pooling is the max
+(or sum) over the horizontal taps, then over the vertical taps of that. A 3x3 kernel is 2 + 2
+shifts instead of 8, and 3 matmuls instead of 9 taps kept live for one (an im2col of the
+suite ResNet's stem was 57,344 vector words).
+
+**Strides.** A stride or an output smaller than the input picks the output positions after
+the taps by 0/1 selection matmuls over bands of output rows (a ``slice`` of the input rows a
+band reads), so no selection constant holds more than :data:`SELECT_ELEMENTS` nor reduces over
+more than :data:`CONV_K`; a group's images are one tall image when every output row's source
+rows stay in step (``H_out * stride == H``), else selected image by image. Batch norm that
+follows a convolution (eval mode: running statistics) is folded into its weights and bias
+before they are quantized; any other batch norm is a per-channel affine, one
+requantization.
 
 **Pooling**: max-pooling is the elementwise ``max`` of its masked taps, average pooling their
 sum requantized by ``1 / count`` (a scale change), adaptive average pooling to ``1 x 1`` (and
-``mean``/``sum``/``amax`` over ``H, W``) one matmul by a 0/1 constant that sums each image's
-rows (a reduce to ``1 x 1`` per image).
+``mean``/``sum``/``amax`` over ``H, W``) one matmul per group by a 0/1 constant that sums each
+image's rows.
 
 **Elementwise ops** (``relu``, ``add`` of the residual, ...) on such an activation run in its
 NHWC layout (:func:`native`) instead of the torch fold ``(N * C * H, W)``, which would cut it
 into one copy per row. An image input that feeds a convolution is declared as
 ``(N * C, H * W)`` (:func:`image_fold`: the same row-major bytes as the NCHW tensor), from
-which the NHWC operand is one transpose and slice per image.
+which a group's NHWC operand is one slice and transpose per image (and a concat).
 """
 
 import dataclasses
@@ -140,22 +155,56 @@ def _nhwc_addr(x):
     return np.ascontiguousarray(a).reshape(-1, a.shape[-1])
 
 
+#: The images of a batch are cut into groups of at most this many NHWC rows (positions), at
+#: least one image a group, and every op of this module works group by group: no tensor of
+#: the suite's ResNet (batch 8, 32x32) then needs more than a few thousand vector words, and
+#: a batch of small images stays one tensor (fewer, larger streams and buffers).
+GROUP_ROWS = 2048
+
+
+def _group_sizes(n, h, w):
+    """The number of images of each group of a batch of ``n`` images of ``h x w``."""
+    g = max(1, min(n, GROUP_ROWS // (h * w)))
+    return [min(g, n - i) for i in range(0, n, g)]
+
+
 def _is_native(walker, x):
-    """Whether ``x`` (4-D) is an IR tensor in NHWC order (a free view) and not already one in
-    the torch fold."""
+    """Whether ``x`` (4-D) is held in NHWC order (each image a run of rows of one IR tensor,
+    so a group of images is free or one concat) and not already in the torch fold."""
     if not isinstance(x, _imp._Act) or x.addr.ndim != 4 or x.scale is None:
         return False
-    a = _nhwc_addr(x)
+    n, _, h, w = x.shape
+    a = _nhwc_addr(x).reshape(n, -1)
+    k = walker.b._decode(a)[0]
+    if not ((k == k[:, :1]).all() and (a == a[:, :1] + np.arange(a.shape[1])).all()):
+        return False
     fold = np.ascontiguousarray(x.addr).reshape(_imp._fold2d(x.shape))
-    memo = walker.b.memo
-    return (a.shape, a.tobytes()) in memo and (fold.shape, fold.tobytes()) not in memo
+    return (fold.shape, fold.tobytes()) not in walker.b.memo
 
 
-def _nchw_act(walker, node, p, shape, scale):
-    """The activation of the IR tensor ``node`` of ``p`` NHWC rows, as the torch ``shape``."""
+def _groups(walker, x):
+    """``[(g, node)]`` per group of ``g`` images (:func:`_group_sizes`) of the 4-D activation
+    ``x``: the IR tensor of their ``(g * H * W, C)`` NHWC rows (free if it is held so; from
+    an NCHW image input, a slice and a transpose per image)."""
+    n, _, h, w = x.shape
+    a = _nhwc_addr(x)
+    out, i = [], 0
+    for g in _group_sizes(n, h, w):
+        out.append((g, walker.b.block(a[i * h * w:(i + g) * h * w])))
+        i += g
+    return out
+
+
+def _stem(node, k, groups):
+    return node.name if len(groups) == 1 else f"{node.name}_g{k}"
+
+
+def _nchw_act(walker, parts, shape, scale):
+    """The activation of the IR tensors ``parts`` (``(images, node)`` per group, ``H * W``
+    NHWC rows an image) as the torch ``shape``."""
     n, c, h, w = shape
-    addr = walker.b.base(node, p, c).reshape(n, h, w, c)
-    return _imp._Act(np.transpose(addr, _NCHW), scale)
+    addr = np.concatenate([walker.b.base(node, g * h * w, c) for g, node in parts])
+    return _imp._Act(np.transpose(addr.reshape(n, h, w, c), _NCHW), scale)
 
 
 def _check_act(x, what="input"):
@@ -225,18 +274,30 @@ class _Window:
                 ok = ((hh + dh >= 0) & (hh + dh < self.h) & (ww + dw >= 0) & (ww + dw < self.w))
                 yield i, j, dh * self.w + dw, np.tile(ok.reshape(-1), self.n)
 
+    def horizontal(self):
+        """The window's taps along a row only (kernel ``1 x K_w``, stride 1): its horizontal
+        shifts and their masks."""
+        return dataclasses.replace(self, kernel=(1, self.kernel[1]), stride=(1, 1),
+                                   padding=(0, self.padding[1]), dilation=(1, self.dilation[1]))
+
+    def vertical(self):
+        """The window's taps along a column only (kernel ``K_h x 1``, stride 1)."""
+        return dataclasses.replace(self, kernel=(self.kernel[0], 1), stride=(1, 1),
+                                   padding=(self.padding[0], 0), dilation=(self.dilation[0], 1))
+
     def strided(self):
         """Whether the output positions are not every input position (a selection)."""
         return self.out != (self.h, self.w) or self.stride != (1, 1)
 
 
-def _shift(walker, x, rows, cols, shift, fill, stem):
-    """Rows ``r + shift`` of the IR tensor ``x`` (rows x cols), ``fill`` past its ends."""
+def _shift(walker, x, rows, cols, shift, fill, stem, dtype="int8"):
+    """Rows ``r + shift`` of the IR tensor ``x`` (rows x cols, of ``dtype``), ``fill`` past
+    its ends."""
     if shift == 0:
         return x
     k = min(abs(shift), rows)
-    pad = _const(walker, ("fill", k, cols, fill),
-                 lambda: np.full((k, cols), fill, np.int8), f"fill_{fill}_{k}x{cols}")
+    pad = _const(walker, ("fill", k, cols, fill, dtype),
+                 lambda: np.full((k, cols), fill, dtype), f"fill_{fill}_{k}x{cols}")
     if k == rows:
         return pad
     b = walker.b
@@ -247,54 +308,85 @@ def _shift(walker, x, rows, cols, shift, fill, stem):
     return b.add("concat", pad, body, stem=f"{stem}_cat", axis=0)
 
 
-def _masked_taps(walker, x, win, cols, stem, *, fill, kind):
-    """The taps of ``win`` over the NHWC tensor ``x``: ``[(i, j, node)]``, the taps that see no
-    position of the image left out. ``kind`` "zero" masks by a 0/1 ``mul`` and a ``clip``
-    (int8), "sum" by the ``mul`` alone (int32), "max" by a ``min`` with 127/-127."""
+def _masked_taps(walker, x, win, cols, stem, *, fill, kind, dtype="int8", masks=True):
+    """The taps of ``win`` over the NHWC tensor ``x`` of ``win.n`` images (of ``dtype``):
+    ``[(i, j, node)]``, the taps that see some position of the image. With ``masks``, the
+    positions whose source is outside the image are masked: for ``kind`` "sum" by a 0/1
+    ``mul`` (int32), for "max" by a ``min`` with 127/-127; without, the ``fill`` past the
+    tensor's ends must do (one image, vertical shifts)."""
     b = walker.b
     taps = []
     for i, j, shift, ok in win.taps():
         if not ok.any():
             continue
-        t = _shift(walker, x, win.rows, cols, shift, fill, f"{stem}_t{i}{j}")
-        if not ok.all():
-            key = (kind == "max", win.n, win.h, win.w, shift, ok.tobytes())
-            if kind == "max":
-                m = _const(walker, ("mask",) + key, lambda ok=ok: np.where(
-                    ok, _imp.QMAX, -_imp.QMAX).astype(np.int8).reshape(-1, 1),
-                    f"maxmask_{abs(shift)}")
-                t = b.add("min", t, m, stem=f"{stem}_t{i}{j}_m")
-            else:
-                m = _const(walker, ("mask",) + key, lambda ok=ok: ok.astype(np.int8).reshape(
-                    -1, 1), f"mask_{abs(shift)}")
-                t = b.add("mul", t, m, stem=f"{stem}_t{i}{j}_m")
-                if kind == "zero":
-                    t = b.add("clip", t, stem=f"{stem}_t{i}{j}_q", lo=-_imp.QMAX, hi=_imp.QMAX,
-                              dtype="int8")
+        t = _shift(walker, x, win.rows, cols, shift, fill, f"{stem}_t{i}{j}", dtype)
+        if masks and not ok.all():
+            t = b.add("min" if kind == "max" else "mul", t, _mask(walker, win, shift, ok, kind),
+                      stem=f"{stem}_t{i}{j}_m")
         taps.append((i, j, t))
     return taps
 
 
+def _mask(walker, win, shift, ok, kind="zero"):
+    """The ``(rows, 1)`` constant masking a tap: 0/1, or for max-pooling 127/-127 (a
+    ``min``); one per window and tap, shared by the images and the ops."""
+    key = ("mask", kind == "max", win.n, win.h, win.w, shift, ok.tobytes())
+    if kind == "max":
+        return _const(walker, key, lambda: np.where(ok, _imp.QMAX, -_imp.QMAX).astype(
+            np.int8).reshape(-1, 1), f"maxmask_{abs(shift)}")
+    return _const(walker, key, lambda: ok.astype(np.int8).reshape(-1, 1), f"mask_{abs(shift)}")
+
+
+#: A convolution's matmuls reduce over at most this many elements (a kernel row's taps x input
+#: channels, more in chunks of whole taps): a matmul's reduction row is held in a CU's local
+#: buffer (64 vector words by default, some taken by constants).
+CONV_K = 192
+
+
+#: At most this many elements in a selection constant (:func:`_select`): the whole 0/1 matrix
+#: of a 32x32 image pooled to 16x16 would be 262,144 (65,536 vector words of 4 lanes, an MU).
+SELECT_ELEMENTS = 16384
+
+
 def _select(walker, x, win, cols, stem):
     """The rows of the output positions of ``win`` from the NHWC tensor ``x`` (every input
-    position, rows x cols): one selection matmul per image (int32), stacked."""
+    position of its images, rows x cols), int32: bands of output rows, each a 0/1 selection
+    matmul of the input rows it reads (a slice), so no constant holds more than
+    :data:`SELECT_ELEMENTS` nor reduces over more than :data:`CONV_K` rows (the bands of one
+    size share theirs), stacked. The images are one
+    tall image when each output row's source rows stay in step across them (``H_out *
+    stride == H``), else selected one by one."""
     b = walker.b
     ho, wo = win.out
-    hw = win.h * win.w
+    sh, sw = win.stride
+    if win.n > 1 and ho * sh != win.h:
+        hw = win.h * win.w
+        one = dataclasses.replace(win, n=1)
+        return b.add("concat", *(_select(walker, b.add(
+            "slice", x, stem=f"{stem}_img{m}", axis=0, start=m * hw, stop=(m + 1) * hw),
+            one, cols, f"{stem}_img{m}") for m in range(win.n)), stem=f"{stem}_sel", axis=0)
+    ho *= win.n
 
-    def make():
-        s = np.zeros((ho * wo, hw), np.int8)
-        src = ((np.arange(ho) * win.stride[0])[:, None] * win.w
-               + (np.arange(wo) * win.stride[1])[None, :])
-        s[np.arange(ho * wo), src.reshape(-1)] = 1
+    def span(k):                  # input rows read by k output rows
+        return ((k - 1) * sh + 1) * win.w
+
+    k = max([1] + [k for k in range(1, ho + 1)
+                   if k * wo * span(k) <= SELECT_ELEMENTS and span(k) <= CONV_K])
+
+    def make(k):
+        s = np.zeros((k * wo, span(k)), np.int8)
+        src = ((np.arange(k) * sh)[:, None] * win.w + (np.arange(wo) * sw)[None, :])
+        s[np.arange(k * wo), src.reshape(-1)] = 1
         return s
-    sel = _const(walker, ("select", win.h, win.w, ho, wo, win.stride), make,
-                 f"select_{win.h}x{win.w}_{ho}x{wo}")
     parts = []
-    for i in range(win.n):
-        img = x if win.n == 1 else b.add("slice", x, stem=f"{stem}_img{i}", axis=0,
-                                         start=i * hw, stop=(i + 1) * hw)
-        parts.append(b.add("matmul", sel, img, stem=f"{stem}_sel{i}"))
+    for r0 in range(0, ho, k):
+        kk = min(k, ho - r0)
+        sel = _const(walker, ("select", win.w, wo, sh, sw, kk), lambda kk=kk: make(kk),
+                     f"select_{win.w}_{wo}_{kk}")
+        start = r0 * sh * win.w
+        band = x if (start, span(kk)) == (0, win.rows) else b.add(
+            "slice", x, stem=f"{stem}_band{r0}", axis=0, start=start, stop=start + span(kk))
+        parts.append(b.add("matmul", sel, band, stem=f"{stem}_sel{r0}"))
     return parts[0] if len(parts) == 1 else b.add("concat", *parts, stem=f"{stem}_sel",
                                                    axis=0)
 
@@ -363,8 +455,9 @@ def _foldable_bn(walker, node, channels):
 
 
 def convolution(walker, node, kw):
-    """``aten.convolution``: 2-D, groups 1, not transposed; im2col in NHWC and a matmul by
-    the int8 weights (per output channel), a following batch norm folded in first."""
+    """``aten.convolution``: 2-D, groups 1, not transposed; separable taps in NHWC (a matmul
+    per kernel row by its int8 weights, per output channel), group by group, a following
+    batch norm folded in first."""
     x, weight, bias = kw["input"], kw["weight"], kw.get("bias")
     _check_act(x)
     if kw.get("transposed"):
@@ -391,24 +484,74 @@ def convolution(walker, node, kw):
         scale = _imp._scale_of(walker.cal[bn.name][0])
     else:
         scale = walker.value_scale(node)
-    xin = walker.b.block(_nhwc_addr(x))
-    taps = _masked_taps(walker, xin, win, c, node.name, fill=0, kind="zero")
-    # Weights as (taps * C_in, C_out), the rows in the order of the concatenated taps.
-    wmat = np.concatenate([w[:, :, i, j].T for i, j, _ in taps], axis=0)
-    bld = walker.b
-    cols = taps[0][2] if len(taps) == 1 else bld.add("concat", *(t for _, _, t in taps),
-                                                    stem=f"{node.name}_cols", axis=1)
-    if win.strided():
-        cols = _select(walker, cols, win, len(taps) * c, node.name)
+    one = dataclasses.replace(win, n=1)
+    rows_i = [i for i, _, _, ok in one.vertical().taps() if ok.any()]
+    cols_j = [j for _, j, _, ok in one.horizontal().taps() if ok.any()]
+    # Weights as (taps * C_in, C_out), rows by (i, j), quantized per output channel over
+    # every tap; then cut into one matrix per kernel row i and chunk of its columns j.
+    wmat = np.concatenate([w[:, :, i, j].T for i in rows_i for j in cols_j], axis=0)
     wq, sw = _imp._per_channel(wmat.T)                       # (C_out, K), scale per column
-    wnode = bld.const(np.ascontiguousarray(wq.T), f"{node.name}_w")
     bound = _imp.QMAX * np.abs(wq.astype(np.int64)).sum(axis=1)
-    acc = bld.add("matmul", cols, wnode, stem=f"{node.name}_acc")
+    per = max(1, CONV_K // c)
+    chunks = [cols_j[k:k + per] for k in range(0, len(cols_j), per)]
+    bld = walker.b
+    wrows = wq.T.reshape(len(rows_i), len(cols_j), c, cout)
+    wnodes = {(i, k): bld.const(np.ascontiguousarray(
+        wrows[a, k * per:k * per + len(chunk)].reshape(-1, cout)), f"{node.name}_w{i}_{k}")
+        for a, i in enumerate(rows_i) for k, chunk in enumerate(chunks)}
     ho, wo = win.out
-    rows = n * ho * wo
-    out = bld.requant([(acc, x.scale * sw, bound)], scale, bias=b, stem=node.name,
-                      shape2d=(rows, cout))
-    return _nchw_act(walker, out, rows, (n, cout, ho, wo), scale)
+    groups = _groups(walker, x)
+    pick = win.strided() and len(rows_i) * len(cols_j) == 1 and all(
+        ok.all() for _, _, _, ok in one.taps())
+    outs = []
+    for k, (g, xin) in enumerate(groups):
+        gw = dataclasses.replace(win, n=g)
+        stem = _stem(node, k, groups)
+        acc = _conv_group(walker, xin, gw, c, cout, rows_i, chunks, wnodes, pick, stem)
+        outs.append((g, bld.requant([(acc, x.scale * sw, bound)], scale, bias=b, stem=stem,
+                                    shape2d=(g * ho * wo, cout))))
+    return _nchw_act(walker, outs, (n, cout, ho, wo), scale)
+
+
+def _conv_group(walker, xin, win, c, cout, rows_i, chunks, wnodes, pick, stem):
+    """The int32 accumulator ``(g * H_out * W_out, C_out)`` of a convolution over the
+    ``win.n`` images of ``xin``, separably: the horizontal taps of a kernel row (each a row
+    shift masked at the image's left and right edges) concatenated along columns, so each
+    kernel row is one matmul of a vertical shift of them (masked at the top and bottom edges
+    when the tensor holds several images; one image's fill does it); the kernel rows'
+    products added, the output positions selected."""
+    bld = walker.b
+    hwin, vwin = win.horizontal(), win.vertical()
+    hshift = {j: (shift, ok) for _, j, shift, ok in hwin.taps()}
+    vshift = {i: (shift, ok) for i, _, shift, ok in vwin.taps()}
+    blocks = []
+    for k, chunk in enumerate(chunks):
+        taps = []
+        for j in chunk:
+            shift, ok = hshift[j]
+            t = _shift(walker, xin, win.rows, c, shift, 0, f"{stem}_h{j}")
+            if not ok.all():
+                t = bld.add("mul", t, _mask(walker, hwin, shift, ok), stem=f"{stem}_h{j}_m")
+                t = bld.add("clip", t, stem=f"{stem}_h{j}_q", lo=-_imp.QMAX, hi=_imp.QMAX,
+                            dtype="int8")
+            taps.append(t)
+        blocks.append(taps[0] if len(taps) == 1 else bld.add(
+            "concat", *taps, stem=f"{stem}_cols{k}", axis=1))
+    acc = None
+    for i in rows_i:
+        shift, ok = vshift[i]
+        for k, chunk in enumerate(chunks):
+            cols = len(chunk) * c
+            t = _shift(walker, blocks[k], win.rows, cols, shift, 0, f"{stem}_v{i}_{k}")
+            if pick:
+                t = _select(walker, t, win, cols, stem)
+            t = bld.add("matmul", t, wnodes[(i, k)], stem=f"{stem}_p{i}_{k}")
+            if win.n > 1 and not ok.all():
+                t = bld.add("mul", t, _mask(walker, vwin, shift, ok), stem=f"{stem}_p{i}_{k}_m")
+            acc = t if acc is None else bld.add("add", acc, t, stem=f"{stem}_acc{i}_{k}")
+    if win.strided() and not pick:
+        acc = _select(walker, acc, win, cout, stem)
+    return acc
 
 
 def _only_first_result(node, what):
@@ -433,9 +576,16 @@ def batch_norm(walker, node, kw):
     if affine is None:
         _imp._refuse("the weight, bias and running statistics must be constants")
     a, shift = affine
+    scale = _imp._scale_of(walker.cal[node.name][0])
+    if _is_native(walker, x):                  # an NHWC activation: image by image
+        groups = _groups(walker, x)
+        hw = x.shape[2] * x.shape[3]
+        outs = [(g, walker.b.requant([(xin, x.scale * a, _imp.QMAX)], scale, bias=shift,
+                                     stem=_stem(node, k, groups), shape2d=(g * hw, c)))
+                for k, (g, xin) in enumerate(groups)]
+        return [_nchw_act(walker, outs, x.shape, scale), None, None]
     moved = np.moveaxis(x.addr, 1, -1)
     flat = np.ascontiguousarray(moved).reshape(-1, c)
-    scale = _imp._scale_of(walker.cal[node.name][0])
     rows = flat.shape[0]
     out = walker.b.requant([(walker.b.block(flat), x.scale * a, _imp.QMAX)], scale, bias=shift,
                            stem=node.name, shape2d=(rows, c))
@@ -464,32 +614,51 @@ def max_pool(walker, node, kw):
     x = kw["input"]
     _check_act(x)
     win = _pool_window(x, kw, "max_pool2d")
-    c = x.shape[1]
+    n, c = x.shape[:2]
     b = walker.b
-    xin = b.block(_nhwc_addr(x))
-    taps = _masked_taps(walker, xin, win, c, node.name, fill=-_imp.QMAX, kind="max")
-    acc = taps[0][2]
-    for i, j, t in taps[1:]:
-        acc = b.add("max", acc, t, stem=f"{node.name}_max{i}{j}")
-    if win.strided():
-        acc = b.add("clip", _select(walker, acc, win, c, node.name), stem=f"{node.name}_q",
-                    lo=-_imp.QMAX, hi=_imp.QMAX, dtype="int8")
-    n = x.shape[0]
+    groups = _groups(walker, x)
+    outs = []
+    for k, (g, xin) in enumerate(groups):
+        gw = dataclasses.replace(win, n=g)
+        stem = _stem(node, k, groups)
+        acc, _ = _pool(walker, xin, gw, c, stem, "max")
+        if gw.strided():
+            acc = b.add("clip", _select(walker, acc, gw, c, stem), stem=f"{stem}_q",
+                        lo=-_imp.QMAX, hi=_imp.QMAX, dtype="int8")
+        outs.append((g, acc))
     ho, wo = win.out
-    return [_nchw_act(walker, acc, n * ho * wo, (n, c, ho, wo), x.scale), None]
+    return [_nchw_act(walker, outs, (n, c, ho, wo), x.scale), None]
 
 
-def _sum_taps(walker, x, win, stem):
+def _pool(walker, x, win, cols, stem, kind):
+    """The ``max`` (int8) or sum (int32, ``kind`` "sum") over the window ``win`` of
+    ``win.n`` images of the NHWC tensor ``x``, at every input position, separably: over each
+    row's taps, then over the columns' taps of that. Each pass's taps are masked where their
+    source leaves the image (a ``min`` with -127 for max, a 0/1 ``mul`` for a sum) except the
+    vertical pass of one image, whose fill does it. Returns the tensor and the number of
+    taps."""
     b = walker.b
-    c = x.shape[1]
-    xin = b.block(_nhwc_addr(x))
-    taps = _masked_taps(walker, xin, win, c, stem, fill=0, kind="sum")
-    acc = taps[0][2]
-    for i, j, t in taps[1:]:
-        acc = b.add("add", acc, t, stem=f"{stem}_sum{i}{j}")
+    op, fill = ("max", -_imp.QMAX) if kind == "max" else ("add", 0)
+    acc, count = x, 1
+    for part, dtype, side in ((win.horizontal(), "int8", "h"),
+                              (win.vertical(), "int8" if kind == "max" else "int32", "v")):
+        taps = _masked_taps(walker, acc, part, cols, f"{stem}_{side}", fill=fill,
+                            kind="max" if kind == "max" else "sum", dtype=dtype,
+                            masks=part.kernel[1] > 1 or win.n > 1)
+        acc = taps[0][2]
+        for i, j, t in taps[1:]:
+            acc = b.add(op, acc, t, stem=f"{stem}_{op}{i}{j}")
+        count *= len(taps)
+    return acc, count
+
+
+def _sum_taps(walker, xin, win, c, stem):
+    """The sum (int32) of the masked taps of ``win`` over ``xin``, the output positions
+    selected, and the number of taps."""
+    acc, count = _pool(walker, xin, win, c, stem, "sum")
     if win.strided():
         acc = _select(walker, acc, win, c, stem)
-    return acc, len(taps)
+    return acc, count
 
 
 def avg_pool(walker, node, kw):
@@ -499,40 +668,50 @@ def avg_pool(walker, node, kw):
     win = _pool_window(x, kw, "avg_pool2d")
     n, c = x.shape[:2]
     ho, wo = win.out
-    rows = n * ho * wo
-    acc, taps = _sum_taps(walker, x, win, node.name)
+    one = dataclasses.replace(win, n=1)
     if kw.get("divisor_override"):
         per = x.scale / float(kw["divisor_override"])
     elif kw.get("count_include_pad", True) or win.padding == (0, 0):
         per = x.scale / (win.kernel[0] * win.kernel[1])
     else:
-        counts = sum(ok.astype(np.int64) for _, _, _, ok in win.taps())
-        hw = counts.reshape(n, win.h, win.w)[:, ::win.stride[0], ::win.stride[1]][:, :ho, :wo]
+        counts = sum(ok.astype(np.int64) for _, _, _, ok in one.taps())
+        hw = counts.reshape(win.h, win.w)[::win.stride[0], ::win.stride[1]][:ho, :wo]
         per = (x.scale / hw.reshape(-1, 1)).astype(np.float64)
     scale = walker.value_scale(node)
-    out = walker.b.requant([(acc, per, _imp.QMAX * taps)], scale, stem=node.name,
-                           shape2d=(rows, c))
-    return _nchw_act(walker, out, rows, (n, c, ho, wo), scale)
+    groups = _groups(walker, x)
+    outs = []
+    for k, (g, xin) in enumerate(groups):
+        stem = _stem(node, k, groups)
+        acc, taps = _sum_taps(walker, xin, dataclasses.replace(win, n=g), c, stem)
+        term = per if np.ndim(per) == 0 else np.tile(per, (g, 1))
+        outs.append((g, walker.b.requant([(acc, term, _imp.QMAX * taps)], scale, stem=stem,
+                                         shape2d=(g * ho * wo, c))))
+    return _nchw_act(walker, outs, (n, c, ho, wo), scale)
 
 
 def _global(walker, node, x, kind, scale, out_shape):
-    """Sum (or max) over ``H, W`` of each image: one matmul by a 0/1 ``(N, N * H * W)``
-    constant (a ``reduce_max`` per image for max), requantized for a sum or mean."""
+    """Sum (or max) over ``H, W`` of each image: a matmul by a 0/1 ``(1, H * W)`` constant
+    (a ``reduce_max`` for max), the images' rows concatenated, requantized for a sum or
+    mean."""
     n, c, h, w = x.shape
     b = walker.b
-    xin = b.block(_nhwc_addr(x))
+    parts = []
+    for k, (g, xin) in enumerate(_groups(walker, x)):
+        stem = f"{node.name}_g{k}"
+        if kind == "max":
+            parts += [b.add("reduce_max", xin if g == 1 else b.add(
+                "slice", xin, stem=f"{stem}_img{m}", axis=0, start=m * h * w,
+                stop=(m + 1) * h * w), stem=f"{stem}_max{m}", axis=0) for m in range(g)]
+        else:
+            ones = _const(walker, ("pool", g, h * w), lambda g=g: np.kron(
+                np.eye(g, dtype=np.int8), np.ones((1, h * w), np.int8)), f"pool_{g}x{h * w}")
+            parts.append(b.add("matmul", ones, xin, stem=stem))
+    out = parts[0] if n == 1 else b.add("concat", *parts, stem=f"{node.name}_acc", axis=0)
     if kind == "max":
-        parts = [b.add("reduce_max", xin if n == 1 else b.add(
-            "slice", xin, stem=f"{node.name}_img{i}", axis=0, start=i * h * w,
-            stop=(i + 1) * h * w), stem=f"{node.name}_max{i}", axis=0) for i in range(n)]
-        out = parts[0] if n == 1 else b.add("concat", *parts, stem=node.name, axis=0)
         scale = x.scale
     else:
-        ones = _const(walker, ("pool", n, h * w), lambda: np.kron(
-            np.eye(n, dtype=np.int8), np.ones((1, h * w), np.int8)), f"pool_{n}x{h * w}")
-        acc = b.add("matmul", ones, xin, stem=f"{node.name}_acc")
         per = x.scale / (h * w if kind == "mean" else 1)
-        out = b.requant([(acc, per, _imp.QMAX * h * w)], scale, stem=node.name, shape2d=(n, c))
+        out = b.requant([(out, per, _imp.QMAX * h * w)], scale, stem=node.name, shape2d=(n, c))
     addr = b.base(out, n, c)
     return _imp._Act(addr.reshape(out_shape), scale)
 

@@ -1,8 +1,12 @@
 """Convolutions, batch norm and pooling in the torch.export importer (compiler/frontend/conv.py):
 conv2d with strides, paddings, dilation and channel counts close to torch's float conv on the
 dequantized input and bit-exact on the interpreter against the graph's evaluate; batch norm
-folded exactly; max, average and adaptive pooling; bad parameters refused naming the node; the
-suite's ResNet (slow)."""
+folded exactly; max, average and adaptive pooling; images cut into groups computing the same
+graph; bad parameters refused naming the node; the suite's ResNet: its tensors fit an MU, and
+(expected to fail until the compiler's capacity bound sees frees) compiling it."""
+
+import argparse
+import math
 
 import numpy as np
 import pytest
@@ -13,11 +17,24 @@ from rdakit.compiler.frontend.importer import ModelImportError, import_program
 torch = pytest.importorskip("torch")
 
 from rdakit.cli import main  # noqa: E402
+from rdakit.cli.compile import choose_fabric  # noqa: E402
+from rdakit.cli.options import RUN_PROG_LEN, add_fabric_arguments, fabric_candidates  # noqa: E402
 from rdakit.compiler.compile import compile_workload  # noqa: E402
 from rdakit.hdl.spec.params import fabric_params  # noqa: E402
 from rdakit.sim.runtime.job import run_job_interp  # noqa: E402
 
 P4 = fabric_params(4, 4, prog_len=4096, mu_words=32768, max_buffers=64)
+
+
+def _fabric_args():
+    parser = argparse.ArgumentParser()
+    add_fabric_arguments(parser, auto=True, check=False)
+    parser.set_defaults(prog_len=RUN_PROG_LEN)
+    return parser.parse_args([])
+
+
+#: The fabric options of bench models left at their defaults (--fabric auto).
+FABRIC_ARGS = _fabric_args()
 
 #: (in channels, out channels, kernel, stride, padding, dilation) of each conv of the zoo.
 CONVS = [(3, 4, 3, 1, 1, 1), (3, 6, 3, 2, 1, 1), (3, 5, 1, 2, 0, 1), (3, 8, 3, 1, 0, 1),
@@ -105,7 +122,7 @@ def test_every_output_is_close_to_float(zoo):
         assert o.cosine >= 0.99, o
 
 
-@pytest.mark.slow  # 22 s: the zoo's 464 ops compiled for a 4x4 fabric and interpreted
+@pytest.mark.slow  # 6 s (22 s before the taps were separable): the zoo compiled for 4x4, interpreted
 def test_interpreter_is_bit_exact_against_the_graph(zoo):
     _, _, model = zoo
     job = compile_workload(model.workload(), params=P4, place_steps=200)[0]
@@ -124,10 +141,10 @@ def test_image_input_is_its_nchw_bytes_and_taps_are_row_shifts(zoo):
     kinds = {}
     for n in model.graph.order():
         kinds[model.graph.kind(n)] = kinds.get(model.graph.kind(n), 0) + 1
-    # One matmul per conv, one selection per image of each strided op, one for each pool to
-    # 1x1 or 2x2 (avg_pool2d with stride), nothing per row.
-    # 464 ops measured; a per-row copy of any 8x8 activation would add hundreds.
-    assert len(model.graph) < 500, kinds
+    # Per conv one matmul per kernel row (its horizontal taps concatenated), the selections in
+    # bands of output rows, nothing per row. 295 ops measured (464 with every tap shifted and
+    # masked on its own); a per-row copy of any 8x8 activation would add hundreds.
+    assert len(model.graph) < 350, kinds
 
 
 @pytest.mark.parametrize("hw, stride", [(2, 1), (2, 2), (1, 1), (4, 2)])
@@ -193,26 +210,100 @@ def test_cli_refuses_a_bad_convolution_with_exit_2(tmp_path, capsys):
     assert "Traceback" not in err
 
 
-def test_suite_resnet_imports_and_agrees_with_float():
-    """The suite's ResNet at its size: every op supported, top-1 agreement with float. (It does
-    not compile at this size yet: a stem tap of 8,159 words needs a bigger MU buffer than any
-    fabric --fabric auto tries; see docs/import.md.)"""
+class Pools(torch.nn.Module):
+    """A strided conv, a residual add, every pooling: each op of conv.py that works group by
+    group."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 6, 3, stride=2, padding=1)
+        self.conv2 = torch.nn.Conv2d(6, 6, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(6)
+        with torch.no_grad():
+            self.bn.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        y = torch.relu(y + self.bn(self.conv2(y)))
+        out = (y, torch.nn.functional.max_pool2d(y, 3, 2, 1),
+               torch.nn.functional.avg_pool2d(y, 3, 1, 1, count_include_pad=False),
+               torch.nn.functional.adaptive_avg_pool2d(y, 1), torch.amax(y, (2, 3)))
+        return tuple(o.permute(0, 2, 3, 1) if o.ndim == 4 else o for o in out)
+
+
+@pytest.mark.parametrize("hw", [8, 7])
+def test_groups_of_images_compute_the_same_graph(monkeypatch, hw):
+    # Batch 3: one group (the default), groups of 2 and 1 images (masks at the images' top
+    # and bottom edges), one image a group (the fill does it). On 7x7 images a stride-2
+    # output row does not stay in step across images (4 * 2 != 7): selected image by image.
+    torch.manual_seed(7)
+    module = Pools().eval()
+    x = torch.randn(3, 3, hw, hw)
+    outs = {}
+    for rows in (conv.GROUP_ROWS, 2 * hw * hw, hw * hw):
+        monkeypatch.setattr(conv, "GROUP_ROWS", rows)
+        model = import_program(_export(module, x), name="pools")
+        outs[rows] = model.evaluate()
+        assert model.accuracy.cosine >= 0.99, (rows, model.accuracy.lines())
+    first = outs.pop(conv.GROUP_ROWS)
+    for rows, got in outs.items():
+        for k in first:
+            np.testing.assert_array_equal(got[k], first[k], err_msg=f"{rows}: {k}")
+
+
+@pytest.fixture(scope="module")
+def resnet():
     from rdakit.compiler.frontend import models
     program, inputs = models.export("resnet")
-    model = import_program(program, inputs, name="resnet")
-    assert all(c["supported"] for c in model.coverage.values())
-    assert model.accuracy.top1 >= 0.95
+    return import_program(program, inputs, name="resnet")
+
+
+def test_suite_resnet_imports_and_agrees_with_float(resnet):
+    """The suite's ResNet at its size: every op supported, top-1 agreement with float."""
+    assert all(c["supported"] for c in resnet.coverage.values())
+    assert resnet.accuracy.top1 >= 0.95
+
+
+def test_suite_resnet_tensors_fit_an_mu(resnet):
+    """No tensor of the suite's ResNet needs more than 24,576 vector words (4 lanes), 3/8 of
+    the largest MU --fabric auto tries (65,536): the images in groups of 2,048 positions, the
+    selections in bands. Before, the stem's taps concatenated were 57,344 words, layer 1's
+    73,728 and the max-pool's selection constant 65,536."""
+    g = resnet.graph
+    words = {n: math.prod(g.type_of(n).shape[:-1]) * -(-g.type_of(n).shape[-1] // 4)
+             for n in g.order()}
+    worst = max(words, key=words.get)
+    assert words[worst] <= 24576, (worst, words[worst])
+    assert len(g) < 700                         # 630 measured
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the lowering ALLOCs an op's output before it RECVs the inputs' references, so a CU's "
+    "first ALLOC counts every buffer allocated before it as live (no MU has room on any "
+    "fabric --fabric auto tries); with the RECV first it compiles for 4x4 with 65,536-word "
+    "MUs when prog_len is 4096 (the partition puts up to 3,448 instructions on one CU)"))
+def test_suite_resnet_compiles_with_fabric_auto(resnet):
+    compile_auto(resnet.workload())
+
+
+def compile_auto(workload):
+    """The fabric bench models picks for ``workload`` (--fabric auto, the auto partitioner,
+    CU programs of RUN_PROG_LEN), the job compiled for it."""
+    kw, _ = choose_fabric(workload, fabric_candidates(FABRIC_ARGS), name=workload.name,
+                          partitioner="auto", seed=0, place_steps=20000)
+    return kw, compile_workload(workload, params=fabric_params(**kw), partitioner="auto")[0]
 
 
 def test_small_resnet_runs_bit_exact_on_the_interpreter():
-    """The suite's ResNet at 8x8 images, batch 2, widths 4/8/8: compiled for the 3x3 fabric with
-    4096-word MUs (what --fabric auto picks) and interpreted bit-exact against its graph."""
+    """The suite's ResNet at 8x8 images, batch 2, widths 4/8/8: compiled for the fabric
+    --fabric auto picks (2x3 with 2,048-word MUs; 3x3 with 4,096 before the taps were
+    separable) and interpreted bit-exact against its graph."""
     from rdakit.compiler.frontend import models
     program, inputs = models.export("resnet", image=8, batch=2, widths=(4, 8, 8))
     model = import_program(program, inputs, name="resnet_small")
     assert all(c["supported"] for c in model.coverage.values())
-    job = compile_workload(model.workload(), params=fabric_params(
-        3, 3, prog_len=2048, mu_words=4096))[0]
+    kw, job = compile_auto(model.workload())
+    assert kw["rows"] * kw["cols"] <= 6 and kw["mu_words"] <= 2048, kw
     outputs, result, _ = run_job_interp(job)
     assert result.ok, result.errors
     expected = model.evaluate()
