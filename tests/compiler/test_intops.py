@@ -26,8 +26,10 @@ PARAMS = {"exp": intops.exp_params, "gelu": intops.gelu_params, "silu": intops.s
 REFS = {"exp": intops.exp_ref, "gelu": intops.gelu_ref, "silu": intops.silu_ref}
 
 #: Largest absolute error against the float function, as measured (docs/compiler.md): the
-#: polynomials' own error and one step of the working scale.
-BOUND = {"exp": 0.003, "gelu": 0.019, "silu": 0.041}
+#: polynomials' own error and one step of the working scale. GELU's is 0.018 at int8 scales but
+#: 0.0235 over every int16 input at scale 1e-4 (x near 2.36), which hypothesis found above the
+#: 0.019 first measured on int8 inputs only.
+BOUND = {"exp": 0.003, "gelu": 0.0236, "silu": 0.041}
 
 
 def float_softmax(v, keep=None):
