@@ -387,6 +387,25 @@ class HostDriver:
         return await read_counters(self)
 
 
+async def _burst(values, cycle, reply_cycles):
+    """The transports' ``burst``: ``await cycle(value)`` offers ``value`` (``None``: nothing)
+    for one cycle with the reply stream ready and returns ``(sent, taken, reply)``; commands go
+    in order and replies are collected until every command has its reply. ``TimeoutError``
+    after ``reply_cycles`` cycles in a row without either."""
+    replies, i, waited = [], 0, 0
+    while len(replies) < len(values):
+        sent, taken, reply = await cycle(values[i] if i < len(values) else None)
+        i += sent
+        if taken:
+            replies.append(reply)
+        waited = 0 if sent or taken else waited + 1
+        if waited >= reply_cycles:
+            raise TimeoutError(f"no progress in {reply_cycles} cycles after {i} of "
+                               f"{len(values)} commands were taken and {len(replies)} replies "
+                               f"came")
+    return replies
+
+
 class AmaranthTransport:
     """Host commands through a :class:`~rdakit.hdl.fabric.top.Fabric`'s ports in Amaranth's
     simulator (inside an ``async def testbench(ctx)``). ``send`` and ``recv`` raise
@@ -431,29 +450,21 @@ class AmaranthTransport:
         them, taking replies in the same cycles; return the replies. ``TimeoutError`` after
         ``reply_cycles`` cycles without progress."""
         ctx, cmd, reply = self.ctx, self.fabric.cmd, self.fabric.reply
-        replies, i, waited = [], 0, 0
+
+        async def cycle(value):
+            ctx.set(cmd.valid, value is not None)
+            if value is not None:
+                ctx.set(self._cmd, value)
+            _, _, sent, taken, got = await ctx.tick().sample(
+                cmd.valid & cmd.ready, reply.valid, self._reply)
+            return bool(sent), bool(taken), got
+
         ctx.set(reply.ready, 1)
         try:
-            while len(replies) < len(values):
-                if i < len(values):
-                    ctx.set(cmd.valid, 1)
-                    ctx.set(self._cmd, values[i])
-                else:
-                    ctx.set(cmd.valid, 0)
-                _, _, sent, taken, value = await ctx.tick().sample(
-                    cmd.valid & cmd.ready, reply.valid, self._reply)
-                i += sent
-                if taken:
-                    replies.append(value)
-                waited = 0 if sent or taken else waited + 1
-                if waited >= self.reply_cycles:
-                    raise TimeoutError(f"no progress in {self.reply_cycles} cycles after "
-                                       f"{i} of {len(values)} commands were taken and "
-                                       f"{len(replies)} replies came")
+            return await _burst(values, cycle, self.reply_cycles)
         finally:
             ctx.set(cmd.valid, 0)
             ctx.set(reply.ready, 0)
-        return replies
 
     async def tick(self, n=1):
         await self.ctx.tick().repeat(n)
@@ -535,31 +546,23 @@ class CocotbTransport:
 
     async def burst(self, values):
         """As :meth:`AmaranthTransport.burst`: one command a cycle while replies are taken."""
-        replies, i, waited = [], 0, 0
+        async def cycle(value):
+            self._cmd_valid.value = value is not None
+            if value is not None:
+                self._cmd_payload.value = value
+            await self._ro
+            sent = value is not None and bool(self._cmd_ready.value)
+            taken = bool(self._reply_valid.value)
+            got = self._reply_payload.value.to_unsigned() if taken else None
+            await self._edge
+            return sent, taken, got
+
         self._reply_ready.value = 1
         try:
-            while len(replies) < len(values):
-                if i < len(values):
-                    self._cmd_payload.value = values[i]
-                    self._cmd_valid.value = 1
-                else:
-                    self._cmd_valid.value = 0
-                await self._ro
-                sent = i < len(values) and bool(self._cmd_ready.value)
-                taken = bool(self._reply_valid.value)
-                if taken:
-                    replies.append(self._reply_payload.value.to_unsigned())
-                await self._edge
-                i += sent
-                waited = 0 if sent or taken else waited + 1
-                if waited >= self.reply_cycles:
-                    raise TimeoutError(f"no progress in {self.reply_cycles} cycles after "
-                                       f"{i} of {len(values)} commands were taken and "
-                                       f"{len(replies)} replies came")
+            return await _burst(values, cycle, self.reply_cycles)
         finally:
             self._cmd_valid.value = 0
             self._reply_ready.value = 0
-        return replies
 
     async def tick(self, n=1):
         for _ in range(n):
