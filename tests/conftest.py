@@ -30,6 +30,7 @@ from amaranth.sim import Simulator
 
 from rdakit.hdl.fabric.top import Fabric
 from rdakit.sim.runtime.host import AmaranthTransport, HostDriver
+from rdakit.sim.runtime.job import run_job_interp
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -183,6 +184,23 @@ TINY_GRAPH = ("import numpy as np\n"
               "    w = g.const('w', np.ones((5, 2), np.int8))\n"
               "    g.output('y', g.add('relu', g.add('matmul', x, w, name='m'), name='r'))\n"
               "    return g\n")
+
+
+def interpreted(job):
+    """The outputs of ``job`` run on the functional interpreter, decoded into the graph's
+    arrays (padding lanes checked to be zero); fails the test unless the run ends ok."""
+    outputs, result, _ = run_job_interp(job)
+    assert result.ok, result.errors
+    return job.decode(outputs, check_padding=True)
+
+
+def assert_interpreter_matches(job, want):
+    """``job`` on the functional interpreter gives ``want`` (graph output name -> array), the
+    same outputs bit for bit (:func:`interpreted`)."""
+    got = interpreted(job)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 # --- Amaranth simulation --------------------------------------------------------------------

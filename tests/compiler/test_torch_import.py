@@ -10,7 +10,7 @@ import zipfile
 
 import numpy as np
 import pytest
-from conftest import hostile
+from conftest import hostile, interpreted
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -31,7 +31,6 @@ torch = pytest.importorskip("torch")
 
 from rdakit.compiler.compile import compile_workload  # noqa: E402
 from rdakit.hdl.spec.params import fabric_params  # noqa: E402
-from rdakit.sim.runtime.job import run_job_interp  # noqa: E402
 
 P2 = fabric_params(2, 2, prog_len=2048)
 
@@ -127,10 +126,7 @@ def layout():
 
 
 def _interp_outputs(model):
-    job = compile_workload(model.workload(), params=P2, place_steps=300)[0]
-    outputs, result, _ = run_job_interp(job)
-    assert result.ok, result.errors
-    return job.decode(outputs, check_padding=True)
+    return interpreted(compile_workload(model.workload(), params=P2, place_steps=300)[0])
 
 
 def _kinds(model):

@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 import pytest
+from conftest import assert_interpreter_matches
 
 from rdakit.compiler.frontend import conv
 from rdakit.compiler.frontend.importer import ModelImportError, import_program
@@ -21,7 +22,6 @@ from rdakit.cli.compile import choose_fabric  # noqa: E402
 from rdakit.cli.options import RUN_PROG_LEN, add_fabric_arguments, fabric_candidates  # noqa: E402
 from rdakit.compiler.compile import compile_workload  # noqa: E402
 from rdakit.hdl.spec.params import fabric_params  # noqa: E402
-from rdakit.sim.runtime.job import run_job_interp  # noqa: E402
 
 P4 = fabric_params(4, 4, prog_len=4096, mu_words=32768, max_buffers=64)
 
@@ -122,16 +122,12 @@ def test_every_output_is_close_to_float(zoo):
         assert o.cosine >= 0.99, o
 
 
-@pytest.mark.slow  # 6 s (22 s before the taps were separable): the zoo compiled for 4x4, interpreted
+# 6 s (22 s before the taps were separable): the zoo compiled for 4x4, interpreted
+@pytest.mark.slow
 def test_interpreter_is_bit_exact_against_the_graph(zoo):
     _, _, model = zoo
     job = compile_workload(model.workload(), params=P4, place_steps=200)[0]
-    outputs, result, _ = run_job_interp(job)
-    assert result.ok, result.errors
-    got, want = job.decode(outputs, check_padding=True), model.evaluate()
-    assert sorted(got) == sorted(want)
-    for k in want:
-        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    assert_interpreter_matches(job, model.evaluate())
 
 
 def test_image_input_is_its_nchw_bytes_and_taps_are_row_shifts(zoo):
@@ -304,9 +300,4 @@ def test_small_resnet_runs_bit_exact_on_the_interpreter():
     assert all(c["supported"] for c in model.coverage.values())
     kw, job = compile_auto(model.workload())
     assert kw["rows"] * kw["cols"] <= 6 and kw["mu_words"] <= 2048, kw
-    outputs, result, _ = run_job_interp(job)
-    assert result.ok, result.errors
-    expected = model.evaluate()
-    decoded = job.decode(outputs)
-    for name in expected:
-        np.testing.assert_array_equal(decoded[name], expected[name])
+    assert_interpreter_matches(job, model.evaluate())

@@ -9,6 +9,7 @@ import functools
 
 import numpy as np
 import pytest
+from conftest import assert_interpreter_matches
 
 from rdakit.compiler.frontend.importer import ModelImportError, import_program
 
@@ -17,7 +18,6 @@ torch = pytest.importorskip("torch")
 from rdakit.compiler.compile import compile_workload  # noqa: E402
 from rdakit.compiler.frontend import aten  # noqa: E402
 from rdakit.hdl.spec.params import fabric_params  # noqa: E402
-from rdakit.sim.runtime.job import run_job_interp  # noqa: E402
 
 TOKENS, D, FF = 8, 16, 16
 
@@ -115,12 +115,7 @@ def test_routing_compiles_for_2x2_and_is_bit_exact_on_the_interpreter(imported):
     model, _, _ = imported
     job = compile_workload(model.workload(), params=fabric_params(
         2, 2, prog_len=2048, mu_words=4096))[0]
-    outputs, result, _ = run_job_interp(job)
-    assert result.ok, result.errors
-    expected = model.evaluate()
-    decoded = job.decode(outputs)
-    for name in expected:
-        np.testing.assert_array_equal(decoded[name], expected[name])
+    assert_interpreter_matches(job, model.evaluate())
 
 
 def test_the_gates_are_the_softmax_of_the_chosen_logits():

@@ -8,6 +8,7 @@ node."""
 
 import numpy as np
 import pytest
+from conftest import assert_interpreter_matches
 
 from rdakit.compiler import intops
 from rdakit.compiler.frontend import aten
@@ -232,13 +233,9 @@ def test_gpt2_like_block_imports_whole(tiny):
 def test_gpt2_like_block_runs_bit_exact_on_the_interpreter(tiny):
     from rdakit.compiler.compile import compile_workload
     from rdakit.hdl.spec.params import fabric_params
-    from rdakit.sim.runtime.job import run_job_interp
-
     job = compile_workload(tiny.workload(), params=fabric_params(2, 2, prog_len=2048),
                            place_steps=300)[0]
-    outputs, _, _ = run_job_interp(job)
-    for k, v in tiny.evaluate().items():
-        assert np.array_equal(np.asarray(outputs[k]).reshape(v.shape), v), k
+    assert_interpreter_matches(job, tiny.evaluate())
 
 
 def test_registry_lists_the_non_linear_ops_as_supported():
