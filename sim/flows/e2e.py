@@ -17,9 +17,11 @@ backend (a :class:`~rdakit.sim.runtime.host.HostDriver` over Amaranth's simulato
 
 Failures (a mismatch, a CU error halt, a leak) are recorded in the iteration's row, not raised,
 so that a report is always written; :func:`failed` tells whether any happened.
-:func:`run` picks the backend: ``amaranth`` (built in), ``icarus`` or ``verilator``.
+:func:`run` picks the backend: ``amaranth`` (built in), ``icarus``, ``verilator`` or ``model``
+(the fast performance model, ``docs/performance-model.md``).
 """
 
+import asyncio
 import dataclasses
 import hashlib
 import json
@@ -41,6 +43,7 @@ from rdakit.hdl.fabric.top import Fabric
 from rdakit.hdl.spec.config import CU_PROFILE
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.models.interp import InterpreterError
+from rdakit.sim.models.perf import ModelTransport
 from rdakit.sim.runtime.counters import read_mu_counters, run_delta
 from rdakit.sim.runtime.events import cost_model
 from rdakit.sim.runtime.host import AmaranthTransport, HostDriver, HostError
@@ -52,8 +55,9 @@ __all__ = ["RunSpec", "TileRow", "tile_rows", "run", "run_many", "run_session", 
            "failed", "failure", "BACKENDS",
            "compute_bound", "plot_utilization", "SMALLEST"]
 
-#: The simulators ``rdakit run`` can use.
-BACKENDS = ("amaranth", "icarus", "verilator")
+#: The simulators ``rdakit run`` can use: the RTL in Amaranth's simulator, Icarus or
+#: Verilator, or the fast performance model (``docs/performance-model.md``).
+BACKENDS = ("amaranth", "icarus", "verilator", "model")
 
 
 #: The smallest sizes of the built-in workloads: what the tests run on every simulator and the
@@ -439,6 +443,10 @@ def run_many(specs, *, sim="amaranth", waves=None, progress=None):
         if s.params != params:
             raise ValueError(f"Runs on one simulation need the same fabric: {s.fabric} differs "
                              f"from {specs[0].fabric}")
+    if sim == "model":
+        if waves is not None:
+            raise ValueError("The performance model (sim 'model') has no waveforms")
+        return _run_model(specs, progress=progress)
     if sim == "amaranth":
         return _run_amaranth(specs, waves=waves, progress=progress)
     return _run_cocotb(specs, sim, waves=waves, progress=progress)
@@ -472,6 +480,14 @@ def _run_amaranth(specs, *, waves, progress):
         with atomic_path(waves) as tmp:
             simulate(fabric, testbench, vcd=tmp)
     return out["rows"]
+
+
+def _run_model(specs, *, progress):
+    """The specs on the performance model (:mod:`rdakit.sim.models.perf`): its host port
+    answers the driver as the RTL's does, so the report path is the same."""
+    params = specs[0].params
+    host = HostDriver(params, ModelTransport(params))
+    return asyncio.run(run_specs(host, specs, progress=progress))
 
 
 def fabric_verilog(params):
