@@ -41,7 +41,7 @@ from rdakit.sim.bench.boards import bench_boards
 from rdakit.sim.bench.fabric import bench_fabric
 from rdakit.sim.bench.mu import bench_mu
 from rdakit.sim.bench.report import Report
-from rdakit.sim.flows.e2e import BACKENDS
+from rdakit.sim.flows.e2e import BACKENDS, NEEDS_TOOLS
 from rdakit.sim.models.noc import PATTERNS
 from rdakit.sim.verify.runner import require_simulator_or_raise
 
@@ -270,7 +270,7 @@ def _check_models(args):
         if m not in suite.MODELS:
             raise UserError(f"--models takes a comma-separated subset of "
                             f"{','.join(suite.MODELS)}, not {args.models!r}")
-    if not args.no_rtl and args.sim != "amaranth":
+    if not args.no_rtl and args.sim in NEEDS_TOOLS:
         require_simulator_or_raise(args.sim)
     args.candidates = fabric_candidates(args)
 
@@ -304,7 +304,7 @@ def _check_e2e(args):
     for n in names or ():
         if n not in known:
             raise UserError(f"--partitioners takes a subset of {','.join(known)}, not {n!r}")
-    if args.sim != "amaranth":
+    if args.sim in NEEDS_TOOLS:
         require_simulator_or_raise(args.sim)
     args.workload_list, args.partitioner_list = workloads, names
 

@@ -68,7 +68,11 @@ def _check(args):
         if getattr(args, opt) is not None:
             raise UserError(f"--{opt.replace('_', '-')} needs --clusters N")
     check_sizes(args.workload, args.sizes, fabric_candidates(args))
-    if args.sim != "amaranth":
+    if args.sim == "model" and args.waves:
+        raise UserError(f"--waves {args.waves} needs a simulation of the RTL: the performance "
+                        f"model (--sim model) has no signals to dump; use --sim amaranth, "
+                        f"icarus or verilator")
+    if args.sim in e2e.NEEDS_TOOLS:
         require_simulator_or_raise(args.sim)
 
 
@@ -254,8 +258,9 @@ def register(commands):
                     f"does not fit. CU program length defaults to {RUN_PROG_LEN} here.")
     add_workload_arguments(p)
     p.add_argument("--sim", choices=e2e.BACKENDS, default="amaranth",
-                   help="simulator: amaranth (built in, no tools), icarus or verilator "
-                        "(default: %(default)s)")
+                   help="simulator: amaranth (built in, no tools), icarus or verilator, or "
+                        "model, the fast performance model calibrated to the RTL "
+                        "(docs/performance-model.md) (default: %(default)s)")
     add_output(p, "--waves", metavar="FILE", suffixes=_waves_suffixes,
                help="write waveforms to FILE (.vcd; .fst with verilator)")
     add_output(p, "--report", metavar="FILE.json", help="write the full report as JSON")

@@ -52,12 +52,15 @@ from rdakit.sim.verify.amaranth_sim import simulate
 from rdakit.sim.verify.runner import cached_verilog, run_cocotb
 
 __all__ = ["RunSpec", "TileRow", "tile_rows", "run", "run_many", "run_session", "run_specs",
-           "failed", "failure", "BACKENDS",
+           "failed", "failure", "BACKENDS", "NEEDS_TOOLS",
            "compute_bound", "plot_utilization", "SMALLEST"]
 
 #: The simulators ``rdakit run`` can use: the RTL in Amaranth's simulator, Icarus or
 #: Verilator, or the fast performance model (``docs/performance-model.md``).
 BACKENDS = ("amaranth", "icarus", "verilator", "model")
+
+#: The backends that need a simulator installed (checked before a run).
+NEEDS_TOOLS = ("icarus", "verilator")
 
 
 #: The smallest sizes of the built-in workloads: what the tests run on every simulator and the

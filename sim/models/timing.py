@@ -41,8 +41,11 @@ class Timing:
         From a stream read's response on ``msg_in`` to the first cycle S0 can pop it (the
         response FIFO, ``SyncFIFOBuffered``).
     exec_stages : int
-        Stages of the stream engine's execute pipeline after S0 pops (S1: compute and deliver);
-        the engine is done ``exec_stages + 1`` cycles after the last pop at the earliest.
+        Cycles from S0 popping a step to its result being delivered, S1 included; the engine is
+        done ``exec_stages + 1`` cycles after the last pop at the earliest. S1 alone would be
+        1; 2 is the value fitted to the RTL at ``hdl/compute/stream.py`` commit 0f17855 (the
+        six 2x2 runs of ``docs/performance-model.md``: a cycle a stream the model otherwise
+        misses). One more execute stage in the RTL is one more here.
     write_queue : int
         From S1 delivering a result to the write queue to the first cycle the write can take
         the request register.
@@ -63,7 +66,7 @@ class Timing:
     mu_response: int = 1
     capture: int = 1
     fifo: int = 1
-    exec_stages: int = 1
+    exec_stages: int = 2
     write_queue: int = 1
     start_issue: int = 1
     token: int = 1
