@@ -108,6 +108,13 @@ class Account:
         v[self.index[cu]] += 1
         return (self.index[cu], tuple(v))
 
+    def next_stamp(self, cu):
+        """The stamp :meth:`tick` will give ``cu``'s next event if nothing is merged first
+        (to ask :meth:`fits` without making an event)."""
+        v = list(self.vc[cu])
+        v[self.index[cu]] += 1
+        return (self.index[cu], tuple(v))
+
     def merge(self, cu, stamp):
         v = self.vc[cu]
         for i, x in enumerate(stamp[1]):

@@ -479,18 +479,60 @@ class Lowerer:
         else:
             asm.emit(Op.RETI, ra=r, imm=share)
 
-    def alloc(self, g, t):
-        """ALLOC the buffer of run-time tensor ``t`` in an MU with room near the CU."""
+    def take_inputs(self, g, op):
+        """Before op's output is ALLOCated: RECV the references of its inputs produced on other
+        CUs and WAIT for the tokens of its inputs other CUs write to host buffers.
+
+        The ALLOC's vector clock then includes every return of a share the producers made
+        before sending, so the capacity bound counts the buffers they freed as free (ALLOCed
+        first, the op counted them live). No cycle of waits can form: each RECV and WAIT waits
+        for an event emitted earlier in the walk, wherever in the op it stands (see
+        ``docs/compiler.md``, Dependencies between CUs). References are received in the
+        order of the CU's mailbox, pinned as the template would pin them, and only as many as
+        the reference registers hold beside the op's other references and its output (an op
+        with more inputs, a concatenation of many heads, receives the rest as its template
+        reaches them, without spilling a reference it has just received)."""
+        names = list(dict.fromkeys(op.ins))
+        fresh = []
+        for name in names:
+            t = self.tensors[name]
+            if t.kind == "runtime" and self.prod_cu(t) != g.xy \
+                    and self.key_of(name, g.xy)[0] not in g.received:
+                fresh.append(name)
+            elif t.kind == "output" and t.producer is not None \
+                    and self.prod_cu(t) != g.xy and name not in g.waited:
+                self.wait_token(g, self.prod_cu(t), self.data_tok[(name, g.xy)])
+                g.waited.add(name)
+        others = {self.key_of(name, g.xy)[0] for name in names if name not in fresh}
+        room = len(REF_REGS) - 1 - len(others)
+        for name in fresh[:max(0, room)]:
+            self.ref(g, name)
+
+    def alloc_prefs(self, g, t):
+        """``(units, MUs)``: what the buffer of run-time tensor ``t`` takes, and the MUs CU
+        ``g`` may ALLOC it in, best first (the placement's choice, then the nearest)."""
         words = t.layout.words
-        if words > self.mp.max_buffer_words:
-            raise LoweringError(f"Tensor {t.name!r} needs {words} words but an MU buffer holds "
-                                f"at most {self.mp.max_buffer_words} (max_buffer_words)")
         units = max(1, self.acct.units(words)) if words else 0
         hint = self.plan.placement.mu_of.get(t.name)
         prefs = self.plan.nearest_mus(g.xy)
         if hint is not None and tuple(hint) in prefs:
             prefs.remove(tuple(hint))
             prefs.insert(0, tuple(hint))
+        return units, prefs
+
+    def fits_first(self, g, t):
+        """Whether the MU of choice for ``t``'s buffer has room for it at CU ``g``'s next
+        event, before the op's inputs are received."""
+        units, prefs = self.alloc_prefs(g, t)
+        return self.acct.fits(prefs[0], units, self.acct.next_stamp(g.xy))
+
+    def alloc(self, g, t):
+        """ALLOC the buffer of run-time tensor ``t`` in an MU with room near the CU."""
+        words = t.layout.words
+        if words > self.mp.max_buffer_words:
+            raise LoweringError(f"Tensor {t.name!r} needs {words} words but an MU buffer holds "
+                                f"at most {self.mp.max_buffer_words} (max_buffer_words)")
+        units, prefs = self.alloc_prefs(g, t)
         stamp = self.acct.tick(g.xy)
         for m in prefs:
             if self.acct.fits(m, units, stamp):
@@ -526,6 +568,11 @@ class Lowerer:
             start = len(g.asm)
             t = self.tensors[op.out]
             if t.kind == "runtime":
+                # ALLOC first when the MU of choice has room for the output even counting
+                # what the producers of the op's inputs may not have freed yet (its answer
+                # then comes while the CU waits for them); else receive the inputs first.
+                if not self.fits_first(g, t):
+                    self.take_inputs(g, op)
                 g.out = self.alloc(g, t)
             else:
                 g.out = g.refs.get(t.buffer)
