@@ -24,7 +24,25 @@ from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
 from rdakit.hdl.spec.isa import AluFn, Instr, Op
 from rdakit.hdl.spec.params import RefcountMode
 
-__all__ = ["CUGen", "Lowerer"]
+__all__ = ["CUGen", "Lowerer", "ProgramTooLong"]
+
+
+class ProgramTooLong(LoweringError):
+    """A CU's program is longer than the fabric's ``prog_len`` (the message names the first
+    such CU); nothing else of the lowering depends on ``prog_len``.
+
+    Members
+    -------
+    longest : int
+        Instructions of the longest program of every CU.
+    prog_len : int
+        The fabric's program length.
+    """
+
+    def __init__(self, message, *, longest, prog_len):
+        super().__init__(message)
+        self.longest = longest
+        self.prog_len = prog_len
 
 
 class CUGen:
@@ -627,6 +645,7 @@ class Lowerer:
     def finish(self, inputs, graph):
         params, cp = self.params, self.cp
         tiles, programs = {}, {}
+        longest, too_long = 0, None
         for cu, g in self.gens.items():
             prologue = []
             if g.refs.table:
@@ -647,17 +666,19 @@ class Lowerer:
             program = prologue + body + epilogue
             ops = [(name, self.ops[name].kind, self.ops[name].node, a + len(prologue),
                     b + len(prologue)) for name, a, b in g.op_ranges]
-            if len(program) > cp.prog_len:
+            longest = max(longest, len(program))
+            if len(program) > cp.prog_len and too_long is None:
                 names = ", ".join(repr(o[2]) for o in ops[:4]) + (", ..." if len(ops) > 4
                                                                   else "")
-                raise LoweringError(f"The program of CU {cu} ({len(ops)} ops: {names}) is "
-                                    f"{len(program)} instructions long but prog_len is "
-                                    f"{cp.prog_len}")
+                too_long = (f"The program of CU {cu} ({len(ops)} ops: {names}) is "
+                            f"{len(program)} instructions long but prog_len is {cp.prog_len}")
             tiles[cu] = TileConfig(program=program,
                                    regs={r: Ref(key) for r, key in sorted(g.init_regs.items())},
                                    local=dict(sorted(g.local_words.items())))
             programs[cu] = ProgramInfo(cu, len(program), ops, list(g.init_regs.values()),
                                        g.table_mu, cp.local_words - g.local_top)
+        if too_long:
+            raise ProgramTooLong(too_long, longest=longest, prog_len=cp.prog_len)
         # Host buffers: constant pools, inputs, outputs (allocated by the host in this order).
         lanes = self.lanes
         buffers = []

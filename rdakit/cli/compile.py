@@ -18,6 +18,7 @@ from rdakit.cli.progress import progress_bar
 from rdakit.compiler.compile import bitstream_for, compile_workload, load_workload
 from rdakit.compiler.graph import GraphError
 from rdakit.compiler.lower import LoweringError
+from rdakit.compiler.lower.lowerer import ProgramTooLong
 from rdakit.compiler.partition import STRATEGIES, PartitionError
 from rdakit.compiler.placement import PlacementError
 from rdakit.errors import UserError
@@ -66,6 +67,10 @@ def choose_fabric(workload, candidates, *, name, partitioner, seed, place_steps)
     (called ``name``, as the user typed it), and a sentence saying so (``None`` if there was
     no choice: one candidate, not tried here).
 
+    A candidate with a longer program than an earlier one of the same fabric is tried only if
+    that one's programs were too long (:class:`ProgramTooLong`: nothing else the compiler
+    does depends on the program length) and its longest program fits the longer one.
+
     Raises
     ------
     UserError
@@ -73,22 +78,38 @@ def choose_fabric(workload, candidates, *, name, partitioner, seed, place_steps)
     """
     if len(candidates) == 1:
         return candidates[0], None
+    tried = {}                 # the fabric without its program length -> the compiler's error
     for kw in candidates:
+        same = tuple(sorted((k, v) for k, v in kw.items() if k != "prog_len"))
+        before = tried.get(same)
+        if before is not None and not (isinstance(before, ProgramTooLong)
+                                       and before.longest <= kw["prog_len"]):
+            last = before
+            continue
         try:
             compile_workload(workload, params=fabric_params(**kw), partitioner=partitioner,
                              seed=seed, place_steps=place_steps)
         except FIT_ERRORS as e:
-            last = e
+            last = tried[same] = e
             continue
-        return kw, (f"fabric {_grid(kw)}: the smallest that fits {workload.name} "
-                    f"(--fabric {kw['rows']}x{kw['cols']} --mu-words {kw['mu_words']} gives "
-                    f"the same)")
-    first, largest = candidates[0], candidates[-1]
+        grid = f"--fabric {kw['rows']}x{kw['cols']} --mu-words {kw['mu_words']}"
+        if before is None:
+            return kw, (f"fabric {_grid(kw)}: the smallest that fits {workload.name} ({grid} "
+                        f"gives the same)")
+        return kw, (f"fabric {_grid(kw)} and prog_len {kw['prog_len']}: the smallest that "
+                    f"fits {workload.name} (one CU's program is {before.longest:,} "
+                    f"instructions, more than prog_len {before.prog_len}; {grid} --prog-len "
+                    f"{kw['prog_len']} gives the same)")
+    largest = candidates[-1]
     grids = list(dict.fromkeys(f"{kw['rows']}x{kw['cols']}" for kw in candidates))
     where = f"the {grids[0]} fabric" if len(grids) == 1 else \
         f"any fabric --fabric auto tries ({grids[0]} to {grids[-1]})"
-    raise UserError(f"{name} does not fit {where} with MUs of {first['mu_words']} to "
-                    f"{largest['mu_words']} words; on {_grid(largest)}: {last}{_hint(last)}")
+    words = sorted({kw["mu_words"] for kw in candidates})
+    lengths = sorted({kw["prog_len"] for kw in candidates})
+    programs = f" and programs of {lengths[0]} to {lengths[-1]} instructions" \
+        if len(lengths) > 1 else ""
+    raise UserError(f"{name} does not fit {where} with MUs of {words[0]} to {words[-1]} "
+                    f"words{programs}; on {_grid(largest)}: {last}{_hint(last)}")
 
 
 def _check(args):

@@ -32,9 +32,11 @@ def _params_of(data, args):
     ``--prog-len`` at its default, also a fabric's own default program length), the one
     whose parameter hash the bitstream's header holds, or the first if none does (the reader
     then says why the bitstream does not load)."""
-    lengths = [args.prog_len] + ([_FABRIC_PROG_LEN] if args.prog_len == RUN_PROG_LEN else [])
-    candidates = [fabric_params(**{**kw, "prog_len": n})
-                  for n in lengths for kw in fabric_candidates(args)]
+    searched = fabric_candidates(args)        # with the longer programs compile may choose
+    candidates = [fabric_params(**kw) for kw in searched]
+    if args.prog_len == RUN_PROG_LEN:
+        candidates += [fabric_params(**{**kw, "prog_len": _FABRIC_PROG_LEN}) for kw in searched
+                       if kw["prog_len"] == args.prog_len]
     if len(data) >= HEADER.size:
         phash = HEADER.unpack_from(data)[3]
         for params in candidates:

@@ -44,7 +44,7 @@ __all__ = ["add_check", "run_checks", "dashed", "add_number", "parse_grid",
            "fabric_dict", "fabric_candidates", "fabric_from_args", "checked_params",
            "fabric_params", "MU_PRESETS", "add_mu_arguments", "mu_params_from_args",
            "check_clusters", "add_system_arguments", "system_from_args", "parse_sizes",
-           "check_sizes", "MAX_PLACE_STEPS"]
+           "check_sizes", "MAX_PLACE_STEPS", "given"]
 
 
 # --- the checks run before any work -----------------------------------------------------------
@@ -187,7 +187,10 @@ def add_fabric_arguments(parser, *, default="2x2", auto=False, check=True):
     g.add_argument("--layout", help="tile kinds, rows separated by '/', e.g. CMC/MCM "
                                     "(default: checkerboard, CU at (0, 0))")
     g.add_argument("--lanes", type=int, default=4, help="SIMD lanes of a CU (default: 4)")
-    g.add_argument("--prog-len", type=int, default=64, help="CU program length (default: 64)")
+    g.add_argument("--prog-len", type=int, default=64, action=_Given,
+                   help="CU program length (default: 64"
+                        + (", or with --fabric auto or --mu-words left out the smallest power "
+                           "of two from the command's default that fits)" if auto else ")"))
     g.add_argument("--local-words", type=int, default=64,
                    help="CU local buffer, vector words (default: 64)")
     g.add_argument("--mu-words", type=int, default=None if auto else 1024,
@@ -202,6 +205,20 @@ def add_fabric_arguments(parser, *, default="2x2", auto=False, check=True):
     g.add_argument("--noc-depth", type=int, default=2)
     if check:
         add_check(parser, functools.partial(_check_fabric, parser, auto))
+
+
+class _Given(argparse.Action):
+    """Stores the option's value and records that the user gave it (``args.given``, a set of
+    destinations): a value left at its default may be chosen by the command."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = {*getattr(namespace, "given", ()), self.dest}
+
+
+def given(args, key):
+    """Whether the user gave the option of ``key`` (``prog_len``) on the command line."""
+    return key in getattr(args, "given", ())
 
 
 def _defaults(parser):
@@ -247,8 +264,12 @@ def fabric_candidates(args):
     """The fabrics (keyword dicts of :func:`fabric_params`) a command may compile for, in the
     order to try them: the one the options give, or with ``--fabric auto`` the grids of
     :data:`AUTO_GRIDS` and with ``--mu-words`` left out MUs from the default size up to the
-    largest :func:`fabric_params` accepts, each doubling, grid by grid. Candidates that are
-    not valid fabrics are left out; a UserError naming the option if none is valid."""
+    largest :func:`fabric_params` accepts, each doubling, grid by grid. When the command
+    searches (``--fabric auto`` or ``--mu-words`` left out) and ``--prog-len`` is not given,
+    all of them at the command's program length, then again at each doubling of it up to the
+    longest :func:`fabric_params` accepts (:func:`~rdakit.cli.compile.choose_fabric` tries a
+    longer program only where the shorter one was too short). Candidates that are not valid
+    fabrics are left out; a UserError naming the option if none is valid."""
     first = fabric_dict(args)
     if args.fabric != AUTO:
         grids = [(first["rows"], first["cols"])]
@@ -261,9 +282,13 @@ def fabric_candidates(args):
     if args.mu_words is None:
         while _error(fabric_params, {**first, "mu_words": 2 * words[-1]}) is None:
             words.append(2 * words[-1])
-    out = [kw for rows, cols in grids for w in words
+    lengths = [first["prog_len"]]
+    if (args.fabric == AUTO or args.mu_words is None) and not given(args, "prog_len"):
+        while _error(fabric_params, {**first, "prog_len": 2 * lengths[-1]}) is None:
+            lengths.append(2 * lengths[-1])
+    out = [kw for n in lengths for rows, cols in grids for w in words
            if _error(fabric_params, kw := {**first, "rows": rows, "cols": cols,
-                                           "mu_words": w}) is None]
+                                           "mu_words": w, "prog_len": n}) is None]
     if not out:
         checked_params(fabric_params, first, _base(args, first), _option)
     return out
