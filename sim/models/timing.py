@@ -42,10 +42,10 @@ class Timing:
         response FIFO, ``SyncFIFOBuffered``).
     exec_stages : int
         Cycles from S0 popping a step to its result being delivered, S1 included; the engine is
-        done ``exec_stages + 1`` cycles after the last pop at the earliest. S1 alone would be
-        1; 2 is the value fitted to the RTL at ``hdl/compute/stream.py`` commit 0f17855 (the
-        six 2x2 runs of ``docs/performance-model.md``: a cycle a stream the model otherwise
-        misses). One more execute stage in the RTL is one more here.
+        done ``exec_stages + 1`` cycles after the last pop at the earliest. 2: S1 and S2, the
+        stream engine with its third pipeline stage (``docs/performance-model.md``: the six
+        2x2 runs within 0.5-5.9 % of that RTL). One more execute stage in the RTL is one more
+        here.
     write_queue : int
         From S1 delivering a result to the write queue to the first cycle the write can take
         the request register.
