@@ -454,8 +454,11 @@ class _Builder:
         (:func:`_pre_shift`).
         """
         rows, cols = shape2d
-        bias = None if bias is None else np.broadcast_to(
-            np.asarray(bias, dtype=np.float64).reshape(_bias_shape(bias, shape2d)), shape2d)
+        if bias is not None:
+            # Kept at its own shape (a per-channel bias is one row): the IR's add broadcasts
+            # it, so the constant is stored once, not once per row.
+            bias = np.asarray(bias, dtype=np.float64).reshape(_bias_shape(bias, shape2d))
+            np.broadcast_shapes(bias.shape, shape2d)
         spans = [float(np.max(np.asarray(b, np.float64) * np.abs(np.asarray(s, np.float64))))
                  / scale for _, s, b in terms]          # each term's range in output steps
         if bias is not None:
@@ -521,11 +524,12 @@ def _bias_shape(bias, shape2d):
 
 def _const_shape(values, cols):
     """A multiplier or bias term as the 2-D constant the IR broadcasts: (1, 1) if all equal,
-    else as given (a (cols,) vector is one row)."""
+    one row if every row is the same (a (cols,) vector is one row), else as given."""
     v = np.asarray(values, dtype=np.float64)
     if v.size and (v == v.flat[0]).all():
         return np.full((1, 1), v.flat[0])
-    return v.reshape(1, cols) if v.ndim <= 1 else v
+    v = v.reshape(1, cols) if v.ndim <= 1 else v
+    return v[:1] if (v == v[:1]).all() else v
 
 
 # --- the walk -----------------------------------------------------------------------------------
