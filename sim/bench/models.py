@@ -16,7 +16,8 @@ unsupported ops is a row that lists them. Two tables (their keys in the report J
     importer folds them to constants, whatever their op), ``unsupported_kinds``,
     ``unsupported_nodes`` (not folded) and ``unsupported`` (``"op xN, ..."``, most nodes
     first), ``export_seconds``, ``status`` (see :data:`STATUSES`), ``import_seconds``,
-    ``compile_seconds``, ``fabric``, ``ir_nodes``, ``estimated_cycles`` (the event model's),
+    ``compile_seconds``, ``fabric`` and ``prog_len`` (the CU program length chosen with it),
+    ``ir_nodes``, ``estimated_cycles`` (the event model's),
     ``interp_steps`` and ``interp_check`` (the interpreter against the graph's own
     evaluation), ``rtl_cycles`` and ``rtl_check`` (the RTL against numpy and the interpreter),
     ``lanes_bound`` (multiply-accumulates over every lane of every CU), ``max_abs_error``,
@@ -70,14 +71,15 @@ STATUSES = {
 ROW_KEYS = ("model", "params", "exported_nodes", "nodes", "op_kinds", "folded",
             "unsupported_kinds",
             "unsupported_nodes", "unsupported", "export_seconds", "status", "import_seconds",
-            "compile_seconds", "fabric", "ir_nodes", "estimated_cycles", "interp_steps",
+            "compile_seconds", "fabric", "prog_len", "ir_nodes", "estimated_cycles",
+            "interp_steps",
             "interp_check", "rtl_cycles", "rtl_check", "lanes_bound", "max_abs_error",
             "cosine", "top1")
 
 #: The columns printed (the row's other keys are in the JSON).
 _PRINTED = ("model", "nodes", "op_kinds", "unsupported_kinds", "unsupported_nodes", "status",
-            "compile_seconds", "fabric", "estimated_cycles", "rtl_cycles", "lanes_bound",
-            "cosine", "top1")
+            "compile_seconds", "fabric", "prog_len", "estimated_cycles", "rtl_cycles",
+            "lanes_bound", "cosine", "top1")
 
 
 def coverage_rows(name, coverage):
@@ -155,6 +157,7 @@ def measure_import(row, name, program, inputs, *, choose, partitioner=DEFAULT_ST
         return
     params = fabric_params(**kw)
     row["fabric"] = f"{params.rows}x{params.cols}/{params.mu.words}w"
+    row["prog_len"] = params.cu.prog_len
     t0 = time.perf_counter()
     try:
         job, summary = compile_workload(workload, params=params, partitioner=partitioner,
