@@ -39,10 +39,14 @@ from rdakit.hdl.spec.flit import flit_layout
 from rdakit.hdl.spec.isa import INSTR_LAYOUT, BMode, DMode
 from rdakit.hdl.spec.packets import MUOp, mu_request_layout
 
-__all__ = ["StreamEngine", "WQ_DEPTH", "read_response_layout"]
+__all__ = ["EXEC_STAGES", "StreamEngine", "WQ_DEPTH", "read_response_layout"]
 
 #: Depth of the queue of stream results waiting to be written to an MU.
 WQ_DEPTH = 4
+
+#: Stages of the execute pipeline after S0 (S1: the lanes' ALU; S2: shift, ReLU and
+#: delivery): a step popped in cycle ``t`` is delivered in cycle ``t + EXEC_STAGES``.
+EXEC_STAGES = 2
 
 
 def read_response_layout(fabric_params):
@@ -260,41 +264,51 @@ class StreamEngine(wiring.Component):
         with m.Elif(self.resp.valid & ~rd_go & (inflight != 0)):
             m.d.sync += inflight.eq(inflight - 1)
 
-        # --- S0: pop a response, read the local buffer --------------------------------------
+        # --- S0: pop a response, read operand B ---------------------------------------------
+        # What a step carries down the pipeline besides its data: its number ``k`` over the
+        # stream (ARGMAX), its destination word, whether it ends an inner loop (PACK_SUM) or
+        # the stream, and the lane of ``V`` its inner loop fills (PACK_SUM).
+        tag_layout = data.StructLayout({"k": 32, "didx": 32, "last_inner": 1, "last": 1,
+                                        "lane": max(lbits, 1)})
         c_o, c_i, c_k = Signal(32), Signal(32), Signal(32)
         b_row, b_idx, d_idx = Signal(32), Signal(32), Signal(32)
         c_done = Signal()
-        s1_valid = Signal()
-        s1_a = Signal(32 * L)
-        s1_k = Signal(32)
-        s1_last_inner = Signal()
-        s1_last = Signal()
-        s1_lane = Signal(max(lbits, 1))
-        s1_didx = Signal(32)
+        s1_valid, s2_valid = Signal(), Signal()
+        s1, s2 = Signal(tag_layout), Signal(tag_layout)
+        s1_a = Signal(32 * L)                       # operand A (the read response)
+        s2_f = Signal(32 * L)                       # fn(a, b) in every lane
 
         # A refused read halts the stream in order: the steps before it complete (their
         # writes are acknowledged), then ``error`` rises.
         fault = Signal()
         head_bad = rfifo.r_data[32 * L]
-        can_pop = in_stream & ~c_done & ~fault & rfifo.r_rdy & (wq.level <= WQ_DEPTH - 2)
+        # Room in the write queue for every result still in the pipeline and this one.
+        wq_room = wq.level + s1_valid + s2_valid <= WQ_DEPTH - 1
+        # Step k reads B in S0 while step k - 1, in S1, has not written its result yet (it
+        # writes in S2; the read port is transparent to that write one cycle later): when
+        # step k - 1 writes the word B reads, step k waits a cycle. (The LOCAL_ACC
+        # destination is read in S1, where the transparency covers step k - 1's write.)
+        local_dest = d_mode.matches(DMode.LOCAL.value, DMode.LOCAL_ACC.value)
+        b_hazard = (s1_valid & local_dest & (sf.b_mode == BMode.LOCAL.value)
+                    & (s1.didx[:wbits] == b_idx[:wbits]))
+        can_pop = in_stream & ~c_done & ~fault & rfifo.r_rdy & wq_room & ~b_hazard
         with m.If(can_pop & head_bad):
             m.d.sync += fault.eq(1)
-        m.d.comb += self.error.eq(in_stream & fault & ~s1_valid & (wq.level == 0)
+        m.d.comb += self.error.eq(in_stream & fault & ~s1_valid & ~s2_valid & (wq.level == 0)
                                   & (wr_pending == 0))
         m.d.comb += [
             pop.eq(can_pop & ~head_bad),
             self.step.eq(pop),
             rfifo.r_en.eq(pop | ~in_stream),   # stale responses are dropped between streams
             loc_b.addr.eq(b_idx[:wbits]), loc_b.en.eq(pop),
-            loc_d.addr.eq(d_idx[:wbits]), loc_d.en.eq(pop),
         ]
         last_inner = c_i + 1 == n_val
-        m.d.sync += s1_valid.eq(pop)
+        m.d.sync += [s1_valid.eq(pop), s2_valid.eq(s1_valid & in_stream)]
         with m.If(pop):
             m.d.sync += [
-                s1_a.eq(rfifo.r_data[:32 * L]), s1_k.eq(c_k), s1_didx.eq(d_idx),
-                s1_last_inner.eq(last_inner), s1_last.eq(last_inner & (c_o + 1 == outer_val)),
-                s1_lane.eq(c_o[:max(lbits, 1)] if lbits else 0),
+                s1_a.eq(rfifo.r_data[:32 * L]), s1.k.eq(c_k), s1.didx.eq(d_idx),
+                s1.last_inner.eq(last_inner), s1.last.eq(last_inner & (c_o + 1 == outer_val)),
+                s1.lane.eq(c_o[:max(lbits, 1)] if lbits else 0),
                 c_k.eq(c_k + 1), d_idx.eq(d_idx + sf.d_stride),
             ]
             with m.If(last_inner):
@@ -307,19 +321,23 @@ class StreamEngine(wiring.Component):
             with m.Else():
                 m.d.sync += [c_i.eq(c_i + 1), b_idx.eq(b_idx + sf.b_stride)]
 
-        # --- S1: compute and deliver ------------------------------------------------------
+        # --- S1: fn(a, b) in every lane; read the LOCAL_ACC destination -----------------------
         b_mode = sf.b_mode
         b_word = Mux(b_mode == BMode.LOCAL.value, loc_b.data,
                      Mux(b_mode == BMode.SCALAR.value, Cat([sf.b_val] * L), 0))
+        f_lanes = [alu(m, fn, s1_a.word_select(i, 32), b_word.word_select(i, 32),
+                       f"lane{i}_alu") for i in range(L)]
+        with m.If(s1_valid):
+            m.d.sync += [s2_f.eq(Cat(f_lanes)), s2.eq(s1)]
+        m.d.comb += [loc_d.addr.eq(s1.didx[:wbits]), loc_d.en.eq(s1_valid)]
+
+        # --- S2: shift, ReLU and deliver --------------------------------------------------------
         shift = sf.shift[:5]
         relu = sf.post[0]
         r_lanes = []
         for i in range(L):
-            a = s1_a.word_select(i, 32)
-            b = b_word.word_select(i, 32)
-            f = alu(m, fn, a, b, f"lane{i}_alu")
             sh = Signal(32, name=f"lane{i}_shifted")
-            m.d.comb += sh.eq(f.as_signed() >> shift)
+            m.d.comb += sh.eq(s2_f.word_select(i, 32).as_signed() >> shift)
             r = Signal(32, name=f"lane{i}_result")
             m.d.comb += r.eq(Mux(relu & sh[31], 0, sh))
             r_lanes.append(r)
@@ -343,18 +361,17 @@ class StreamEngine(wiring.Component):
         red_idx = Signal(32)
         pack_acc = Signal(32)
         m.d.comb += [self.acc.eq(red_acc), self.index.eq(red_idx)]
-        s1_go = s1_valid & in_stream
-        stream_local_we = s1_go & ((d_mode == DMode.LOCAL.value)
-                                   | (d_mode == DMode.LOCAL_ACC.value))
-        with m.If(s1_go):
+        s2_go = s2_valid & in_stream
+        stream_local_we = s2_go & local_dest
+        with m.If(s2_go):
             with m.Switch(d_mode):
                 with m.Case(DMode.WRITE.value, DMode.APPEND.value):
-                    m.d.comb += [wq.w_en.eq(1), wq.w_data.eq(Cat(r_word, s1_didx))]
+                    m.d.comb += [wq.w_en.eq(1), wq.w_data.eq(Cat(r_word, s2.didx))]
                 with m.Case(DMode.LOCAL.value, DMode.LOCAL_ACC.value):
                     acc_word = Cat((r + loc_d.data.word_select(i, 32))[:32]
                                    for i, r in enumerate(r_lanes))
                     m.d.comb += [
-                        loc_w.addr.eq(s1_didx[:wbits]), loc_w.en.eq((1 << L) - 1),
+                        loc_w.addr.eq(s2.didx[:wbits]), loc_w.en.eq((1 << L) - 1),
                         loc_w.data.eq(Mux(d_mode == DMode.LOCAL.value, r_word, acc_word)),
                     ]
                 with m.Case(DMode.SUM.value):
@@ -362,20 +379,20 @@ class StreamEngine(wiring.Component):
                 with m.Case(DMode.MAX.value, DMode.ARGMAX.value):
                     with m.If(word_max.as_signed() > red_acc.as_signed()):
                         m.d.sync += [red_acc.eq(word_max),
-                                     red_idx.eq(Cat(word_max_lane[:lbits], s1_k))]
+                                     red_idx.eq(Cat(word_max_lane[:lbits], s2.k))]
                 with m.Case(DMode.PACK_SUM.value):
                     total = Signal(32)
                     m.d.comb += total.eq(pack_acc + lane_sum)
-                    with m.If(s1_last_inner):
+                    with m.If(s2.last_inner):
                         v_new = Signal(32 * L)
                         m.d.comb += v_new.eq(self.v)
                         if L == 1:
                             m.d.comb += v_new.eq(total)
                         else:
-                            m.d.comb += v_new.word_select(s1_lane[:lbits], 32).eq(total)
+                            m.d.comb += v_new.word_select(s2.lane[:lbits], 32).eq(total)
                         m.d.sync += pack_acc.eq(0)
                         m.d.comb += self.v_we.eq(1)
-                        with m.If((s1_lane == L - 1) | s1_last):
+                        with m.If((s2.lane == L - 1) | s2.last):
                             m.d.comb += [wq.w_en.eq(1), wq.w_data.eq(v_new)]
                             m.d.comb += self.v_next.eq(0)
                         with m.Else():
@@ -427,11 +444,12 @@ class StreamEngine(wiring.Component):
         with m.If(~running):
             # The CU stopped (an error): drop both streams.
             m.d.sync += [a_valid.eq(0), b_valid.eq(0), iss_done.eq(1), iss_b.eq(0),
-                         credits.eq(0), inflight.eq(0)]
+                         credits.eq(0), inflight.eq(0), s1_valid.eq(0), s2_valid.eq(0)]
 
         # Every step ran and every write was issued; the acknowledgements are counted on
         # across streams (posted writes) and fenced by the sequencer.
-        m.d.comb += [self.done.eq(in_stream & c_done & ~s1_valid & (wq.level == 0)),
+        m.d.comb += [self.done.eq(in_stream & c_done & ~s1_valid & ~s2_valid
+                                  & (wq.level == 0)),
                      self.writes_pending.eq(wr_pending != 0)]
 
         # Acknowledgements of the writes.

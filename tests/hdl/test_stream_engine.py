@@ -11,7 +11,7 @@ import pytest
 from conftest import rand32, relu_shift, run_checked, wrap32
 
 from rdakit.hdl.compute.common import TAG_READ, TAG_WRITE
-from rdakit.hdl.compute.stream import StreamEngine
+from rdakit.hdl.compute.stream import EXEC_STAGES, StreamEngine
 from rdakit.hdl.spec.config import CU_MAP
 from rdakit.hdl.spec.isa import AluFn, BMode, DMode
 from rdakit.hdl.spec.packets import MUOp
@@ -80,99 +80,187 @@ def reference(cfg, fn, a_mem, local):
     return local, written, appended, acc, index
 
 
-def run_stream(cfg, fn, a_mem, local, *, ready_pattern=(1,), refuse=None):
-    """Run one stream on a fresh engine; return what the testbench saw, in the shape of
-    :func:`reference` (``acc``/``index`` as signed ints), plus whether ``error`` rose."""
+class _MU:
+    """The MU the testbench plays: answers reads from ``a_mem`` and acknowledges writes and
+    appends ``LATENCY`` cycles after it takes them, in order; read number ``refuse`` (counted
+    from 0) is refused."""
+
+    def __init__(self, a_mem, refuse=None):
+        self.a_mem, self.refuse = a_mem, refuse
+        self.pending = []       # (due cycle, tag, data, refused), in order
+        self.written, self.appended, self.reads = {}, [], 0
+
+    def respond(self, ctx, dut, cycle):
+        """Drive this cycle's response or acknowledgement, if one is due; return it."""
+        head = self.pending[0] if self.pending and self.pending[0][0] <= cycle else None
+        if head is not None:
+            self.pending.pop(0)
+        is_read = head is not None and head[1] == TAG_READ
+        ctx.set(dut.resp.valid, is_read)
+        ctx.set(dut.resp.payload, {"data": head[2] if is_read else 0,
+                                   "refused": head[3] if is_read else 0})
+        ctx.set(dut.ack, head is not None and head[1] == TAG_WRITE)
+        return head
+
+    def take(self, ctx, dut, cycle):
+        """Take the request ``mu_req`` hands over this cycle, if any."""
+        if not (ctx.get(dut.mu_req.valid) and ctx.get(dut.mu_req.ready)):
+            return
+        flit = ctx.get(dut.mu_req.payload)
+        req = flit.payload
+        assert (flit.dst.x, flit.dst.y) == (1, 0)
+        if req.tag == TAG_READ:
+            assert req.op == MUOp.READ
+            word = pack_vector(self.a_mem[req.index % A_WORDS])
+            bad = self.refuse is not None and self.reads == self.refuse
+            self.reads += 1
+            self.pending.append((cycle + LATENCY, TAG_READ, word, int(bad)))
+        else:
+            lanes = unpack_vector(req.data, LANES)
+            if req.op == MUOp.WRITE:
+                self.written[req.index] = lanes
+            else:
+                assert req.op == MUOp.APPEND
+                self.appended.append(lanes)
+            self.pending.append((cycle + LATENCY, TAG_WRITE, 0, 0))
+
+
+async def _write_local(ctx, dut, local):
+    for w in range(16):
+        for lane in range(LANES):
+            ctx.set(dut.cfg.sel, 1)
+            ctx.set(dut.cfg.we, 1)
+            ctx.set(dut.cfg.addr, CU_MAP.LOCAL + w * LANES + lane)
+            ctx.set(dut.cfg.wdata, int(local[w][lane]) & 0xffff_ffff)
+            await ctx.tick()
+    ctx.set(dut.cfg.we, 0)
+
+
+async def _read_local(ctx, dut):
+    out = np.zeros((16, LANES), dtype=np.int64)
+    ctx.set(dut.cfg.re, 1)
+    for w in range(16):
+        for lane in range(LANES):
+            ctx.set(dut.cfg.addr, CU_MAP.LOCAL + w * LANES + lane)
+            await ctx.tick()
+            out[w][lane] = ctx.get(dut.cfg.rdata)
+    ctx.set(dut.cfg.re, 0)
+    return wrap32(out)
+
+
+def run_streams(streams, a_mem, local, *, ready_pattern=(1,), refuse=None, stop_after=None):
+    """Run ``streams`` (``(cfg, fn)`` pairs) one after the other on one engine, each from the
+    local buffer ``local``; return what the testbench saw of each, in the shape of
+    :func:`reference` (``acc``/``index`` as signed ints), plus whether ``error`` rose.
+
+    The testbench plays the sequencer: it drops ``active`` in the cycle ``error`` rises (the
+    steps before the refused read must be complete then). With ``stop_after = k`` it also drops
+    ``active`` during the first stream, as a CU that stops mid-stream: in the first cycle after
+    the k-th step entered the pipeline (``step``) in which the steps of the two cycles before
+    are still in it; it records in ``delivered`` the steps that entered at least
+    ``EXEC_STAGES`` cycles before: those must be all the stream did. While ``active`` is low
+    (ten cycles, the stale read responses arriving) the engine must offer no request and not
+    write ``V``; then ``clear`` and the next stream."""
     dut = StreamEngine(P, x=0, y=0)
-    seen = {}
+    seen_all = []
 
     async def tb(ctx):
-        for w in range(16):
-            for lane in range(LANES):
-                ctx.set(dut.cfg.sel, 1)
-                ctx.set(dut.cfg.we, 1)
-                ctx.set(dut.cfg.addr, CU_MAP.LOCAL + w * LANES + lane)
-                ctx.set(dut.cfg.wdata, int(local[w][lane]) & 0xffff_ffff)
-                await ctx.tick()
-        ctx.set(dut.cfg.we, 0)
-        fields = {name: 0 for name in dut.fields.shape().members}
-        fields.update({k: v & 0xffff_ffff for k, v in cfg.items()})
-        ctx.set(dut.fields, fields)
-        ctx.set(dut.fn, fn)
-        ctx.set(dut.active, 1)          # the CU runs
-        ctx.set(dut.start, 1)
-        await ctx.tick()
-        ctx.set(dut.start, 0)
-        v = 0
-        pending = []            # (due cycle, tag, data, refused), in order
-        written, appended, reads = {}, [], 0
+        mu = _MU(a_mem, refuse)
         ready = itertools.cycle(ready_pattern)
-        for cycle in range(2000):
-            head = pending[0] if pending and pending[0][0] <= cycle else None
-            if head is not None:
-                pending.pop(0)
-            is_read = head is not None and head[1] == TAG_READ
-            ctx.set(dut.resp.valid, is_read)
-            ctx.set(dut.resp.payload, {"data": head[2] if is_read else 0,
-                                       "refused": head[3] if is_read else 0})
-            ctx.set(dut.ack, head is not None and head[1] == TAG_WRITE)
-            ctx.set(dut.v, v)
-            ctx.set(dut.mu_req.ready, next(ready))
-            if ctx.get(dut.done) or ctx.get(dut.error):
-                seen["error"] = ctx.get(dut.error)
-                seen["acc"] = ctx.get(dut.acc.as_signed())
-                seen["index"] = ctx.get(dut.index)
-                # Posted writes: ``done`` may come before the acknowledgements; deliver the
-                # ones still owed and watch ``writes_pending`` until the last is back.
-                owed = [p for p in pending if p[1] == TAG_WRITE]
-                seen["owed_at_done"] = len(owed) + bool(head is not None
-                                                         and head[1] == TAG_WRITE)
-                seen["pending_trace"] = [ctx.get(dut.writes_pending)]
-                await ctx.tick()
-                ctx.set(dut.resp.valid, 0)
-                for _ in owed:
-                    seen["pending_trace"].append(ctx.get(dut.writes_pending))
-                    ctx.set(dut.ack, 1)
-                    await ctx.tick()
-                ctx.set(dut.ack, 0)
-                seen["pending_trace"].append(ctx.get(dut.writes_pending))
-                break
-            if ctx.get(dut.mu_req.valid) and ctx.get(dut.mu_req.ready):
-                flit = ctx.get(dut.mu_req.payload)
-                req = flit.payload
-                assert (flit.dst.x, flit.dst.y) == (1, 0)
-                if req.tag == TAG_READ:
-                    assert req.op == MUOp.READ
-                    word = pack_vector(a_mem[req.index % A_WORDS])
-                    bad = refuse is not None and reads == refuse
-                    reads += 1
-                    pending.append((cycle + LATENCY, TAG_READ, word, int(bad)))
-                else:
-                    lanes = unpack_vector(req.data, LANES)
-                    if req.op == MUOp.WRITE:
-                        written[req.index] = lanes
-                    else:
-                        assert req.op == MUOp.APPEND
-                        appended.append(lanes)
-                    pending.append((cycle + LATENCY, TAG_WRITE, 0, 0))
-            if ctx.get(dut.v_we):
-                v = ctx.get(dut.v_next)
+        cycle = 0
+        for number, (cfg, fn) in enumerate(streams):
+            stop = stop_after if number == 0 else None
+            seen = {}
+            seen_all.append(seen)
+            await _write_local(ctx, dut, local)
+            cycle += 16 * LANES
+            fields = {name: 0 for name in dut.fields.shape().members}
+            fields.update({k: v & 0xffff_ffff for k, v in cfg.items()})
+            ctx.set(dut.fields, fields)
+            ctx.set(dut.fn, fn)
+            ctx.set(dut.active, 1)          # the CU runs
+            ctx.set(dut.start, 1)
             await ctx.tick()
-        else:
-            raise AssertionError("The stream must finish in 2000 cycles, but it did not")
-        ctx.set(dut.active, 0)
-        await ctx.tick()
-        out = np.zeros((16, LANES), dtype=np.int64)
-        ctx.set(dut.cfg.re, 1)
-        for w in range(16):
-            for lane in range(LANES):
-                ctx.set(dut.cfg.addr, CU_MAP.LOCAL + w * LANES + lane)
+            cycle += 1
+            ctx.set(dut.start, 0)
+            mu.written, mu.appended = {}, []
+            v = 0
+            steps = []                      # the cycles in which a step entered the pipeline
+            for _ in range(2000):
+                head = mu.respond(ctx, dut, cycle)
+                ctx.set(dut.v, v)
+                ctx.set(dut.mu_req.ready, next(ready))
+                if (stop is not None and len(steps) >= stop
+                        and steps[-2:] == [cycle - 2, cycle - 1]):
+                    ctx.set(dut.active, 0)
+                    steps += [cycle] * ctx.get(dut.step)
+                    seen["delivered"] = sum(c <= cycle - EXEC_STAGES for c in steps)
+                    seen["error"] = ctx.get(dut.error)
+                    mu.take(ctx, dut, cycle)
+                    await ctx.tick()
+                    cycle += 1
+                    for _ in range(10):
+                        mu.respond(ctx, dut, cycle)
+                        assert not ctx.get(dut.mu_req.valid) and not ctx.get(dut.v_we)
+                        await ctx.tick()
+                        cycle += 1
+                    ctx.set(dut.clear, 1)
+                    await ctx.tick()
+                    cycle += 1
+                    ctx.set(dut.clear, 0)
+                    break
+                if ctx.get(dut.done) or ctx.get(dut.error):
+                    seen["error"] = ctx.get(dut.error)
+                    seen["acc"] = ctx.get(dut.acc.as_signed())
+                    seen["index"] = ctx.get(dut.index)
+                    if seen["error"]:
+                        ctx.set(dut.active, 0)
+                    # Posted writes: ``done`` may come before the acknowledgements; deliver the
+                    # ones still owed and watch ``writes_pending`` until the last is back.
+                    owed = [p for p in mu.pending if p[1] == TAG_WRITE]
+                    mu.pending = []
+                    seen["owed_at_done"] = len(owed) + bool(head is not None
+                                                             and head[1] == TAG_WRITE)
+                    seen["pending_trace"] = [ctx.get(dut.writes_pending)]
+                    await ctx.tick()
+                    cycle += 1
+                    ctx.set(dut.resp.valid, 0)
+                    for _ in owed:
+                        seen["pending_trace"].append(ctx.get(dut.writes_pending))
+                        ctx.set(dut.ack, 1)
+                        await ctx.tick()
+                        cycle += 1
+                    ctx.set(dut.ack, 0)
+                    seen["pending_trace"].append(ctx.get(dut.writes_pending))
+                    break
+                if ctx.get(dut.step):
+                    steps.append(cycle)
+                mu.take(ctx, dut, cycle)
+                if ctx.get(dut.v_we):
+                    v = ctx.get(dut.v_next)
                 await ctx.tick()
-                out[w][lane] = ctx.get(dut.cfg.rdata)
-        seen.update(local=wrap32(out), written=written, appended=appended, v=v)
+                cycle += 1
+            else:
+                raise AssertionError("The stream must finish in 2000 cycles, but it did not")
+            seen["steps"] = len(steps)
+            active = ctx.get(dut.active)
+            ctx.set(dut.active, 0)
+            await ctx.tick()
+            seen.update(local=await _read_local(ctx, dut), written=mu.written,
+                        appended=mu.appended, v=v)
+            cycle += 1 + 16 * LANES
+            if seen["error"]:
+                break
+            ctx.set(dut.active, active)
 
     run_checked(dut, tb)
-    return seen
+    return seen_all
+
+
+def run_stream(cfg, fn, a_mem, local, *, ready_pattern=(1,), refuse=None):
+    """:func:`run_streams` of one stream."""
+    return run_streams([(cfg, fn)], a_mem, local, ready_pattern=ready_pattern,
+                       refuse=refuse)[0]
 
 
 CONFIGS = {
@@ -198,8 +286,8 @@ CONFIGS = {
 }
 
 
-def _config(name):
-    cfg, fn = CONFIGS[name]
+def _config(name, table=CONFIGS):
+    cfg, fn = table[name]
     cfg = {"a_ref": 0b01, "a_ostride": 0, "b_stride": 0, "b_ostride": 0, "b_val": 0,
            "b_mode": BMode.ZERO.value, "shift": 0, "post": 0, "d_base": 0, "d_stride": 0,
            "d_ref": 0, **cfg}
@@ -213,11 +301,16 @@ def test_stream_matches_numpy(name, ready_pattern):
     rng = np.random.default_rng(sorted(CONFIGS).index(name))
     a_mem = rand32(rng, (A_WORDS, LANES), bits=12)
     local = rand32(rng, (16, LANES), bits=12)
+    seen = run_stream(cfg, fn, a_mem, local, ready_pattern=ready_pattern)
+    _check(seen, cfg, fn, a_mem, local)
+
+
+def _check(seen, cfg, fn, a_mem, local):
+    """``seen`` is what :func:`reference` says the stream does."""
     ref_local, ref_written, ref_appended, ref_acc, ref_index = reference(
         {**cfg, "b_val": np.int32(np.uint32(cfg["b_val"] & 0xffff_ffff)).item(),
          "a_stride": np.int32(np.uint32(cfg["a_stride"])).item()},
         fn, a_mem, local)
-    seen = run_stream(cfg, fn, a_mem, local, ready_pattern=ready_pattern)
     assert not seen["error"]
     np.testing.assert_array_equal(seen["local"], ref_local)
     assert seen["written"].keys() == ref_written.keys()
@@ -264,3 +357,109 @@ def test_writes_are_posted_and_counted_until_acknowledged(name):
     else:
         assert seen["owed_at_done"] == 0
     assert seen["pending_trace"][-1] == 0
+
+
+# --- The pipeline's hazards -------------------------------------------------------------------
+
+#: Streams whose steps depend on the steps just before them, through the local buffer or ``V``:
+#: a step enters the pipeline before the one ahead of it has delivered (``EXEC_STAGES`` cycles
+#: after it entered), so each relies on the engine's stall (B), the read ports' transparency
+#: (B two steps back, the LOCAL_ACC destination) or V's update in S2 (PACK_SUM).
+HAZARDS = {
+    # B reads the word the step before wrote: local[4 + k] = a * local[3 + k] >> 2.
+    "b_reads_the_previous_result": (dict(a_base=0, a_stride=1, n=7, outer=1, shift=2,
+                                         b_mode=BMode.LOCAL.value, b_val=3, b_stride=1,
+                                         d_mode=DMode.LOCAL.value, d_base=4, d_stride=1),
+                                    AluFn.MUL),
+    # ... the word written two steps before (in the cycle B is read).
+    "b_reads_the_result_two_back": (dict(a_base=0, a_stride=1, n=7, outer=1,
+                                         b_mode=BMode.LOCAL.value, b_val=2, b_stride=1,
+                                         d_mode=DMode.LOCAL.value, d_base=4, d_stride=1),
+                                    AluFn.SUB),
+    # LOCAL_ACC onto one word, step after step.
+    "local_acc_one_word": (dict(a_base=0, a_stride=1, n=6, outer=1,
+                                d_mode=DMode.LOCAL_ACC.value, d_base=5, d_stride=0),
+                           AluFn.PASS),
+    # ... B reading that word too: local[5] += a + local[5].
+    "local_acc_and_b_one_word": (dict(a_base=0, a_stride=1, n=5, outer=1,
+                                      b_mode=BMode.LOCAL.value, b_val=5, b_stride=0,
+                                      d_mode=DMode.LOCAL_ACC.value, d_base=5, d_stride=0),
+                                 AluFn.ADD),
+    # PACK_SUM with every step ending its inner loop: V changes in consecutive cycles.
+    "pack_sum_every_step": (dict(a_base=0, a_stride=1, n=1, outer=9, d_ref=0b01,
+                                 d_mode=DMode.PACK_SUM.value), AluFn.ADD),
+}
+
+
+@pytest.fixture(scope="module")
+def hazard_runs():
+    """Every stream of :data:`HAZARDS` in one simulation, from the same local buffer."""
+    rng = np.random.default_rng(5)
+    a_mem = rand32(rng, (A_WORDS, LANES), bits=12)
+    local = rand32(rng, (16, LANES), bits=12)
+    streams = [_config(name, HAZARDS) for name in HAZARDS]
+    seen = run_streams(streams, a_mem, local)
+    return a_mem, local, dict(zip(HAZARDS, seen, strict=True))
+
+
+@pytest.mark.parametrize("name", list(HAZARDS))
+def test_dependent_steps_match_numpy(hazard_runs, name):
+    a_mem, local, seen = hazard_runs
+    cfg, fn = _config(name, HAZARDS)
+    assert not seen[name]["error"]
+    _check(seen[name], cfg, fn, a_mem, local)
+
+
+def test_refused_read_mid_pipeline_completes_the_steps_before_it():
+    """PACK_SUM of one step an inner loop, the fifth read refused: the fourth step, which fills
+    V's last lane and appends V, is still in the pipeline when the refused response reaches
+    S0, and ``error`` waits until its append is issued and acknowledged (the testbench drops
+    ``active`` in the cycle ``error`` rises, as a CU that stops there)."""
+    cfg, fn = _config("pack_sum_every_step", HAZARDS)
+    rng = np.random.default_rng(3)
+    a_mem = rand32(rng, (A_WORDS, LANES), bits=12)
+    local = np.zeros((16, LANES), dtype=np.int64)
+    seen = run_stream(cfg, fn, a_mem, local, refuse=LANES)
+    assert seen["error"]
+    want = reference({**cfg, "outer": LANES}, fn, a_mem, local)[2]
+    assert len(want) == len(seen["appended"]) == 1
+    np.testing.assert_array_equal(seen["appended"][0], want[0])
+
+
+def test_write_queue_full_under_back_pressure_loses_no_write():
+    """The request port refuses for 12 cycles in every 20 while responses keep arriving: the
+    results fill the write queue, and S0 stops popping while the queue could not take every
+    result still in the pipeline. Every write arrives."""
+    cfg, fn = _config("mul_scalar_shift_relu_write")
+    cfg.update(n=12, d_stride=1)
+    rng = np.random.default_rng(1)
+    a_mem = rand32(rng, (A_WORDS, LANES), bits=12)
+    local = np.zeros((16, LANES), dtype=np.int64)
+    seen = run_stream(cfg, fn, a_mem, local, ready_pattern=(1,) * 8 + (0,) * 12)
+    assert not seen["error"]
+    _check(seen, cfg, fn, a_mem, local)
+
+
+def test_stream_stopped_mid_pipeline_is_dropped():
+    """``active`` falls while two steps are in the pipeline (a CU stopping mid-stream): the
+    local buffer holds the results of exactly the steps delivered before (``EXEC_STAGES``
+    cycles after they entered), no request or ``V`` write follows, and the next stream, after
+    ``clear``, runs as if on a fresh engine (the stale responses and results are dropped)."""
+    stopped, stopped_fn = _config("add_local_b_to_local")
+    after, after_fn = _config("pack_sum")
+    rng = np.random.default_rng(9)
+    a_mem = rand32(rng, (A_WORDS, LANES), bits=12)
+    local = rand32(rng, (16, LANES), bits=12)
+    first, second = run_streams([(stopped, stopped_fn), (after, after_fn)], a_mem, local,
+                                stop_after=3)
+    k = first["delivered"]
+    assert 2 <= k < first["steps"] < stopped["n"] * stopped["outer"]
+    outer, n = divmod(k, stopped["n"])
+    want = reference({**stopped, "outer": outer}, stopped_fn, a_mem, local)[0] if outer else local
+    if n:       # the steps of the last, partial inner loop, from where the others left the buffer
+        base = {**stopped, "outer": 1, "n": n, "a_base": stopped["a_base"] + outer
+                * stopped["a_ostride"], "b_val": stopped["b_val"] + outer * stopped["b_ostride"],
+                "d_base": stopped["d_base"] + outer * stopped["n"] * stopped["d_stride"]}
+        want = reference(base, stopped_fn, a_mem, want)[0]
+    np.testing.assert_array_equal(first["local"], want)
+    _check(second, after, after_fn, a_mem, local)
