@@ -9,9 +9,11 @@ cycle after it arrives; ALLOC, READ and LEN (:data:`NONBLOCKING`) retire at once
 response writes ``rd`` later. ``WAIT``/``RECV`` retire in the cycle the tokens or the reference are
 there; ``SEND``/``SENDREF`` retire when the message register is free. ``SRUN`` hands the stream
 to the stream engine (:mod:`rdakit.hdl.compute.stream`) and retires at once: the instructions
-after it run while the stream does, except those that need what the stream may still change
-(:data:`AFTER_STREAM`, and any instruction naming a register the stream's reduction will
-write), which wait until it is done. See :mod:`rdakit.hdl.compute.unit` for the timing and the
+after it run while the stream does, except those that need what a stream the engine holds may
+still change (:data:`STREAM_HAZARDS`: an MU request naming a buffer the stream writes, or
+changing one it reads; LGET and LSET against the local buffer; V; the fences), any instruction
+naming a register a stream's reduction will write, and an instruction that fails; these wait
+until the stream is done. See :mod:`rdakit.hdl.compute.unit` for the timing and the
 readings of the spec.
 """
 
@@ -69,14 +71,51 @@ POSTED = (Op.RET, Op.RETI, Op.DECREF, Op.VWRITE)
 #: request or a fence waits for it (one such request at a time).
 NONBLOCKING = (Op.ALLOC, Op.READ, Op.LEN)
 
-#: The instructions that wait until the stream engine is idle (SRUN retires as soon as the
-#: engine takes the stream; the engine holds one executing stream and one waiting behind it):
-#: every MU request, so that it follows the streams' requests (their writes, or their reads of
-#: a buffer the request changes, stay in program order); the fences; what reads or writes
-#: ``V``, which PACK_SUM uses, or the local buffer (LGET, LSET). SRUN waits while a stream
-#: already waits in the engine; any instruction naming a register (or pair, for ARGMAX) that a
-#: stream's reduction will write waits for that stream (a scoreboard of two entries).
-AFTER_STREAM = (*MU_INSTRUCTIONS, *FENCED, Op.VSET, Op.VCLR, Op.LGET, Op.LSET)
+#: What a stream in the engine touches, as far as the instructions after its SRUN care (the
+#: engine holds one executing stream and one waiting behind it; SRUN retires as soon as the
+#: engine takes the stream). Each is a bit of the scoreboard's entry for the stream:
+#: ``a_ref``, the MU buffer it reads (A_REF); ``d_ref``, the MU buffer it writes or appends to
+#: (D_REF, for a D_MODE of ``D_MU_MODES``); ``local_r`` and ``local_w``, the local buffer read
+#: (B_MODE LOCAL, D_MODE LOCAL_ACC) and written (LOCAL, LOCAL_ACC); ``v``, the staging vector
+#: (PACK_SUM).
+STREAM_TOUCHES = ("a_ref", "d_ref", "local_r", "local_w", "v")
+
+#: What each touch means, for the docs' table (``rdakit docs``); ``any`` is every stream.
+STREAM_TOUCH_DOC = {
+    "a_ref": "reads the MU buffer the instruction names (A_REF)",
+    "d_ref": "writes or appends to the MU buffer the instruction names (D_REF)",
+    "local_r": "reads the local buffer (B_MODE LOCAL, D_MODE LOCAL_ACC)",
+    "local_w": "writes the local buffer (D_MODE LOCAL, LOCAL_ACC)",
+    "v": "builds V (D_MODE PACK_SUM)",
+    "any": "any stream",
+}
+
+#: Per instruction, the touches of a stream it must wait for (every stream the engine holds
+#: that has one of them): an MU request must not overtake a stream's writes to its buffer, nor
+#: (when it changes or frees the buffer) the stream's reads of it — a request reaches an MU over
+#: the same path as the stream's and is served after them, so it may leave once it follows
+#: them; LGET and LSET must not overtake what a stream reads or writes in the local buffer;
+#: what reads or writes ``V`` waits for PACK_SUM. ``"any"``: every stream (the fences).
+#: ALLOC names a new buffer and waits for nothing; an instruction not listed waits only for a
+#: stream whose reduction writes a register it names (a scoreboard of two entries), and SRUN
+#: while a stream already waits in the engine.
+STREAM_HAZARDS = {
+    Op.ALLOC: (),
+    Op.READ: ("d_ref",),
+    Op.LEN: ("d_ref",),
+    Op.VREAD: ("d_ref", "v"),
+    Op.VWRITE: ("a_ref", "d_ref", "v"),
+    Op.VAPPEND: ("a_ref", "d_ref", "v"),
+    **{o: ("a_ref", "d_ref") for o in (Op.RET, Op.RETI, Op.DECREF, Op.INCREF, Op.ADDW)},
+    **{o: ("any",) for o in FENCED},
+    Op.VSET: ("v",),
+    Op.VCLR: ("v",),
+    Op.LGET: ("local_w",),
+    Op.LSET: ("local_r", "local_w"),
+}
+
+#: The instructions that may wait for a stream the engine holds (:data:`STREAM_HAZARDS`).
+AFTER_STREAM = tuple(STREAM_HAZARDS)
 
 
 class _State(enum.Enum, shape=2):
@@ -248,6 +287,11 @@ class Sequencer(wiring.Component):
         s_rd = [Signal(rbits, name=f"s{i}_rd") for i in range(2)]
         s_writes = [Signal(2, name=f"s{i}_writes") for i in range(2)]  # bit 0: rd, 1: rd + 1
         s_pc = [Signal(16, name=f"s{i}_pc") for i in range(2)]
+        # ... and what it touches (STREAM_TOUCHES): the buffers it reads and writes, and one bit
+        # per touch.
+        s_aref = [Signal(refw, name=f"s{i}_aref") for i in range(2)]
+        s_dref = [Signal(refw, name=f"s{i}_dref") for i in range(2)]
+        s_touch = [Signal(len(STREAM_TOUCHES), name=f"s{i}_touch") for i in range(2)]
         m.d.comb += [self.done.eq(~running), self.error.eq(err),
                      self.stream_active.eq(running)]
 
@@ -364,7 +408,8 @@ class Sequencer(wiring.Component):
         # --- Execute --------------------------------------------------------------------------
         with m.If(self.stream_done):
             m.d.sync += [s_rd[0].eq(s_rd[1]), s_writes[0].eq(s_writes[1]),
-                         s_pc[0].eq(s_pc[1]), s_writes[1].eq(0)]
+                         s_pc[0].eq(s_pc[1]), s_writes[1].eq(0), s_aref[0].eq(s_aref[1]),
+                         s_dref[0].eq(s_dref[1]), s_touch[0].eq(s_touch[1])]
         fence = op.matches(*FENCED) & self.writes_pending   # a fence waits for posted writes
         waiting = self.waiting     # stalled in WAIT / RECV on another CU
         # The running stream: in the cycle it is done its writes have all been issued and V is
@@ -378,8 +423,35 @@ class Sequencer(wiring.Component):
             for i in range(2)).any()
         # The engine is idle, or will be at the end of this cycle.
         idle = ~self.stream_busy | (self.stream_done & ~self.stream_queued)
-        after_stream = Mux(op == Op.SRUN, self.stream_queued,
-                           op.matches(*AFTER_STREAM) & ~idle | reg_hazard)
+        # The streams the engine still holds at the end of this cycle (one done in this cycle has
+        # issued every write and delivered every result), and whether the instruction must wait
+        # for one of them (STREAM_HAZARDS).
+        live = [self.stream_busy & ~self.stream_done, self.stream_queued]
+        ref_i = ra_v[:refw]
+        slot_hazards = []
+        for i in range(2):
+            t = dict(zip(STREAM_TOUCHES, s_touch[i], strict=True))
+            hit = {"a_ref": s_aref[i] == ref_i, "d_ref": t["d_ref"] & (s_dref[i] == ref_i),
+                   "local_r": t["local_r"], "local_w": t["local_w"], "v": t["v"],
+                   "any": Const(1)}
+            waits = Const(0)
+            for o, touches in STREAM_HAZARDS.items():
+                if touches:
+                    waits = waits | ((op == o) & Cat(hit[k] for k in touches).any())
+            slot_hazards.append(live[i] & waits)
+        # An instruction that fails (below) waits for the engine to be idle first: the streams
+        # before it complete, their writes and reductions included, as in the interpreter.
+        taken = Mux(op == Op.BNZ, ra_v != 0, Mux(op == Op.BZ, ra_v == 0, Mux(
+            op == Op.BLT, ra_v.as_signed() < rb_v.as_signed(),
+            Mux(op == Op.LOOP, ra_v != 1, op == Op.JMP))))
+        off_end = Mux(taken, imm >= cp.prog_len, pc + 1 >= cp.prog_len) & (op != Op.HALT)
+        fails = (~op.matches(*Op) | off_end
+                 | op.matches(*MU_INSTRUCTIONS) & ~ra_is_mu
+                 | (op == Op.WAIT) & ~channel_ok | (op == Op.RECV) & ~slot_ok
+                 | (op == Op.SRUN) & (bad_stream | ~stream_to_mu))
+        after_stream = (Mux(op == Op.SRUN, self.stream_queued,
+                            Cat(slot_hazards).any() | reg_hazard)
+                        | fails & ~idle)
         # The non-blocking MU instruction in flight (NONBLOCKING): its register, its pc (where
         # a refusal is reported) and how its response becomes the register's value.
         m_pend = Signal()
@@ -407,14 +479,12 @@ class Sequencer(wiring.Component):
                 with m.Case(Op.JMP):
                     m.d.comb += [npc.eq(imm), adv.eq(1)]
                 with m.Case(Op.BNZ, Op.BZ, Op.BLT):
-                    taken = Mux(op == Op.BNZ, ra_v != 0,
-                                Mux(op == Op.BZ, ra_v == 0, ra_v.as_signed() < rb_v.as_signed()))
                     with m.If(taken):
                         m.d.comb += npc.eq(imm)
                     m.d.comb += adv.eq(1)
                 with m.Case(Op.LOOP):
                     write_a(ra_i, ra_v - 1)
-                    with m.If(ra_v != 1):
+                    with m.If(taken):
                         m.d.comb += npc.eq(imm)
                     m.d.comb += adv.eq(1)
                 with m.Case(*MU_INSTRUCTIONS):
@@ -475,12 +545,24 @@ class Sequencer(wiring.Component):
                         reduces = sf[S.D_MODE].matches(DMode.SUM.value, DMode.MAX.value,
                                                        DMode.ARGMAX.value)
                         # The stream executes next (entry 0) or waits behind the running one.
+                        d_mode = sf[S.D_MODE]
+                        touches = {
+                            "a_ref": Const(1),   # (A_REF is always read; its bit is unused)
+                            "d_ref": d_mode.matches(*D_MU_MODES),
+                            "local_r": ((sf[S.B_MODE] == BMode.LOCAL.value)
+                                        | (d_mode == DMode.LOCAL_ACC.value)),
+                            "local_w": d_mode.matches(DMode.LOCAL.value, DMode.LOCAL_ACC.value),
+                            "v": d_mode == DMode.PACK_SUM.value,
+                        }
                         for i, cond in enumerate((idle, ~idle)):
                             with m.If(cond):
                                 m.d.sync += [
                                     s_rd[i].eq(rd_i), s_pc[i].eq(pc),
                                     s_writes[i].eq(Cat(reduces,
-                                                       sf[S.D_MODE] == DMode.ARGMAX.value)),
+                                                       d_mode == DMode.ARGMAX.value)),
+                                    s_aref[i].eq(sf[S.A_REF][:refw]),
+                                    s_dref[i].eq(sf[S.D_REF][:refw]),
+                                    s_touch[i].eq(Cat(touches[k] for k in STREAM_TOUCHES)),
                                 ]
                 with m.Case(Op.SELF):
                     write_a(rd_i, self.cu_id)

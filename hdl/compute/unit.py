@@ -51,9 +51,10 @@ Timing (measured with an MU attached directly, its latency 2 cycles)
     acknowledgement's round trip (3 cycles here) overlaps what follows too (posted writes; a
     fence or HALT waits for it); PACK_SUM adds one cycle an append. A stream handed over while
     another runs starts its steps the cycle after that one is done when its reads could be
-    prefetched. An instruction of ``sequencer.AFTER_STREAM`` waits for the engine to be idle, an
-    SRUN while a stream already waits in it, and one naming a register of a stream's reduction
-    for that stream.
+    prefetched. An instruction waits for a stream the engine holds when the stream touches what
+    it names (``sequencer.STREAM_HAZARDS``), an SRUN while a stream already waits in the
+    engine, one naming a register of a stream's reduction for that stream, and one that fails
+    for the engine to be idle.
 
 Readings of the spec (where it leaves a choice)
 -----------------------------------------------
@@ -198,15 +199,16 @@ class ComputeUnit(wiring.Component):
         ]
         wiring.connect(m, seq.msg_out, wiring.flipped(self.msg_out))
 
-        # The request register: valid never depends on ready. The sequencer's requests wait for a
-        # running stream to be done (AFTER_STREAM), so the two never compete; the sequencer's
-        # would win.
+        # The request register: valid never depends on ready. The sequencer's request wins: it
+        # may be offered while a stream runs (when the stream touches nothing it names,
+        # ``sequencer.STREAM_HAZARDS``), and the engine's waits a cycle.
         req_flit = self.req.payload.shape()
         rq_valid = Signal()
         rq = Signal(req_flit)
         rq_free = ~rq_valid | self.req.ready
         m.d.comb += [self.req.valid.eq(rq_valid), self.req.payload.eq(rq),
-                     seq.mu_req.ready.eq(rq_free), eng.mu_req.ready.eq(rq_free)]
+                     seq.mu_req.ready.eq(rq_free),
+                     eng.mu_req.ready.eq(rq_free & ~seq.mu_req.valid)]
         with m.If(seq.mu_req.valid & rq_free):
             m.d.sync += [rq_valid.eq(1), rq.eq(seq.mu_req.payload)]
         with m.Elif(eng.mu_req.valid & rq_free):

@@ -81,8 +81,9 @@ TILE_COUNTERS = {
 #: ``fence_cycles``: a fence (SEND, SENDREF, HALT, FADD, UNLOCK) waiting for posted writes;
 #: ``mu_cycles``: a blocking MU instruction waiting for its response, or an instruction
 #: waiting for a non-blocking one's (ALLOC, READ, LEN: its register, or one at a time);
-#: ``stream_idle_cycles``: the sequencer waits for the running stream (a second SRUN, an MU
-#: request, V or a register of its reduction: ``AFTER_STREAM``) and the stream executes no step
+#: ``stream_idle_cycles``: the sequencer waits for a stream in the engine (a second SRUN, an
+#: instruction touching what the stream uses: ``STREAM_HAZARDS``, a register of its reduction)
+#: and the stream executes no step
 #: (its start-up, the first round trip, starvation, the tail);
 #: ``instr_cycles``: an instruction retired (scalar, SCFG, branch, message, posted request);
 #: and ``other_cycles``, what is left of ``busy_cycles`` (the message or request register

@@ -11,6 +11,7 @@ import re
 from rdakit.boards.build import BOARDS, board_preset
 from rdakit.compiler.frontend.aten import ATEN_OPS
 from rdakit.compiler.graph import OP_KINDS
+from rdakit.hdl.compute.sequencer import STREAM_HAZARDS, STREAM_TOUCH_DOC
 from rdakit.hdl.memory.unit import CHECK_ORDER, TIMING
 from rdakit.hdl.spec.bitstream import LOAD_STATUS_DOC, LoadStatus
 from rdakit.hdl.spec.frames import (
@@ -86,6 +87,14 @@ def _isa():
     return "\n".join(lines)
 
 
+def _stream_hazards():
+    lines = ["| instruction | waits for every stream in the engine that |", "|---|---|"]
+    for op, touches in STREAM_HAZARDS.items():
+        what = "; ".join(STREAM_TOUCH_DOC[t] for t in touches) or "(none: it never waits)"
+        lines.append(f"| `{op.name}` | {what} |")
+    return "\n".join(lines)
+
+
 def _properties():
     return properties_table()
 
@@ -134,7 +143,7 @@ def _aten_ops():
 SECTIONS = {
     "memory-unit.md": {"ops": _mu_ops, "packets": _mu_packets, "checks": _mu_checks,
                        "timing": _mu_timing},
-    "compute-unit.md": {"isa": _isa},
+    "compute-unit.md": {"isa": _isa, "stream-hazards": _stream_hazards},
     "compiler.md": {"ir": _ir_ops},
     "verification.md": {"properties": _properties},
     "boards.md": {"frames": _frames},
