@@ -14,16 +14,16 @@ unsupported ops is a row that lists them. Two tables (their keys in the report J
     ``nodes`` and ``op_kinds`` (ops and distinct ops of the graph the importer walks: core aten
     with the registered ops kept whole), ``folded`` (those that read no model input: the
     importer folds them to constants, whatever their op), ``unsupported_kinds``,
-    ``unsupported_nodes`` (not folded) and ``unsupported`` (``"op xN, ..."``, most nodes
-    first), ``export_seconds``, ``status`` (see :data:`STATUSES`), ``import_seconds``,
+    ``unsupported_nodes`` (not folded) and ``unsupported`` (``"op xN, ..."``, most nodes first),
+    ``export_seconds``, ``status`` (see :data:`STATUSES`), ``import_seconds``,
     ``compile_seconds``, ``fabric`` and ``prog_len`` (the CU program length chosen with it),
-    ``ir_nodes``, ``estimated_cycles`` (the event model's),
-    ``interp_steps`` and ``interp_check`` (the interpreter against the graph's own
-    evaluation), ``rtl_cycles`` and ``rtl_check`` (the RTL against numpy and the interpreter),
-    ``lanes_bound`` (multiply-accumulates over every lane of every CU), ``max_abs_error``,
-    ``cosine`` and ``top1`` (the importer's accuracy against the float model, the worst over
-    the outputs; ``top1``, the share of rows whose argmax agrees, where the last dimension has
-    two entries or more).
+    ``ir_nodes``, ``estimated_cycles`` (the event model's), ``interp_steps``, ``interp_seconds``
+    and ``interp_check`` (the interpreter against the graph's own evaluation), ``rtl_cycles``
+    and ``rtl_check`` (the RTL against numpy and the interpreter), ``lanes_bound``
+    (multiply-accumulates over every lane of every CU), ``max_abs_error``, ``cosine`` and
+    ``top1`` (the importer's accuracy against the float model, the worst over the outputs;
+    ``top1``, the share of rows whose argmax agrees, where the last dimension has two entries or
+    more).
 ``coverage``
     One row per model and op: ``model``, ``op``, ``count``, ``folded``, ``supported`` (the
     importer handles it, or every node of it is folded), ``ir`` (the IR op kinds it becomes,
@@ -72,7 +72,7 @@ ROW_KEYS = ("model", "params", "exported_nodes", "nodes", "op_kinds", "folded",
             "unsupported_kinds",
             "unsupported_nodes", "unsupported", "export_seconds", "status", "import_seconds",
             "compile_seconds", "fabric", "prog_len", "ir_nodes", "estimated_cycles",
-            "interp_steps",
+            "interp_steps", "interp_seconds",
             "interp_check", "rtl_cycles", "rtl_check", "lanes_bound", "max_abs_error",
             "cosine", "top1")
 
@@ -171,7 +171,9 @@ def measure_import(row, name, program, inputs, *, choose, partitioner=DEFAULT_ST
     row["estimated_cycles"] = summary.estimated_cycles
     row["lanes_bound"] = round(e2e.roofline(params, job, (), 0, 0)["lanes_bound"], 1)
     progress("interpreter")
+    t0 = time.perf_counter()
     outputs, result, _ = run_job_interp(job)
+    row["interp_seconds"] = _seconds(t0)
     row["interp_steps"] = result.steps
     want = workload.graph.evaluate(workload.inputs)
     got = job.decode(outputs)           # the output buffers' words as the graph's arrays
