@@ -82,7 +82,7 @@ STREAM_TOUCHES = ("a_ref", "d_ref", "local_r", "local_w", "v")
 
 #: What each touch means, for the docs' table (``rdakit docs``); ``any`` is every stream.
 STREAM_TOUCH_DOC = {
-    "a_ref": "reads the MU buffer the instruction names (A_REF)",
+    "a_ref": "reads the MU buffer the instruction names (A_REF) and has reads still to issue",
     "d_ref": "writes or appends to the MU buffer the instruction names (D_REF)",
     "local_r": "reads the local buffer (B_MODE LOCAL, D_MODE LOCAL_ACC)",
     "local_w": "writes the local buffer (D_MODE LOCAL, LOCAL_ACC)",
@@ -93,8 +93,9 @@ STREAM_TOUCH_DOC = {
 #: Per instruction, the touches of a stream it must wait for (every stream the engine holds
 #: that has one of them): an MU request must not overtake a stream's writes to its buffer, nor
 #: (when it changes or frees the buffer) the stream's reads of it — a request reaches an MU over
-#: the same path as the stream's and is served after them, so it may leave once it follows
-#: them; LGET and LSET must not overtake what a stream reads or writes in the local buffer;
+#: the same path as the stream's and is served after them, so it may leave once the stream's
+#: reads have all been issued (``a_ref``) and once its writes have (the stream is done); LGET
+#: and LSET must not overtake what a stream reads or writes in the local buffer;
 #: what reads or writes ``V`` waits for PACK_SUM. ``"any"``: every stream (the fences).
 #: ALLOC names a new buffer and waits for nothing; an instruction not listed waits only for a
 #: stream whose reduction writes a register it names (a scoreboard of two entries), and SRUN
@@ -178,6 +179,9 @@ class Sequencer(wiring.Component):
         drops its streams when it stops).
     stream_busy, stream_queued : In(1)
         The engine executes a stream; a second one waits behind it (SRUN waits while it does).
+    reads_issued : In(2)
+        Every read of the executing (bit 0) and of the waiting stream (bit 1) has been issued:
+        a request for a buffer it reads follows them to the MU and may leave.
     stream_done, stream_error : In(1)
         The executing stream has finished; a stream read was refused (MU_ERROR, reported at the
         SRUN's pc).
@@ -228,6 +232,7 @@ class Sequencer(wiring.Component):
             "stream_done": In(1),
             "stream_busy": In(1),
             "stream_queued": In(1),
+            "reads_issued": In(2),
             "stream_error": In(1),
             "writes_pending": In(1),
             "posted": Out(1),
@@ -431,7 +436,8 @@ class Sequencer(wiring.Component):
         slot_hazards = []
         for i in range(2):
             t = dict(zip(STREAM_TOUCHES, s_touch[i], strict=True))
-            hit = {"a_ref": s_aref[i] == ref_i, "d_ref": t["d_ref"] & (s_dref[i] == ref_i),
+            hit = {"a_ref": (s_aref[i] == ref_i) & ~self.reads_issued[i],
+                   "d_ref": t["d_ref"] & (s_dref[i] == ref_i),
                    "local_r": t["local_r"], "local_w": t["local_w"], "v": t["v"],
                    "any": Const(1)}
             waits = Const(0)

@@ -83,6 +83,9 @@ class StreamEngine(wiring.Component):
         queued writes, and issues nothing.
     busy, queued : Out(1)
         A stream executes; a second one waits behind it.
+    reads_issued : Out(2)
+        Bit 0: every read of the executing stream has been issued; bit 1: every read of the
+        waiting one (the sequencer's request for a buffer they read may then follow them).
     clear : In(1)
         One-cycle pulse (the CU's start): forget outstanding reads and unacknowledged writes.
     mu_req : Out(stream.Signature(flit_layout(coord_bits, mu_request_layout(mu))))
@@ -144,6 +147,7 @@ class StreamEngine(wiring.Component):
             "active": In(1),
             "busy": Out(1),
             "queued": Out(1),
+            "reads_issued": Out(2),
             "clear": In(1),
             "mu_req": Out(stream.Signature(req_flit)),
             "resp": In(stream.Signature(read_response_layout(p))),
@@ -217,6 +221,7 @@ class StreamEngine(wiring.Component):
         iss_row, iss_idx = Signal(32), Signal(32)
         iss_done = Signal(init=1)
         iss_b = Signal()                               # the walker works for B
+        m.d.comb += self.reads_issued.eq(Cat(iss_b | iss_done, iss_b & iss_done))
         isf = Signal(STREAM_FIELDS)
         m.d.comb += isf.eq(Mux(iss_b, b_sf, sf))
         wr_pending = Signal(16)                        # writes issued and not acknowledged

@@ -191,6 +191,7 @@ class ComputeUnit(wiring.Component):
             eng.start.eq(seq.stream_start), eng.active.eq(seq.stream_active),
             seq.stream_done.eq(eng.done), seq.stream_error.eq(eng.error),
             seq.stream_busy.eq(eng.busy), seq.stream_queued.eq(eng.queued),
+            seq.reads_issued.eq(eng.reads_issued),
             seq.writes_pending.eq(eng.writes_pending), eng.posted.eq(seq.posted),
             seq.stream_acc.eq(eng.acc), seq.stream_index.eq(eng.index),
             seq.v_we.eq(eng.v_we), seq.v_next.eq(eng.v_next),
