@@ -243,13 +243,18 @@ def encode(instr):
     return word
 
 
+#: ``(offset, mask)`` of each field of :data:`INSTR_LAYOUT`, for :func:`decode` (asking the
+#: layout for a field's offset and width costs microseconds: the performance model decodes
+#: every program at each start).
+_FIELDS = {name: (f.offset, (1 << f.width) - 1) for name, f in INSTR_LAYOUT}
+
+
 def decode(word):
     """The :class:`Instr` of a 64-bit word; raises :class:`AssemblyError` for an unknown
     opcode."""
-    f = INSTR_LAYOUT
-
     def get(name):
-        return (word >> f[name].offset) & ((1 << f[name].width) - 1)
+        offset, mask = _FIELDS[name]
+        return (word >> offset) & mask
 
     try:
         op = Op(get("op"))
@@ -264,13 +269,18 @@ def _signed(v):
     return v - (1 << 32) if v & (1 << 31) else v
 
 
+#: Each ALU function by its value and by itself (``AluFn(fn)`` costs microseconds, and the
+#: interpreters call :func:`alu` for every lane of every stream step).
+_ALU_FNS = {**{f.value: f for f in AluFn}, **{f: f for f in AluFn}}
+
+
 def alu(fn, a, b):
     """Reference semantics of an ALU function on 32-bit values (returns an unsigned 32-bit
     integer)."""
     a &= 0xffff_ffff
     b &= 0xffff_ffff
     sa, sb = _signed(a), _signed(b)
-    fn = AluFn(fn)
+    fn = _ALU_FNS.get(fn) or AluFn(fn)
     if fn is AluFn.ADD:
         r = a + b
     elif fn is AluFn.SUB:
