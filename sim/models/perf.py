@@ -34,7 +34,15 @@ import bisect
 import heapq
 import struct
 
-from rdakit.hdl.compute.sequencer import AFTER_STREAM, FENCED, MU_INSTRUCTIONS, NONBLOCKING, POSTED
+from rdakit.hdl.compute.common import D_MU_MODES
+from rdakit.hdl.compute.sequencer import (
+    AFTER_STREAM,
+    FENCED,
+    MU_INSTRUCTIONS,
+    NONBLOCKING,
+    POSTED,
+    STREAM_HAZARDS,
+)
 from rdakit.hdl.spec.bitstream import BitstreamError, LoadStatus, read_bitstream
 from rdakit.hdl.spec.config import (
     CU_MAP,
@@ -44,7 +52,7 @@ from rdakit.hdl.spec.config import (
     TILE_COUNTERS,
     cu_status_word,
 )
-from rdakit.hdl.spec.isa import DMode, Op, StreamField
+from rdakit.hdl.spec.isa import BMode, DMode, Op, StreamField
 from rdakit.hdl.spec.packets import (
     HostCmd,
     MUStatus,
@@ -73,8 +81,33 @@ _POSTED = frozenset(POSTED)
 _NONBLOCKING = frozenset(NONBLOCKING)
 _MU_OR_FENCE = frozenset(MU_INSTRUCTIONS) | _FENCED
 _REDUCING = {DMode.SUM.value: 1, DMode.MAX.value: 1, DMode.ARGMAX.value: 2}
-_D_MU = frozenset((DMode.WRITE.value, DMode.APPEND.value, DMode.PACK_SUM.value))
+_D_MU = frozenset(D_MU_MODES)
 _SF = StreamField
+_MU_INSTR = frozenset(MU_INSTRUCTIONS)
+#: What ends the look ahead of :meth:`PerfInterpreter._sequencer_requests`.
+_NOT_STRAIGHT = frozenset((Op.JMP, Op.BNZ, Op.BZ, Op.BLT, Op.LOOP, Op.WAIT, Op.RECV, Op.SRUN,
+                           *FENCED))
+#: How many instructions after an SRUN it looks at.
+_LOOKAHEAD = 8
+_D_LOCAL = frozenset((DMode.LOCAL.value, DMode.LOCAL_ACC.value))
+#: What each instruction of AFTER_STREAM waits for (the sequencer's table).
+_HAZARDS = {op: frozenset(touches) for op, touches in STREAM_HAZARDS.items()}
+
+
+def pend_rd_named(ins, rd, rmask):
+    """Whether ``ins`` names register ``rd`` (a non-blocking MU instruction's, not yet
+    written)."""
+    return rd in (ins.rd & rmask, (ins.rd + 1) & rmask, ins.ra & rmask, ins.rb & rmask)
+
+
+def _touches(s, touches, ref):
+    """Whether stream ``s`` touches one of ``touches`` (``STREAM_TOUCHES`` names, or
+    ``"any"``) for an instruction naming the reference ``ref``, as the sequencer's scoreboard
+    decides."""
+    return ("any" in touches or ("a_ref" in touches and s.a_ref == ref)
+            or ("d_ref" in touches and s.writes_mu and s.d_ref == ref)
+            or ("local_r" in touches and s.local_r) or ("local_w" in touches and s.local_w)
+            or ("v" in touches and s.v))
 
 
 def _first_free(busy, c):
@@ -119,6 +152,8 @@ class Network:
         self.flits_out[src] = self.flits_out.get(src, 0) + 1
         self.flits_in[dst] = self.flits_in.get(dst, 0) + 1
         c = g + tm.inject
+        if net == "req" and src == (0, 0):
+            c += tm.host_merge
         for hop in self._path(src, dst):
             c = _first_free(self._slots((net, hop)), c) + tm.hop
         c += tm.eject
@@ -146,6 +181,7 @@ class _Stream:
     """One stream's timing in the engine."""
 
     __slots__ = ("steps", "writes", "a_mu", "a_ref", "d_ref", "writes_mu", "reduces", "rd",
+                 "local_r", "local_w", "v",
                  "pops", "issues", "resps", "write_cycles", "done", "last_ack", "last_issue",
                  "last_resp", "exec_start")
 
@@ -265,7 +301,7 @@ class PerfInterpreter(Interpreter):
             ins = program[pc] if pc < self._prog_len else None
             if ins is None:
                 self._step(cu)               # PC_OUT_OF_RANGE or BAD_INSTRUCTION
-                tc.halt_at = t
+                tc.halt_at = self._idle(tc, t)
                 return
             op = ins.op
             # The stream engine (AFTER_STREAM, a second SRUN, a reduction's registers).
@@ -279,7 +315,14 @@ class PerfInterpreter(Interpreter):
                         if len(streams) > 1:
                             e = streams[0].done + 1
                     elif op in _AFTER_STREAM:
-                        e = streams[-1].done
+                        # Each stream the engine holds beyond this cycle that touches what
+                        # the instruction names (STREAM_HAZARDS).
+                        touches = _HAZARDS[op]
+                        if touches:
+                            ref = cu.regs[ins.ra & rmask] & self._ref_mask
+                            for s in streams:
+                                if s.done > e and _touches(s, touches, ref):
+                                    e = s.done
                     names = (ins.rd & rmask, (ins.rd + 1) & rmask, ins.ra & rmask,
                              ins.rb & rmask)
                     for s in streams:
@@ -326,7 +369,7 @@ class PerfInterpreter(Interpreter):
                 else:
                     steps = [len(self._log)]
                 if cu.halted and cu.code:
-                    tc.halt_at = t
+                    tc.halt_at = self._idle(tc, t)
                     return
                 self._schedule_stream(tc, t, ins, steps)
                 tc.retires.append(t)
@@ -335,6 +378,9 @@ class PerfInterpreter(Interpreter):
                 continue
             self._step(cu)
             if cu.halted:
+                if cu.code:                  # it failed: after the engine is idle
+                    tc.halt_at = self._idle(tc, t)
+                    return
                 tc.retires.append(t)
                 tc.instr.append(t)
                 tc.halt_at = t
@@ -373,6 +419,12 @@ class PerfInterpreter(Interpreter):
                 tc.t = t
                 return
 
+    @staticmethod
+    def _idle(tc, t):
+        """The first cycle from ``t`` in which CU ``tc``'s engine is idle (an instruction that
+        fails waits for it)."""
+        return max([t, *(s.done for s in tc.streams)])
+
     # --- the stream engine ---------------------------------------------------------------------
 
     def _schedule_stream(self, tc, t, ins, steps):
@@ -404,6 +456,10 @@ class PerfInterpreter(Interpreter):
         d_mode = f[_SF.D_MODE.value]
         s.writes_mu = d_mode in _D_MU
         s.reduces = _REDUCING.get(d_mode, 0)
+        b_local = f[_SF.B_MODE.value] == BMode.LOCAL.value
+        s.local_r = b_local or d_mode == DMode.LOCAL_ACC.value
+        s.local_w = d_mode in _D_LOCAL
+        s.v = d_mode == DMode.PACK_SUM.value
         s.rd = ins.rd & (self._regs - 1)
         prev = tc.streams[-1] if tc.streams and tc.streams[-1].done >= t else None
         tm = self.timing
@@ -420,15 +476,54 @@ class PerfInterpreter(Interpreter):
                     early = max(early, prev.last_resp + 1)
                 if early < prev.done:
                     issue_start = early + 1
-        self._run_engine(tc, s, reads, writes, issue_start, exec_start, prev)
+        taken = self._sequencer_requests(tc, t, s)
+        self._run_engine(tc, s, reads, writes, issue_start, exec_start, prev, taken)
         tc.streams.append(s)
         tc.last_done = s.done
         if s.last_ack is not None:
             tc.last_ack = max(tc.last_ack, s.last_ack)
 
-    def _run_engine(self, tc, s, reads, writes, issue_start, exec_start, prev):
+    def _sequencer_requests(self, tc, t, s):
+        """The cycles in which the MU instructions right after the SRUN of stream ``s`` (SRUN
+        in cycle ``t``) take the request register, where the sequencer has priority over the
+        engine: the straight-line instructions that follow, up to the first that waits (a
+        branch, WAIT/RECV, SRUN, a fence, a stream it must wait for, a blocking MU
+        instruction's response, a non-blocking one's register). A short look ahead: the
+        registers the instructions name are taken as they are now."""
+        cu = tc.m
+        program = cu.program
+        rmask = self._regs - 1
+        taken = set()
+        c = t + 1
+        pc = cu.pc
+        pend = tc.pend_ready if tc.pend_rd is not None else -1
+        for _ in range(_LOOKAHEAD):
+            ins = program[pc] if pc < self._prog_len else None
+            if ins is None or ins.op in _NOT_STRAIGHT:
+                break
+            op = ins.op
+            if op in _MU_INSTR:
+                if pend > c:
+                    break
+                touches = _HAZARDS[op]
+                if touches:
+                    ref = cu.regs[ins.ra & rmask] & self._ref_mask
+                    if _touches(s, touches, ref) or any(
+                            x.done > c and _touches(x, touches, ref) for x in tc.streams):
+                        break
+                taken.add(c)
+                if op in _BLOCKING or op in _NONBLOCKING:
+                    break
+            elif pend > c and pend_rd_named(ins, tc.pend_rd, rmask):
+                break
+            c += 2 if op is Op.LGET else 1
+            pc += 1
+        return taken
+
+    def _run_engine(self, tc, s, reads, writes, issue_start, exec_start, prev, taken=()):
         """The engine's cycles for stream ``s``: reads issued from ``issue_start`` (credits
-        shared with ``prev``'s unpopped reads), steps from ``exec_start``."""
+        shared with ``prev``'s unpopped reads), steps from ``exec_start``; the request register
+        is not the engine's in the cycles of ``taken`` (the sequencer's requests)."""
         tm = self.timing
         net = self.net
         xy = tc.m.xy
@@ -441,14 +536,16 @@ class PerfInterpreter(Interpreter):
         last_ack = None
         prev_pops = prev.pops if prev is not None else ()
         prev_n = len(prev_pops)
-        prev_writes = set(prev.write_cycles) if prev is not None else ()
+        prev_writes = set(prev.write_cycles) if prev is not None else set()
+        prev_writes.update(taken)
         k_pop = 0
         c = min(issue_start, exec_start)
         last_s1 = -1
         while True:
             # The request register: a queued write first, else a read.
-            took = False
-            if wq and wq[0] <= c:
+            took = wrote = False
+            if wq and wq[0] <= c and c not in taken:
+                wrote = True
                 wq.pop(0)
                 mu, cycles = wq_items.pop(0)
                 ack = net.request(xy, mu, c, cycles)
@@ -470,7 +567,9 @@ class PerfInterpreter(Interpreter):
                     took = True
             # S0: pop the next response.
             popped_now = False
-            if k_pop < n and c >= exec_start and len(wq) <= WQ_DEPTH - 2 \
+            # S0 pops while fewer than WQ_DEPTH results are popped and not yet written (one
+            # whose write leaves the queue this cycle still counts).
+            if k_pop < n and c >= exec_start and len(wq) + wrote < WQ_DEPTH \
                     and len(resps) > k_pop and resps[k_pop] + tm.fifo <= c:
                 pops.append(c)
                 last_s1 = c + tm.exec_stages

@@ -5,12 +5,12 @@ stage it stands for; the values are those of the RTL at the commit ``docs/perfor
 names, measured with Amaranth's simulator (the micro-tests of ``tests/sim/test_perf_model.py``
 pin them). A change of the RTL's pipelines is a change here, nowhere else. Depths the RTL
 exports are imported, not copied (:data:`~rdakit.hdl.compute.stream.WQ_DEPTH`,
-``CUParams.outstanding``).
+:data:`~rdakit.hdl.compute.stream.EXEC_STAGES`, ``CUParams.outstanding``).
 """
 
 import dataclasses
 
-from rdakit.hdl.compute.stream import WQ_DEPTH
+from rdakit.hdl.compute.stream import EXEC_STAGES, WQ_DEPTH
 
 __all__ = ["Timing", "TIMING", "WQ_DEPTH"]
 
@@ -25,6 +25,9 @@ class Timing:
         From the cycle a CU's request register (or message register, or an MU's response)
         takes a flit to the cycle it crosses its first link: the register, then the source
         router's queue.
+    host_merge : int
+        The extra cycle of a request injected at tile (0, 0), whose request port the host
+        shares through a registered ``Merge`` (``hdl/fabric/top.py``).
     hop : int
         Per router-to-router link (one cycle a hop, ``docs/noc.md``).
     eject : int
@@ -39,16 +42,14 @@ class Timing:
         is written then and read the cycle after).
     fifo : int
         From a stream read's response on ``msg_in`` to the first cycle S0 can pop it (the
-        response FIFO, ``SyncFIFOBuffered``).
+        response FIFO, ``SyncFIFOBuffered``: its memory, then its output register).
     exec_stages : int
-        Cycles from S0 popping a step to its result being delivered, S1 included; the engine is
-        done ``exec_stages + 1`` cycles after the last pop at the earliest. 2: S1 and S2, the
-        stream engine with its third pipeline stage (``docs/performance-model.md``: the six
-        2x2 runs within 0.5-5.9 % of that RTL). One more execute stage in the RTL is one more
-        here.
+        Cycles from S0 popping a step to its result being delivered (the RTL's
+        :data:`~rdakit.hdl.compute.stream.EXEC_STAGES`: S1 and S2); the engine is done
+        ``exec_stages + 1`` cycles after the last pop at the earliest.
     write_queue : int
-        From S1 delivering a result to the write queue to the first cycle the write can take
-        the request register.
+        From the last execute stage delivering a result to the write queue to the first cycle
+        the write can take the request register.
     start_issue : int
         From SRUN handing a stream to an idle engine to the cycle the engine offers its first
         READ.
@@ -61,13 +62,14 @@ class Timing:
     """
 
     inject: int = 1
+    host_merge: int = 1
     hop: int = 1
     eject: int = 2
     mu_response: int = 1
     capture: int = 1
-    fifo: int = 1
-    exec_stages: int = 2
-    write_queue: int = 1
+    fifo: int = 2
+    exec_stages: int = EXEC_STAGES
+    write_queue: int = 2
     start_issue: int = 1
     token: int = 1
     run_start: int = 1

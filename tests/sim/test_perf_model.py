@@ -8,14 +8,13 @@ import pytest
 
 from rdakit.cli import main
 from rdakit.hdl.fabric.top import Fabric
-from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.bench.e2e import WORKLOADS
 from rdakit.sim.flows.e2e import PROFILE_CATEGORIES, SMALLEST, RunSpec, run
 from rdakit.sim.models.perf import ModelTransport, Network
 from rdakit.sim.runtime.host import AmaranthTransport, HostDriver
 from rdakit.sim.runtime.job import run_job
 from rdakit.sim.verify.amaranth_sim import simulate
-from rdakit.sim.verify.kernels import matvec, vector_add
+from rdakit.sim.verify.micro_jobs import MICRO_PARAMS, micro_jobs
 
 FABRIC_2X2 = {"rows": 2, "cols": 2, "prog_len": 2048}
 
@@ -84,24 +83,45 @@ def test_bench_e2e_workloads_within_tolerance_of_the_rtl(workload, partitioner):
         assert m[key] == r[key], key
 
 
-#: Micro-jobs of the timing rules: one CU, one MU; a stream of n steps kept in the CU then
-#: one appended to an MU (vector add), and a matrix-vector product.
-MICRO_PARAMS = fabric_params(2, 2, prog_len=32)
+#: Cycles of each micro-job (``sim/verify/micro_jobs.py``) on the RTL, measured with Amaranth's
+#: simulator at commit d5abb28 (``test_micro_jobs_against_the_rtl`` measures them again). The
+#: model is exact on every one but ``two_cus``: two CUs streaming from one MU, where the RTL's
+#: routers back-pressure the request registers (they alternate) and the model, which does not
+#: model back-pressure, lets the first CU's reads take the MU first.
+MICRO_RTL = {"local1": 29, "local4": 32, "local16": 44, "append1": 42, "append8": 50,
+             "append8_far": 50, "write8": 50, "pack_sum": 57, "sum8": 38, "len_after": 37,
+             "len_waits": 53, "vread_after": 38, "two_prefetch": 49, "two_dependent": 63,
+             "two_cus": 70, "token": 10}
 
-
-def _micro_jobs():
-    jobs = {f"add{n}": vector_add(MICRO_PARAMS, n=n) for n in (1, 4, 16, 32)}
-    jobs["matvec"] = matvec(MICRO_PARAMS, m=8, k=16)
-    return jobs
+#: How far the model may be from the RTL on each micro-job (cycles).
+MICRO_TOLERANCE = {"two_cus": 4}
 
 
 async def _cycles(host, jobs):
     return {name: (await run_job(host, job)).cycles for name, job in jobs.items()}
 
 
+@pytest.fixture(scope="module")
+def micro_model():
+    """Each micro-job's cycles on the model (0.1 s)."""
+    return asyncio.run(_cycles(HostDriver(MICRO_PARAMS, ModelTransport(MICRO_PARAMS)),
+                               micro_jobs()))
+
+
+def test_the_model_is_exact_on_micro_jobs(micro_model):
+    """The model's cycles against the RTL's recorded ones, job by job: every timing rule
+    (``docs/performance-model.md``) exact but back-pressure."""
+    assert set(micro_model) == set(MICRO_RTL)
+    off = {name: (micro_model[name], rtl) for name, rtl in MICRO_RTL.items()
+           if abs(micro_model[name] - rtl) > MICRO_TOLERANCE.get(name, 0)}
+    assert not off, off
+
+
 @pytest.mark.slow
-def test_micro_jobs_within_tolerance_of_the_rtl():
-    jobs = _micro_jobs()
+def test_micro_jobs_against_the_rtl(micro_model):
+    """The micro-jobs on Amaranth's RTL (one fabric, every job in turn; ~30 s): the recorded
+    cycles are the RTL's."""
+    jobs = micro_jobs()
     fabric = Fabric(MICRO_PARAMS)
     rtl = {}
 
@@ -109,21 +129,29 @@ def test_micro_jobs_within_tolerance_of_the_rtl():
         rtl.update(await _cycles(HostDriver(MICRO_PARAMS, AmaranthTransport(ctx, fabric)), jobs))
 
     simulate(fabric, tb)
-    model = asyncio.run(_cycles(HostDriver(MICRO_PARAMS, ModelTransport(MICRO_PARAMS)), jobs))
-    for name in jobs:
-        assert abs(model[name] / rtl[name] - 1) <= TOLERANCE, (name, model[name], rtl[name])
+    assert rtl == MICRO_RTL
 
 
 def test_an_mu_takes_one_request_a_cycle():
-    """Two CUs' requests reaching one MU in the same cycle: the second is accepted a cycle
-    later; a request of two execute cycles (ALLOC) holds the MU for both."""
+    """Two CUs' requests reaching one MU in the same cycle (CU (0, 0)'s a cycle earlier: it
+    passes the host's merge): the second is accepted a cycle later; a request of two execute
+    cycles (ALLOC) holds the MU for both."""
     net = Network()
-    a = net.request((0, 0), (1, 0), 10, 1)
+    a = net.request((0, 0), (1, 0), 9, 1)
     b = net.request((1, 1), (1, 0), 10, 1)
     assert b == a + 1
     net = Network()
     first = net.mu_accept((1, 0), 5, 2)
     assert (first, net.mu_accept((1, 0), 5, 1)) == (5, 7)
+
+
+def test_requests_from_tile_0_0_pass_the_host_merge():
+    """Tile (0, 0) shares its request port with the host through a registered merge: its
+    requests take a cycle more than another tile's over as many hops; responses do not."""
+    assert (Network().send("req", (0, 0), (1, 0), 0)
+            == Network().send("req", (1, 1), (1, 0), 0) + 1)
+    assert (Network().send("resp", (1, 0), (0, 0), 0)
+            == Network().send("resp", (1, 0), (1, 1), 0))
 
 
 def test_a_link_takes_one_flit_a_cycle():
