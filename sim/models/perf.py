@@ -100,14 +100,21 @@ def pend_rd_named(ins, rd, rmask):
     return rd in (ins.rd & rmask, (ins.rd + 1) & rmask, ins.ra & rmask, ins.rb & rmask)
 
 
-def _touches(s, touches, ref):
-    """Whether stream ``s`` touches one of ``touches`` (``STREAM_TOUCHES`` names, or
-    ``"any"``) for an instruction naming the reference ``ref``, as the sequencer's scoreboard
-    decides."""
-    return ("any" in touches or ("a_ref" in touches and s.a_ref == ref)
-            or ("d_ref" in touches and s.writes_mu and s.d_ref == ref)
+def _clear_of(s, touches, ref, c):
+    """The first cycle from ``c`` in which stream ``s`` no longer holds back an instruction
+    that waits for ``touches`` (``STREAM_TOUCHES`` names, or ``"any"``) and names the
+    reference ``ref``, as the sequencer's scoreboard decides: a stream that reads ``ref``
+    holds it until its reads have all been issued (``reads_issued``), any other touch until
+    the stream is done."""
+    if s.done <= c:
+        return c
+    if ("any" in touches or ("d_ref" in touches and s.writes_mu and s.d_ref == ref)
             or ("local_r" in touches and s.local_r) or ("local_w" in touches and s.local_w)
-            or ("v" in touches and s.v))
+            or ("v" in touches and s.v)):
+        return s.done
+    if "a_ref" in touches and s.a_ref == ref and s.last_issue >= c:
+        return s.last_issue + 1
+    return c
 
 
 def _first_free(busy, c):
@@ -128,7 +135,7 @@ class Network:
     def __init__(self, timing=TIMING):
         self.timing = timing
         self._busy = {}
-        self._paths = {}
+        self._routes = {}
         self.flits_out = {}
         self.flits_in = {}
 
@@ -138,33 +145,49 @@ class Network:
             s = self._busy[key] = set()
         return s
 
-    def _path(self, src, dst):
-        p = self._paths.get((src, dst))
-        if p is None:
-            p = self._paths[(src, dst)] = [hop for hop in xy_path(src, dst)][:-1]
-        return p
+    def _route(self, net, src, dst):
+        """``(offset, links, eject, port)`` of a flit from ``src`` to ``dst`` on ``net``: the
+        cycles to its first link, the reservation set of each link of its XY route, the cycles
+        from the last link to the destination's port, the port's set (responses) or None."""
+        tm = self.timing
+        offset = tm.inject + (tm.host_merge if net == "req" and src == (0, 0) else 0)
+        links = [self._slots((net, hop)) for hop in list(xy_path(src, dst))[:-1]]
+        port = self._slots(("eject", dst)) if net == "resp" else None
+        r = self._routes[(net, src, dst)] = (offset, links, tm.eject, port)
+        return r
 
     def send(self, net, src, dst, g):
         """A flit taken by ``src``'s output register in cycle ``g``: the cycle it is offered
         on ``dst``'s port (that port's cycle reserved), on network ``net`` (``"req"`` or
         ``"resp"``)."""
-        tm = self.timing
-        self.flits_out[src] = self.flits_out.get(src, 0) + 1
-        self.flits_in[dst] = self.flits_in.get(dst, 0) + 1
-        c = g + tm.inject
-        if net == "req" and src == (0, 0):
-            c += tm.host_merge
-        for hop in self._path(src, dst):
-            c = _first_free(self._slots((net, hop)), c) + tm.hop
-        c += tm.eject
-        if net == "resp":
-            c = _first_free(self._slots(("eject", dst)), c)
+        offset, links, eject, port = (self._routes.get((net, src, dst))
+                                      or self._route(net, src, dst))
+        out, inn = self.flits_out, self.flits_in
+        out[src] = out.get(src, 0) + 1
+        inn[dst] = inn.get(dst, 0) + 1
+        c = g + offset
+        hop = self.timing.hop
+        for busy in links:
+            while c in busy:
+                c += 1
+            busy.add(c)
+            c += hop
+        c += eject
+        if port is not None:
+            while c in port:
+                c += 1
+            port.add(c)
         return c
 
     def mu_accept(self, mu, c, cycles):
         """The cycle the MU at ``mu`` accepts a request offered in cycle ``c`` that takes
         ``cycles`` execute cycles (those cycles reserved)."""
         busy = self._slots(("mu", mu))
+        if cycles == 1:
+            while c in busy:
+                c += 1
+            busy.add(c)
+            return c
         while any(c + k in busy for k in range(cycles)):
             c += 1
         busy.update(range(c, c + cycles))
@@ -321,8 +344,7 @@ class PerfInterpreter(Interpreter):
                         if touches:
                             ref = cu.regs[ins.ra & rmask] & self._ref_mask
                             for s in streams:
-                                if s.done > e and _touches(s, touches, ref):
-                                    e = s.done
+                                e = _clear_of(s, touches, ref, e)
                     names = (ins.rd & rmask, (ins.rd + 1) & rmask, ins.ra & rmask,
                              ins.rb & rmask)
                     for s in streams:
@@ -508,8 +530,10 @@ class PerfInterpreter(Interpreter):
                 touches = _HAZARDS[op]
                 if touches:
                     ref = cu.regs[ins.ra & rmask] & self._ref_mask
-                    if _touches(s, touches, ref) or any(
-                            x.done > c and _touches(x, touches, ref) for x in tc.streams):
+                    # (Stream s's own reads are not timed yet: it holds back what it
+                    # touches in the look ahead's few cycles.)
+                    s.done = s.last_issue = c + 1
+                    if any(_clear_of(x, touches, ref, c) > c for x in (*tc.streams, s)):
                         break
                 taken.add(c)
                 if op in _BLOCKING or op in _NONBLOCKING:

@@ -69,6 +69,8 @@ def micro_jobs():
                                 "ALU ADD, r8, r7, r7"]}
     jobs["vread_after"] = {_CU0: [*_stream("r1", 8, DMode.LOCAL), "LI r9, 2", "VREAD r2, r9",
                                   "VWRITE r2, r9"]}
+    # A request for the buffer a stream reads: it follows the stream's last read.
+    jobs["addw_after"] = {_CU0: [*_stream("r1", 16, DMode.LOCAL), "ADDW r1, 1", "RETI r1, 1"]}
     # Two streams back to back: the second's reads prefetched (same MU, it does not read what
     # the first writes), and not (it reads the buffer the first appends to).
     jobs["two_prefetch"] = {_CU0: [*_stream("r1", 8, DMode.LOCAL),
