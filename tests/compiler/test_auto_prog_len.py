@@ -90,3 +90,17 @@ def test_inspect_finds_a_bitstream_with_the_chosen_program_length(mlp):
     job, _ = compile_workload(mlp, params=fabric_params(**kw), place_steps=200)
     args = fabric_args(["--fabric", "2x2"], prog_len=RUN_PROG_LEN // 64)
     assert inspect_cli._params_of(bitstream_for(job), args) == fabric_params(**kw)
+
+
+def test_nothing_fits_names_the_program_lengths_tried(mlp):
+    # Programs of 57 instructions, lengths 16 and 32 only: the 32 is not compiled (57 > 32).
+    candidates = [kw for kw in fabric_candidates(fabric_args(["--fabric", "2x2"], prog_len=16))
+                  if kw["prog_len"] <= 32]
+    with pytest.raises(UserError) as e:
+        choose_fabric(mlp, candidates, name="mlp", partitioner="multilevel", seed=0,
+                      place_steps=200)
+    assert str(e.value) == (
+        "mlp does not fit the 2x2 fabric with MUs of 1024 to 65536 words and programs of 16 to "
+        "32 instructions; on 2x2 with 65536-word MUs: The program of CU (1, 1) (2 ops: 'fc0', "
+        "'bias0') is 57 instructions long but prog_len is 16 (a larger --prog-len, fabric or "
+        "another partitioner may fit)")
