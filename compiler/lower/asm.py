@@ -5,7 +5,7 @@ import collections
 
 from rdakit.compiler.lower.layout import MASK32
 from rdakit.compiler.lower.registers import Reg
-from rdakit.hdl.spec.isa import BMode, DMode, Instr, Op, StreamField
+from rdakit.hdl.spec.isa import AluFn, BMode, DMode, Instr, Op, StreamField
 
 __all__ = ["Assembler"]
 
@@ -56,6 +56,9 @@ class Assembler:
         self.written = set()                      # fields written (in the current loop body)
         self.values = collections.defaultdict(set)  # field -> the values written to it
         self.regs_written = set()                  # registers written
+        # Tensor -> the register holding its length in words, put there by this program's own
+        # code and not written since (straight-line code only: a label or a loop forgets).
+        self.lengths = {}
         self._next = 0
 
     def __len__(self):
@@ -69,6 +72,7 @@ class Assembler:
             self.regs_written |= regs
             gone = {_reg_value(r) for r in regs}
             self.known = {f: v for f, v in self.known.items() if v not in gone}
+            self.lengths = {t: r for t, r in self.lengths.items() if r not in regs}
 
     def emit(self, op, **fields):
         """Append instruction ``op`` (fields as :class:`~rdakit.hdl.spec.isa.Instr` names them;
@@ -98,6 +102,7 @@ class Assembler:
         self.known = intersect(states) if states else {}
         self.labels[label] = len(self.code)
         self.reachable = True
+        self.lengths = {}
 
     def loop(self, body):
         """Emit ``body(head)``, which ends with a backward branch to ``head``; the stream fields
@@ -106,6 +111,7 @@ class Assembler:
                  {k: list(v) for k, v in self.incoming.items()}, set(self.written),
                  {f: set(v) for f, v in self.values.items()}, set(self.regs_written))
         entry = dict(self.known)
+        self.lengths = {}
         writes, hoist, regs = set(), {}, set()
         for attempt in range(4):
             self.written, self.values, self.regs_written = (
@@ -152,6 +158,26 @@ class Assembler:
         for f, v in (*saved[4].items(), *pre[1].items()):
             self.values[f] |= v
         self.regs_written |= saved[5]
+
+    def set_length(self, tensor, reg):
+        """Register ``reg`` now holds the length in words of ``tensor`` (until it is written,
+        or a label or loop comes)."""
+        self.lengths[tensor] = int(reg)
+
+    def length(self, tensor, rd, ref):
+        """``rd`` = the length in words of ``tensor`` (buffer ``ref``): a copy of the register
+        that holds it when the code before left it there (no LEN: its round trip, and the wait
+        for a stream still appending to the buffer, are saved), else LEN."""
+        known = self.lengths.get(tensor)
+        if known is None:
+            self.emit(Op.LEN, rd=int(rd), ra=int(ref))
+        elif known != int(rd):
+            self.alui(AluFn.ADD, rd, known, 0)
+            self.lengths[tensor] = int(rd)
+
+    def forget_lengths(self):
+        """No register is known to hold a length any more (a buffer grows in place)."""
+        self.lengths = {}
 
     def li(self, rd, imm):
         """``rd = imm``."""

@@ -50,7 +50,7 @@ def words_of(lw, g, name, r_ref, rd):
     lay = lw.tensors[name].layout
     if not lay.dynamic:
         return lay.words
-    g.asm.emit(Op.LEN, rd=rd, ra=r_ref)
+    g.asm.length(name, rd, r_ref)
     return rd
 
 def rows_of(g, r_words, cw, rd, tmp):
@@ -98,7 +98,7 @@ def row_loop(lw, g, name, r_ref, offsets, body):
             asm.branch(Op.LOOP, head, ra=COUNT)
         asm.loop(loop)
         return
-    asm.emit(Op.LEN, rd=COUNT, ra=r_ref)
+    asm.length(name, COUNT, r_ref)
     end = asm.label()
     asm.branch(Op.BZ, end, ra=COUNT)
 
@@ -135,7 +135,7 @@ def matmul_nt(lw, g, op):
         end = asm.label()
         words = la.words
         if la.dynamic:
-            asm.emit(Op.LEN, rd=COUNT, ra=ra)
+            asm.length(a, COUNT, ra)
             asm.branch(Op.BZ, end, ra=COUNT)
             words = COUNT
         asm.stream(AluFn.PASS, a=ra, a_base=base_a, n=words, d_mode=DMode.LOCAL, d_base=0)
@@ -152,12 +152,29 @@ def matmul_nt(lw, g, op):
                 asm.branch(Op.LOOP, head, ra=COUNT)
         asm.loop(loop)
         asm.place(end)
-        return
+    else:
+        def body():
+            asm.stream(AluFn.PASS, a=ra, a_base=R1, n=kw, d_mode=DMode.LOCAL, d_base=0)
+            product(0)
+        row_loop(lw, g, a, ra, [(R1, base_a, kw)], body)
+    if la.dynamic:
+        rows_length(g, op.out, COUNT, kw, lw.tensors[op.out].layout.cw)
 
-    def body():
-        asm.stream(AluFn.PASS, a=ra, a_base=R1, n=kw, d_mode=DMode.LOCAL, d_base=0)
-        product(0)
-    row_loop(lw, g, a, ra, [(R1, base_a, kw)], body)
+
+def rows_length(g, out, reg, cw_in, cw_out):
+    """After an op whose output ``out`` has a row for each row of its input, which ``reg``
+    holds the length of (``cw_in`` words a row): ``out``'s length (``cw_out`` words a row) is
+    put in ``reg`` and recorded, so its consumers on this CU need no LEN (that would wait for
+    the op's last stream: ``Assembler.length``)."""
+    asm = g.asm
+    if cw_out == cw_in:
+        asm.set_length(out, reg)
+    elif cw_out % cw_in == 0:
+        asm.alui(AluFn.MUL, reg, reg, cw_out // cw_in)
+        asm.set_length(out, reg)
+    elif cw_in % cw_out == 0 and (cw_in // cw_out) & (cw_in // cw_out - 1) == 0:
+        asm.alui(AluFn.SHRU, reg, reg, (cw_in // cw_out).bit_length() - 1)
+        asm.set_length(out, reg)
 
 @template("transpose")
 def transpose(lw, g, op):
@@ -318,6 +335,8 @@ def ew(lw, g, op):
                    b_mode=BMode.LOCAL, b_val=mask, b_stride=1, b_ostride=0,
                    d_mode=DMode.WRITE, d_ref=out, d_base=0, d_stride=1)
     asm.place(end)
+    if isinstance(n, Reg):
+        asm.set_length(op.out, R2)      # the output has the input's words
 
 @template("slice_rows")
 def slice_rows(lw, g, op):
@@ -387,6 +406,7 @@ def append_inplace(lw, g, op):
     _, x = op.ins
     lx = lw.tensors[x].layout
     rx, base = lw.ref(g, x)
+    g.asm.forget_lengths()      # the cache's length changes
     if lx.words:
         g.asm.stream(AluFn.PASS, a=rx, a_base=base, n=lx.words, d_mode=DMode.APPEND,
                      d_ref=g.out)

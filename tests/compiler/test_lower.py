@@ -29,7 +29,7 @@ from rdakit.compiler.partition import STRATEGIES
 from rdakit.compiler.partition.external import mtkahypar_available
 from rdakit.compiler.placement import place
 from rdakit.hdl.spec.bitstream import read_bitstream
-from rdakit.hdl.spec.isa import AluFn, alu
+from rdakit.hdl.spec.isa import AluFn, Op, alu
 from rdakit.hdl.spec.packets import MUOp
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.models.interp import Interpreter
@@ -603,3 +603,21 @@ def test_with_inputs_checks_its_inputs():
         job.with_inputs({})
     with pytest.raises(graph_module.GraphError, match="^Input 'x' must have dtype int8"):
         job.with_inputs({"x": np.zeros((3, 9), np.int32)})
+
+
+@pytest.mark.parametrize("experts", [3, 4])
+def test_a_run_time_length_is_read_once_per_chain(experts):
+    """On one CU, each expert's chain of ops (matmul, ReLU, requantization, matmul, ...) reads
+    the run-time number of rows of its routed tokens once (a LEN of the dispatch's output):
+    every later op gets it from the register the op before left it in, instead of a LEN that
+    would wait for that op's last stream."""
+    wl = workloads.moe(tokens=4, d_model=8, d_ff=8, experts=experts)
+    p = fabric_params(rows=1, cols=2, layout="CM", prog_len=2048, mu_words=8192)
+    job, _ = compile_workload(wl, params=p, partitioner="multilevel")
+    lens = sum(1 for t in job.config.tiles.values() for w in t.program if w.op is Op.LEN)
+    assert lens == experts
+    outputs, result, _ = run_job_interp(job)
+    assert result.ok
+    got, want = job.decode(outputs), wl.graph.evaluate(wl.inputs)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])

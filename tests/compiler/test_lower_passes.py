@@ -173,3 +173,34 @@ def test_an_op_needing_more_references_than_registers_is_refused():
     with pytest.raises(LoweringError) as e:
         refs.new("one too many")
     assert str(e.value) == "CU (1, 0): an op needs more than 7 buffer references at once"
+
+
+def test_a_length_left_in_a_register_replaces_len_until_the_register_changes():
+    asm = Assembler()
+    asm.set_length("y", R2)
+    asm.length("y", R2, R4)              # already there: nothing to emit
+    asm.length("y", R5, R4)              # a copy, not a LEN
+    assert [op for op, _, _ in asm.code] == [Op.ALUI]
+    asm.alui(AluFn.ADD, R2, R2, 1)       # R2 changes; R5 still holds it
+    asm.length("y", R1, R4)
+    asm.li(R5, 0)
+    asm.length("y", R1, R4)              # R1 got it from R5 before R5 changed
+    asm.length("z", R1, R4)              # never known: LEN
+    assert [op for op, _, _ in asm.code][-3:] == [Op.ALUI, Op.LI, Op.LEN]
+    asm.li(R1, 0)
+    asm.length("y", R1, R4)
+    assert asm.code[-1][0] is Op.LEN
+
+
+@pytest.mark.parametrize("forget", ["label", "loop", "in place"])
+def test_a_label_a_loop_or_a_buffer_growing_forgets_the_lengths(forget):
+    asm = Assembler()
+    asm.set_length("y", R2)
+    if forget == "label":
+        asm.place(asm.label())
+    elif forget == "loop":
+        asm.loop(lambda head: asm.branch(Op.LOOP, head, ra=R1))
+    else:
+        asm.forget_lengths()
+    asm.length("y", R2, R4)
+    assert asm.code[-1][0] is Op.LEN
