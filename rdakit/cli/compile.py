@@ -15,11 +15,11 @@ from rdakit.cli.options import (
 )
 from rdakit.cli.outputs import add_input, add_output
 from rdakit.cli.progress import progress_bar
-from rdakit.compiler.compile import bitstream_for, compile_workload, load_workload
+from rdakit.compiler.compile import PARTITIONERS, bitstream_for, compile_workload, load_workload
 from rdakit.compiler.graph import GraphError
 from rdakit.compiler.lower import LoweringError
 from rdakit.compiler.lower.lowerer import ProgramTooLong
-from rdakit.compiler.partition import STRATEGIES, PartitionError
+from rdakit.compiler.partition import PartitionError
 from rdakit.compiler.placement import PlacementError
 from rdakit.errors import UserError
 from rdakit.files import atomic_write
@@ -113,6 +113,7 @@ def choose_fabric(workload, candidates, *, name, partitioner, seed, place_steps)
 
 
 def _check(args):
+    args.partitioner = args.partitioner or "fastest"
     args.sizes = parse_sizes(args.size)
     check_sizes(args.workload, args.sizes, fabric_candidates(args))
 
@@ -156,8 +157,10 @@ def add_workload_arguments(p):
     p.add_argument("--size", action="append", default=[], metavar="KEY=VALUE",
                    help="a size option of the workload builder, e.g. batch=4 or "
                         "sizes=64,128,64 (repeatable)")
-    p.add_argument("--partitioner", default="multilevel", choices=sorted(STRATEGIES),
-                   help="partitioning strategy (default: %(default)s)")
+    p.add_argument("--partitioner", default=None, choices=sorted(PARTITIONERS),
+                   help="partitioning strategy; fastest (the default on one fabric) compiles "
+                        "with several and keeps the job with the fewest estimated cycles; "
+                        "across clusters the default is multilevel")
     add_number(p, "--seed", low=0, default=0, help="seed of the placement (default 0)")
     add_number(p, "--place-steps", low=0, high=MAX_PLACE_STEPS,
                reason="about 10 us a step: a million take tens of seconds", default=20000,

@@ -62,8 +62,13 @@ def _check(args):
                         f"(each is a whole run), not {args.adapt}")
     args.sizes = parse_sizes(args.size)
     if args.clusters is not None:
+        if args.partitioner == "fastest":
+            raise UserError("--partitioner fastest compiles one fabric with several strategies; "
+                            "across clusters name one of the strategies (default multilevel)")
+        args.partitioner = args.partitioner or "multilevel"
         args.system_spec = system_spec_from_args(args)
         return
+    args.partitioner = args.partitioner or "fastest"
     for opt in ("slow_cluster", "inject_load", "cluster_cus", "link_width"):
         if getattr(args, opt) is not None:
             raise UserError(f"--{opt.replace('_', '-')} needs --clusters N")

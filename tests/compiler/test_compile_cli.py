@@ -13,7 +13,8 @@ from conftest import TINY_GRAPH
 from rdakit.cli import main
 from rdakit.cli.compile import parse_sizes
 from rdakit.cli.options import AUTO_GRIDS
-from rdakit.compiler.compile import bitstream_for, compile_workload
+from rdakit.compiler import workloads
+from rdakit.compiler.compile import FASTEST, bitstream_for, compile_workload
 from rdakit.compiler.cost import CostModel
 from rdakit.compiler.partition import partition
 from rdakit.compiler.workloads import WORKLOADS, mlp
@@ -21,6 +22,7 @@ from rdakit.hdl.spec.bitstream import read_bitstream
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.bench.calibrate import CalibratedCostModel, fit
 from rdakit.sim.models.interp import Interpreter
+from rdakit.sim.runtime.events import cost_model
 
 MLP = ["--size", "batch=2", "--size", "sizes=8,16,8"]
 
@@ -60,7 +62,9 @@ def test_compile_a_graph_file(tmp_path, capsys):
     path = tmp_path / "tiny.py"
     path.write_text(TINY_GRAPH)
     assert main(["compile", str(path), "--prog-len", "256", "-o", str(tmp_path / "t.bit")]) == 0
-    assert capsys.readouterr().out.startswith("graph tiny: 5 nodes, partitioner multilevel\n")
+    first = capsys.readouterr().out.splitlines()[0]
+    assert re.fullmatch(rf"graph tiny: 5 nodes, partitioner fastest: ({'|'.join(FASTEST)})",
+                        first), first
     assert main(["compile", str(path), "--size", "batch=2"]) == 2
     assert capsys.readouterr().err == ("rdakit: error: --size applies to built-in "
                                        "workloads, not to graph files\n")
@@ -148,3 +152,26 @@ def test_fit_recovers_a_linear_model():
             for w, n in ((10, 1), (40, 2), (5, 1), (100, 3))]
     a, b, err = fit(rows)
     assert abs(a - 3) < 1e-9 and abs(b - 7) < 1e-9 and err < 1e-12
+
+
+def test_fastest_keeps_the_strategy_with_the_fewest_estimated_cycles():
+    # The README main job: the estimates of FASTEST's strategies differ, and the one kept is
+    # their least (greedy's on this graph, where the multilevel cut is the smallest).
+    wl = workloads.moe(tokens=4, d_model=8, d_ff=8, experts=4)
+    p = fabric_params(rows=2, cols=2, prog_len=2048, mu_words=1024)
+    cost = cost_model(wl, params=p)
+    each = {name: compile_workload(wl, params=p, partitioner=name, schedule_cost=cost)[1]
+            for name in FASTEST}
+    job, summary = compile_workload(wl, params=p, partitioner="fastest", schedule_cost=cost)
+    best = min(FASTEST, key=lambda n: each[n].estimated_cycles)
+    assert len({s.estimated_cycles for s in each.values()}) > 1
+    assert summary.partitioner == f"fastest: {best}"
+    assert summary.estimated_cycles == each[best].estimated_cycles
+    assert summary.cut == each[best].cut
+
+
+def test_fastest_is_refused_across_clusters(capsys):
+    assert main(["run", "mlp", "--clusters", "2", "--partitioner", "fastest"]) == 2
+    assert capsys.readouterr().err == (
+        "rdakit: error: --partitioner fastest compiles one fabric with several strategies; "
+        "across clusters name one of the strategies (default multilevel)\n")
