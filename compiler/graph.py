@@ -870,6 +870,12 @@ class DataflowGraph:
         GraphError
             If an input is missing, unexpected, or of the wrong dtype or shape.
         """
+        values = self.values(inputs)
+        return {n: values[n] for n in self.outputs}
+
+    def values(self, inputs):
+        """Like :meth:`evaluate`, the value of every node (inputs, constants and ops
+        included), by node name: a run-time size is the one these inputs give it."""
         self._require_valid()
         values = {}
         expected = set(self.inputs)
@@ -884,7 +890,7 @@ class DataflowGraph:
                 continue
             spec = OP_KINDS[data["kind"]]
             values[n] = spec.evaluate([values[i] for i in data["inputs"]], data["attrs"])
-        return {n: values[n] for n in self.outputs}
+        return values
 
     def _check_value(self, n, value, t):
         if value.dtype.name != t.dtype:

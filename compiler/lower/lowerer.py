@@ -713,10 +713,13 @@ class Lowerer:
                            "host_words": sum(0 if b.data is None else len(b.data)
                                              for b in buffers if tuple(b.mu) == m),
                            "bound_words": self.acct.unit_words(u), "bound_slots": s}
+        # Multiply-accumulates of the matmuls at the sizes these inputs give (an expert's
+        # rows are the tokens routed to it, not the bound of its dynamic tensor).
         macs = 0
+        values = graph.values(inputs)
         for n in graph.order():
             if graph.kind(n) == "matmul":
-                a, b = (graph.type_of(i).shape for i in graph.inputs_of(n))
+                a, b = (values[i].shape for i in graph.inputs_of(n))
                 macs += a[0] * a[1] * b[1]
         lowered = [(op.name, op.kind, op.cu, tuple(op.nodes)) for op in self.lops]
         job = CompiledJob(FabricConfig(params, tiles), buffers, outputs, {}, macs=macs,

@@ -621,3 +621,13 @@ def test_a_run_time_length_is_read_once_per_chain(experts):
     got, want = job.decode(outputs), wl.graph.evaluate(wl.inputs)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_macs_count_the_tokens_routed_to_each_expert():
+    """The lanes bound's multiply-accumulates are the work done on these inputs: each token
+    goes through k experts, not all of them (the bound of an expert's dynamic rows)."""
+    t, d, f, e, k = 4, 8, 8, 4, 2
+    wl = workloads.moe(tokens=t, d_model=d, d_ff=f, experts=e, k=k)
+    p = fabric_params(rows=2, cols=2, prog_len=2048, mu_words=8192)
+    job, _ = compile_workload(wl, params=p, partitioner="multilevel")
+    assert job.macs == t * d * e + t * k * (d * f + f * d)
