@@ -209,23 +209,51 @@ def host_reply_layout(p: MUParams):
     })
 
 
+#: The field table of each layout :func:`pack` and :func:`unpack` have seen, by ``id`` (the layout
+#: is kept with it, so its ``id`` is never reused): asking an Amaranth layout for its fields and
+#: their widths costs microseconds a field, and the host packs and unpacks every command.
+_TABLES = {}
+
+
+def _table(layout):
+    """``(name, offset, width, mask, kind, sub)`` per field of ``layout``, built once: ``kind``
+    is ``"struct"`` (``sub`` = the nested layout), ``"enum"`` (``sub`` = its members by value)
+    or ``None``."""
+    entry = _TABLES.get(id(layout))
+    if entry is not None and entry[0] is layout:
+        return entry[1]
+    rows = []
+    for name, field in layout:
+        shape = field.shape
+        if isinstance(shape, data.StructLayout):
+            kind, sub = "struct", shape
+        elif isinstance(shape, enum.EnumMeta):
+            kind, sub = "enum", {member.value: member for member in shape}
+        else:
+            kind, sub = None, None
+        width = field.width
+        rows.append((name, field.offset, width, (1 << width) - 1, kind, sub))
+    table = tuple(rows)
+    _TABLES[id(layout)] = (layout, table)
+    return table
+
+
 def pack(layout, fields):
     """Pack a dict of field values (nested dicts for nested structs, enums as members or
     integers) into the integer a stream carries. Missing fields are zero."""
     value = 0
-    for name, field in layout:
+    for name, offset, width, mask, kind, sub in _table(layout):
         if name not in fields:
             continue
         v = fields[name]
-        shape = field.shape
-        if isinstance(shape, data.StructLayout):
-            v = pack(shape, v) if isinstance(v, dict) else int(v)
+        if kind == "struct":
+            v = pack(sub, v) if isinstance(v, dict) else int(v)
         elif isinstance(v, enum.Enum):
             v = v.value
         v = int(v)
-        if v < 0 or v >> field.width:
-            raise ValueError(f"Field {name!r} of width {field.width} cannot hold {v!r}")
-        value |= v << field.offset
+        if v < 0 or v > mask:
+            raise ValueError(f"Field {name!r} of width {width} cannot hold {v!r}")
+        value |= v << offset
     return value
 
 
@@ -233,15 +261,11 @@ def unpack(layout, value):
     """Unpack an integer into a dict of fields (nested dicts, enum fields as members; an
     encoding outside the enum stays an integer)."""
     out = {}
-    for name, field in layout:
-        v = (value >> field.offset) & ((1 << field.width) - 1)
-        shape = field.shape
-        if isinstance(shape, data.StructLayout):
-            v = unpack(shape, v)
-        elif isinstance(shape, enum.EnumMeta):
-            try:
-                v = shape(v)
-            except ValueError:
-                pass
+    for name, offset, _width, mask, kind, sub in _table(layout):
+        v = (value >> offset) & mask
+        if kind == "struct":
+            v = unpack(sub, v)
+        elif kind == "enum":
+            v = sub.get(v, v)
         out[name] = v
     return out
