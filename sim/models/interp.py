@@ -72,12 +72,13 @@ Semantics chosen where ``docs/compute-unit.md`` leaves room (the RTL must make t
 
 import collections
 import random
+import struct
 
 import numpy as np
 
 from rdakit.hdl.spec.bitstream import FabricConfig
 from rdakit.hdl.spec.config import CU_STATUS_BITS
-from rdakit.hdl.spec.isa import BMode, DMode, Op, StreamField, alu
+from rdakit.hdl.spec.isa import AluFn, BMode, DMode, Op, StreamField, alu
 from rdakit.hdl.spec.packets import MUOp, MUStatus, host_tag_bit
 from rdakit.hdl.spec.params import FabricParams
 from rdakit.hdl.spec.vector import MASK32, pack_vector, unpack_vector, vector_lanes
@@ -125,6 +126,48 @@ _SF = StreamField
 def _signed(v):
     v &= MASK32
     return v - (1 << 32) if v & (1 << 31) else v
+
+
+# A stream step's lanes a vector at a time (issue 21: the step is the interpreter's hot loop).
+# Each function takes the lanes of ``a`` (unsigned 32-bit) and of ``b`` (any integers, taken
+# modulo 2**32 as :func:`~rdakit.hdl.spec.isa.alu` takes them) and returns what ``alu`` returns
+# for each lane; ``(v ^ _H) - _H`` is the signed value of an unsigned 32-bit ``v``.
+# tests/sim/test_interp_lanes.py checks every function against ``alu``.
+_H = 1 << 31
+_M = MASK32
+_VECTOR_ALU = {
+    AluFn.ADD: lambda a, b: [(x + y) & _M for x, y in zip(a, b, strict=True)],
+    AluFn.SUB: lambda a, b: [(x - y) & _M for x, y in zip(a, b, strict=True)],
+    AluFn.MUL: lambda a, b: [(x * y) & _M for x, y in zip(a, b, strict=True)],
+    AluFn.AND: lambda a, b: [x & y & _M for x, y in zip(a, b, strict=True)],
+    AluFn.OR: lambda a, b: [(x | y) & _M for x, y in zip(a, b, strict=True)],
+    AluFn.XOR: lambda a, b: [(x ^ y) & _M for x, y in zip(a, b, strict=True)],
+    AluFn.SHL: lambda a, b: [(x << (y & 31)) & _M for x, y in zip(a, b, strict=True)],
+    AluFn.SHR: lambda a, b: [(((x ^ _H) - _H) >> (y & 31)) & _M
+                             for x, y in zip(a, b, strict=True)],
+    AluFn.SHRU: lambda a, b: [x >> (y & 31) for x, y in zip(a, b, strict=True)],
+    AluFn.MIN: lambda a, b: [x if (x ^ _H) <= ((y & _M) ^ _H) else y & _M
+                             for x, y in zip(a, b, strict=True)],
+    AluFn.MAX: lambda a, b: [x if (x ^ _H) >= ((y & _M) ^ _H) else y & _M
+                             for x, y in zip(a, b, strict=True)],
+    AluFn.SLT: lambda a, b: [int((x ^ _H) < ((y & _M) ^ _H))
+                             for x, y in zip(a, b, strict=True)],
+    AluFn.SEQ: lambda a, b: [int(x == y & _M) for x, y in zip(a, b, strict=True)],
+    AluFn.RELU: lambda a, b: [0 if x & _H else x for x in a],
+    AluFn.PASS: lambda a, b: list(a),
+    AluFn.SEL: lambda a, b: [x if y & _M else 0 for x, y in zip(a, b, strict=True)],
+}
+_VECTOR_ALU.update({fn.value: f for fn, f in list(_VECTOR_ALU.items())})
+
+
+def _vector_post(res, shift, relu):
+    """A step's lanes after the stream's ``SHIFT`` (arithmetic) and ``POST`` (ReLU), unsigned:
+    ``_signed(v) >> shift``, 0 if negative and ``relu``, modulo 2**32."""
+    if relu:
+        return [0 if v & _H else v >> shift for v in res]
+    if shift:
+        return [(((v ^ _H) - _H) >> shift) & _M for v in res]
+    return res
 
 
 class Interpreter:
@@ -660,6 +703,12 @@ class Interpreter:
             raise Halt(_BAD_DESTINATION)
         zero = [0] * lanes
         scalar = [b_val] * lanes
+        vector_alu = _VECTOR_ALU[fn]       # fn is a 4-bit field: every value is an AluFn
+        post = _vector_post
+        lane_format = struct.Struct(f"<{lanes}I")
+        unpack_lanes, pack_lanes = lane_format.unpack, lane_format.pack
+        nbytes = 4 * lanes
+        from_bytes = int.from_bytes
         total = 0                       # SUM
         best, best_index = None, 0      # MAX, ARGMAX
         if dmode is DMode.PACK_SUM:
@@ -672,25 +721,22 @@ class Interpreter:
                     yield
                 word = self._request(cu, MUOp.READ, a_ref, tag=_TAG_STREAM_READ,
                                      index=a_base + o * a_ostride + i * a_stride)["data"]
-                a = vector_lanes(word, lanes)
+                a = unpack_lanes(word.to_bytes(nbytes, "little"))
                 if bmode is BMode.ZERO:
                     b = zero
                 elif bmode is BMode.LOCAL:
                     b = local[(b_val + o * b_ostride + i * b_stride) % lw]
                 else:
                     b = scalar
-                res = []
-                for lane in range(lanes):
-                    v = _signed(alu(fn, a[lane], b[lane])) >> shift
-                    if relu and v < 0:
-                        v = 0
-                    res.append(v & MASK32)
+                res = post(vector_alu(a, b), shift, relu)
 
                 if dmode is DMode.WRITE:
                     self._request(cu, MUOp.WRITE, d_ref, index=d_base + k * d_stride,
-                                  data=pack_vector(res), tag=_TAG_STREAM_WRITE)
+                                  data=from_bytes(pack_lanes(*res), "little"),
+                                  tag=_TAG_STREAM_WRITE)
                 elif dmode is DMode.APPEND:
-                    self._request(cu, MUOp.APPEND, d_ref, data=pack_vector(res),
+                    self._request(cu, MUOp.APPEND, d_ref,
+                                  data=from_bytes(pack_lanes(*res), "little"),
                                   tag=_TAG_STREAM_WRITE)
                 elif dmode is DMode.LOCAL:
                     local[(d_base + k * d_stride) % lw] = res
