@@ -242,6 +242,9 @@ class Interpreter:
 
         self._mus = {(x, y): MUModel(mp, params.mu_id(x, y)) for x, y in params.tiles("M")}
         self._mu_ops = {xy: collections.Counter() for xy in self._mus}
+        # MU ID -> ((x, y), its model or None), filled as requests name them (mu_coords and the
+        # tile lookup cost a microsecond, and every stream step makes one or two requests).
+        self._mu_routes = {}
         self._mu_errors = dict.fromkeys(self._mus, 0)
         self._cus = {(x, y): CUMachine(x, y, tile_id(params, x, y), params,
                                        config.tiles.get((x, y)))
@@ -604,8 +607,11 @@ class Interpreter:
     def _request(self, cu, op, ref, *, index=0, data=0, tag=_TAG_BLOCKING):
         """Apply one MU request of ``cu``; return the response, or halt with MU_ERROR."""
         mu_id = ref & self._mu_mask
-        x, y = self.params.mu_coords(mu_id)
-        model = self._mus.get((x, y))
+        route = self._mu_routes.get(mu_id)
+        if route is None:
+            xy = self.params.mu_coords(mu_id)
+            route = self._mu_routes[mu_id] = (xy, self._mus.get(xy))
+        (x, y), model = route
         if model is None:
             raise Halt(_BAD_DESTINATION)   # not an MU: the CU halts before sending
         req = {"op": op, "src": {"x": cu.x, "y": cu.y}, "tag": tag,

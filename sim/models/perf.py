@@ -242,6 +242,7 @@ class PerfInterpreter(Interpreter):
         super().__init__(params, config, **kw)
         if mus is not None:
             self._mus = mus
+            self._mu_routes = {}
             self._mu_ops = {xy: self._mu_ops[xy].__class__() for xy in mus}
             self._mu_errors = dict.fromkeys(mus, 0)
         self.timing = timing
