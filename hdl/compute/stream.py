@@ -8,11 +8,15 @@ stream does not read the buffer the executing one writes and its responses canno
 the executing one's (it reads the same MU, or none of the executing stream's reads is still
 unanswered); otherwise its reads start when it starts executing. Read responses go into a
 response FIFO of ``outstanding + 1`` entries, so a response is always accepted. The execute
-pipeline has two stages: S0 pops the head of the FIFO and reads the local buffer (B operand and
-the LOCAL_ACC destination); S1 computes ``post(fn(a, b) >> SHIFT)`` in every lane and delivers
-it (local buffer write, reduction, ``V`` for PACK_SUM, or a write queue for MU writes and
-appends). The local buffer read ports are transparent to its write port, so step ``k`` sees the
-write of step ``k - 1``. MU writes and appends (tag 2) leave from the write queue with priority
+pipeline has three stages (S0, then ``EXEC_STAGES``): S0 pops the head of the FIFO and reads
+operand B from the local buffer; S1 computes ``fn(a, b)`` in every lane (the multiplier) and
+reads the LOCAL_ACC destination; S2 computes ``post(f >> SHIFT)`` and delivers it (local buffer
+write, reduction, ``V`` for PACK_SUM, or a write queue for MU writes and appends). Every step
+sees the local buffer as the steps before it left it: the read ports are transparent to the
+write port, which covers the destination read in S1 (the step ahead writes in that cycle) and
+a B read two steps behind a write; a step whose B is the word the step just ahead of it (in S1)
+writes waits one cycle in S0. The write queue takes a result only when it has room for every
+result in S1 and S2 too. MU writes and appends (tag 2) leave from the write queue with priority
 over reads, so a step that writes takes two request cycles; the stream is ``done`` when every
 step has been executed and every write issued (writes are posted: ``writes_pending`` counts
 their acknowledgements across streams). See :mod:`rdakit.hdl.compute.unit` for the
@@ -127,8 +131,9 @@ class StreamEngine(wiring.Component):
         stream or LSET writes the local buffer.
 
     Latency: the first READ is offered the cycle after ``start``; a response popped in cycle
-    ``t`` is delivered in ``t + 1``; ``done`` follows the last delivery and acknowledgement by
-    at least one cycle.
+    ``t`` is delivered in ``t + EXEC_STAGES`` (``t + 2``); one step a cycle, but a step whose B
+    is the word the step before it writes waits a cycle; ``done`` follows the last delivery by
+    at least one cycle (and the last write's issue), ``error`` also the last acknowledgement.
 
     Raises
     ------
@@ -288,7 +293,7 @@ class StreamEngine(wiring.Component):
         fault = Signal()
         head_bad = rfifo.r_data[32 * L]
         # Room in the write queue for every result still in the pipeline and this one.
-        wq_room = wq.level + s1_valid + s2_valid <= WQ_DEPTH - 1
+        wq_room = wq.level + s1_valid + s2_valid <= WQ_DEPTH
         # Step k reads B in S0 while step k - 1, in S1, has not written its result yet (it
         # writes in S2; the read port is transparent to that write one cycle later): when
         # step k - 1 writes the word B reads, step k waits a cycle. (The LOCAL_ACC

@@ -25,13 +25,15 @@ Stream engine (:class:`rdakit.hdl.compute.stream.StreamEngine`)
     prefetch) if the waiting stream does not read the buffer the executing one writes and its
     responses cannot overtake the executing one's (same MU, or none of its reads unanswered). Read
     responses go into a response FIFO of ``outstanding + 1`` entries (``amaranth.lib.fifo``), so a
-    response is always accepted. The execute pipeline has two stages: S0 pops the head of the FIFO
-    and reads the local buffer (B operand and the LOCAL_ACC destination); S1 computes
-    ``post(fn(a, b) >> SHIFT)`` in every lane and delivers it (local buffer write, reduction,
-    ``V`` for PACK_SUM, or a write queue for MU writes and appends). The local buffer read ports are
-    transparent to its write port, so step ``k`` sees the write of step ``k - 1`` (the sequential
-    semantics of the spec hold whatever the strides). MU writes and appends (tag 2) leave from the
-    write queue with priority over reads, so a step that writes takes two request cycles; the
+    response is always accepted. The execute pipeline has three stages: S0 pops the head of the
+    FIFO and reads operand B from the local buffer; S1 computes ``fn(a, b)`` in every lane and
+    reads the LOCAL_ACC destination; S2 computes ``post(f >> SHIFT)`` and delivers it (local
+    buffer write, reduction, ``V`` for PACK_SUM, or a write queue for MU writes and appends).
+    The local buffer read ports are transparent to its write port and a step whose B is the word
+    the step just ahead of it writes waits a cycle in S0, so every step sees the writes of the
+    steps before it (the sequential semantics of the spec hold whatever the strides). MU writes
+    and appends (tag 2) leave from the write queue with priority over reads, so a step that
+    writes takes two request cycles; the
     stream is done when every step has been executed and every write issued. Writes are posted: the
     engine counts their acknowledgements across streams, and the instructions another CU or the
     host could observe (SEND, SENDREF, HALT, FADD, UNLOCK: ``sequencer.FENCED``) wait until
@@ -45,9 +47,10 @@ Timing (measured with an MU attached directly, its latency 2 cycles)
     register is free, whose result reaches ``rd`` 5 (ALLOC 6) cycles after they were issued
     (``sequencer.NONBLOCKING``).
     SRUN itself takes 1 cycle: the stream runs beside the instructions after it, and takes
-    ``N*OUTER + 7`` cycles when its results stay in the CU (one step a cycle once the first
-    response is back; this needs ``outstanding`` >= 6, the round trip in reads) and about
-    ``2*N*OUTER + 4`` when every result is written to an MU (two requests a step); the last
+    ``N*OUTER + 8`` cycles when its results stay in the CU (one step a cycle once the first
+    response is back; this needs ``outstanding`` >= 6, the round trip in reads; a step whose B
+    is the word the step before it writes adds a cycle) and about ``2*N*OUTER + 6`` when every
+    result is written to an MU (two requests a step; 32 more steps cost 68 cycles); the last
     acknowledgement's round trip (3 cycles here) overlaps what follows too (posted writes; a
     fence or HALT waits for it); PACK_SUM adds one cycle an append. A stream handed over while
     another runs starts its steps the cycle after that one is done when its reads could be

@@ -706,7 +706,7 @@ def _stream_cycles(n_values, dmode):
 def test_stream_runs_one_step_a_cycle():
     # A stream reading one MU into SUM: one step a cycle once the first response is back. The
     # constant is the 6 other instructions, the start cycle and the fill: issue (1), MU (2),
-    # response FIFO (2), S0 and S1 (2).
+    # response FIFO (2), S0, S1 and S2 (3).
     short, long = _stream_cycles([16, 48], DMode.SUM)
     assert long - short == 32
     assert long <= 48 + 40, long
