@@ -126,9 +126,9 @@ class EventCostModel(CostModel):
     # Fitted to the CUs' busy minus wait cycles of the smallest built-in workloads on 2x2
     # (``docs/compiler.md``, the event cost model); ``mu`` counts the MU instructions that
     # are not posted (ALLOC, READ and LEN do not block, but what follows them soon waits).
-    stream_cycles: float = 7.85
-    mu_cycles: float = 15.0
-    instr_cycles: float = 0.93
+    stream_cycles: float = 5.34
+    mu_cycles: float = 13.8
+    instr_cycles: float = 0.88
     # A tensor between CUs is not copied but handed over (the producer's SENDREF after its
     # writes are acknowledged, the consumer's RECV): a fixed cost, plus the hops.
     edge_cycles: int = 20
