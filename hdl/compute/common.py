@@ -9,7 +9,8 @@ from amaranth.hdl import Mux, Signal
 from amaranth.lib import data
 from amaranth.utils import exact_log2
 
-from rdakit.hdl.spec.isa import AluFn, DMode, StreamField
+from rdakit.hdl.spec.cu import D_MU_MODES
+from rdakit.hdl.spec.isa import AluFn, StreamField
 from rdakit.hdl.spec.params import FabricParams
 
 __all__ = ["TAG_BLOCKING", "TAG_READ", "TAG_WRITE", "STREAM_FIELDS", "D_MU_MODES", "alu",
@@ -24,8 +25,6 @@ TAG_WRITE = 2
 #: them and the stream engine reads them; the field of ``StreamField.X`` is named ``x``.
 STREAM_FIELDS = data.StructLayout({f.name.lower(): 32 for f in StreamField})
 
-#: Stream destination modes whose results go to ``D_REF`` in an MU (the others stay in the CU).
-D_MU_MODES = (DMode.WRITE.value, DMode.APPEND.value, DMode.PACK_SUM.value)
 
 
 def check_cu_tile(fabric_params, x, y):

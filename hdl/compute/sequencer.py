@@ -33,6 +33,17 @@ from rdakit.hdl.compute.common import (
     request,
 )
 from rdakit.hdl.spec.config import CU_MAP, CU_STATUS, CU_STATUS_BITS, config_bus_signature
+from rdakit.hdl.spec.cu import (  # noqa: F401 (AFTER_STREAM and the rest: named here too)
+    AFTER_STREAM,
+    FENCED,
+    MU_INSTRUCTIONS,
+    MU_OP,
+    NONBLOCKING,
+    POSTED,
+    STREAM_HAZARDS,
+    STREAM_TOUCH_DOC,
+    STREAM_TOUCHES,
+)
 from rdakit.hdl.spec.flit import flit_layout
 from rdakit.hdl.spec.isa import INSTR_LAYOUT, BMode, DMode, Op, StreamField
 from rdakit.hdl.spec.packets import MsgKind, MUOp, MUStatus, msg_layout, mu_request_layout
@@ -43,81 +54,6 @@ _TOKEN_MAX = 0xffff
 
 _MAX_BMODE = max(m.value for m in BMode)
 _MAX_DMODE = max(m.value for m in DMode)
-
-_MU_OP = {
-    Op.ALLOC: MUOp.ALLOC, Op.READ: MUOp.READ, Op.VREAD: MUOp.READ, Op.VWRITE: MUOp.WRITE,
-    Op.VAPPEND: MUOp.APPEND, Op.LEN: MUOp.LEN, Op.RET: MUOp.RETURN, Op.RETI: MUOp.RETURN,
-    Op.ADDW: MUOp.ADD_WEIGHT, Op.INCREF: MUOp.INCREF, Op.DECREF: MUOp.DECREF,
-    Op.FADD: MUOp.FETCH_ADD, Op.UNLOCK: MUOp.UNLOCK,
-}
-
-#: The instructions that send an MU a request.
-MU_INSTRUCTIONS = tuple(_MU_OP)
-
-
-#: The instructions that wait until every posted stream write is acknowledged before they
-#: act: what another CU or the host may observe after them (a token, a reference, a released
-#: lock or ticket, the CU's done) must not overtake the writes. Every other request goes to an
-#: MU over the same path as the writes to it and is served after them.
-FENCED = (Op.SEND, Op.SENDREF, Op.HALT, Op.FADD, Op.UNLOCK)
-
-#: The MU instructions that are posted like stream writes: their result is only a status, so
-#: they retire once the request register takes them, with tag 2, and their acknowledgements are
-#: counted with the stream's (a refused one halts the CU with MU_ERROR when it comes back).
-POSTED = (Op.RET, Op.RETI, Op.DECREF, Op.VWRITE)
-
-#: The MU instructions that do not block: they retire once their request leaves, and the
-#: response writes ``rd`` when it arrives; an instruction naming that register, another MU
-#: request or a fence waits for it (one such request at a time).
-NONBLOCKING = (Op.ALLOC, Op.READ, Op.LEN)
-
-#: What a stream in the engine touches, as far as the instructions after its SRUN care (the
-#: engine holds one executing stream and one waiting behind it; SRUN retires as soon as the
-#: engine takes the stream). Each is a bit of the scoreboard's entry for the stream:
-#: ``a_ref``, the MU buffer it reads (A_REF); ``d_ref``, the MU buffer it writes or appends to
-#: (D_REF, for a D_MODE of ``D_MU_MODES``); ``local_r`` and ``local_w``, the local buffer read
-#: (B_MODE LOCAL, D_MODE LOCAL_ACC) and written (LOCAL, LOCAL_ACC); ``v``, the staging vector
-#: (PACK_SUM).
-STREAM_TOUCHES = ("a_ref", "d_ref", "local_r", "local_w", "v")
-
-#: What each touch means, for the docs' table (``rdakit docs``); ``any`` is every stream.
-STREAM_TOUCH_DOC = {
-    "a_ref": "reads the MU buffer the instruction names (A_REF) and has reads still to issue",
-    "d_ref": "writes or appends to the MU buffer the instruction names (D_REF)",
-    "local_r": "reads the local buffer (B_MODE LOCAL, D_MODE LOCAL_ACC)",
-    "local_w": "writes the local buffer (D_MODE LOCAL, LOCAL_ACC)",
-    "v": "builds V (D_MODE PACK_SUM)",
-    "any": "any stream",
-}
-
-#: Per instruction, the touches of a stream it must wait for (every stream the engine holds
-#: that has one of them): an MU request must not overtake a stream's writes to its buffer, nor
-#: (when it changes or frees the buffer) the stream's reads of it — a request reaches an MU over
-#: the same path as the stream's and is served after them, so it may leave once the stream's
-#: reads have all been issued (``a_ref``) and once its writes have (the stream is done); LGET
-#: and LSET must not overtake what a stream reads or writes in the local buffer;
-#: what reads or writes ``V`` waits for PACK_SUM. ``"any"``: every stream (the fences).
-#: ALLOC names a new buffer and waits for nothing; an instruction not listed waits only for a
-#: stream whose reduction writes a register it names (a scoreboard of two entries), and SRUN
-#: while a stream already waits in the engine.
-STREAM_HAZARDS = {
-    Op.ALLOC: (),
-    Op.READ: ("d_ref",),
-    Op.LEN: ("d_ref",),
-    Op.VREAD: ("d_ref", "v"),
-    Op.VWRITE: ("a_ref", "d_ref", "v"),
-    Op.VAPPEND: ("a_ref", "d_ref", "v"),
-    **{o: ("a_ref", "d_ref") for o in (Op.RET, Op.RETI, Op.DECREF, Op.INCREF, Op.ADDW)},
-    **{o: ("any",) for o in FENCED},
-    Op.VSET: ("v",),
-    Op.VCLR: ("v",),
-    Op.LGET: ("local_w",),
-    Op.LSET: ("local_r", "local_w"),
-}
-
-#: The instructions that may wait for a stream the engine holds (:data:`STREAM_HAZARDS`).
-AFTER_STREAM = tuple(STREAM_HAZARDS)
-
 
 class _State(enum.Enum, shape=2):
     IDLE = 0     # not running: done
@@ -356,7 +292,7 @@ class Sequencer(wiring.Component):
         bq_op = Signal(MUOp)
         bq_data = Signal(32 * L)
         with m.Switch(op):
-            for o, mo in _MU_OP.items():
+            for o, mo in MU_OP.items():
                 with m.Case(o):
                     m.d.comb += bq_op.eq(mo)
         with m.Switch(op):

@@ -39,18 +39,14 @@ from rdakit.hdl.compute.common import (
     request,
 )
 from rdakit.hdl.spec.config import CU_MAP, config_bus_signature
+from rdakit.hdl.spec.cu import EXEC_STAGES, WQ_DEPTH
 from rdakit.hdl.spec.flit import flit_layout
 from rdakit.hdl.spec.isa import INSTR_LAYOUT, BMode, DMode
 from rdakit.hdl.spec.packets import MUOp, mu_request_layout
 
 __all__ = ["EXEC_STAGES", "StreamEngine", "WQ_DEPTH", "read_response_layout"]
 
-#: Depth of the queue of stream results waiting to be written to an MU.
-WQ_DEPTH = 4
 
-#: Stages of the execute pipeline after S0 (S1: the lanes' ALU; S2: shift, ReLU and
-#: delivery): a step popped in cycle ``t`` is delivered in cycle ``t + EXEC_STAGES``.
-EXEC_STAGES = 2
 
 
 def read_response_layout(fabric_params):

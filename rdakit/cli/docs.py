@@ -11,9 +11,9 @@ import re
 from rdakit.boards.build import BOARDS, board_preset
 from rdakit.compiler.frontend.aten import ATEN_OPS
 from rdakit.compiler.graph import OP_KINDS
-from rdakit.hdl.compute.sequencer import STREAM_HAZARDS, STREAM_TOUCH_DOC
 from rdakit.hdl.memory.unit import CHECK_ORDER, TIMING
 from rdakit.hdl.spec.bitstream import LOAD_STATUS_DOC, LoadStatus
+from rdakit.hdl.spec.cu import STREAM_HAZARDS, STREAM_TOUCH_DOC
 from rdakit.hdl.spec.frames import (
     ERROR_DOC,
     FIELD_DOC,

@@ -34,15 +34,6 @@ import bisect
 import heapq
 import struct
 
-from rdakit.hdl.compute.common import D_MU_MODES
-from rdakit.hdl.compute.sequencer import (
-    AFTER_STREAM,
-    FENCED,
-    MU_INSTRUCTIONS,
-    NONBLOCKING,
-    POSTED,
-    STREAM_HAZARDS,
-)
 from rdakit.hdl.spec.bitstream import BitstreamError, LoadStatus, read_bitstream
 from rdakit.hdl.spec.config import (
     CU_MAP,
@@ -51,6 +42,15 @@ from rdakit.hdl.spec.config import (
     STATUS_BITS,
     TILE_COUNTERS,
     cu_status_word,
+)
+from rdakit.hdl.spec.cu import (
+    AFTER_STREAM,
+    D_MU_MODES,
+    FENCED,
+    MU_INSTRUCTIONS,
+    NONBLOCKING,
+    POSTED,
+    STREAM_HAZARDS,
 )
 from rdakit.hdl.spec.isa import BMode, DMode, Op, StreamField
 from rdakit.hdl.spec.packets import (

@@ -10,7 +10,7 @@ exports are imported, not copied (:data:`~rdakit.hdl.compute.stream.WQ_DEPTH`,
 
 import dataclasses
 
-from rdakit.hdl.compute.stream import EXEC_STAGES, WQ_DEPTH
+from rdakit.hdl.spec.cu import EXEC_STAGES, WQ_DEPTH
 
 __all__ = ["Timing", "TIMING", "WQ_DEPTH"]
 
