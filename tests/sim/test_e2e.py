@@ -269,9 +269,11 @@ def test_every_workload_on_the_rtl(simulator, fabric):
 
 # --- rdakit bench e2e -------------------------------------------------------------------------
 
-def test_bench_e2e_json_has_the_figures_per_workload_and_configuration(tmp_path, capsys):
+# The fast model in the default suite (0.3 s); the same on Amaranth's simulator takes 24 s.
+@pytest.mark.parametrize("sim", ["model", pytest.param("amaranth", marks=pytest.mark.slow)])
+def test_bench_e2e_json_has_the_figures_per_workload_and_configuration(tmp_path, capsys, sim):
     path = tmp_path / "e2e.json"
-    rc = main(["bench", "e2e", "--sim", "amaranth", "--fabric", "2x2", "--workloads", "mlp",
+    rc = main(["bench", "e2e", "--sim", sim, "--fabric", "2x2", "--workloads", "mlp",
                "--partitioners", "multilevel,round_robin", "--place-steps", "2000",
                "--json", str(path)])
     assert rc == 0
