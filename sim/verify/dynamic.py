@@ -1,0 +1,230 @@
+"""Workloads with memory dynamism (issue 22): jobs whose buffers are allocated, grow and are
+freed by the CUs at run time, with sizes the compiler never sees.
+
+:func:`generation` is autoregressive decoding with continuous batching: every CU runs a loop
+over decode rounds and, in each round, over its batch slots. A slot takes the next waiting
+sequence from a shared queue (an atomic ``FADD`` on a counter, so which CU decodes which
+sequence is decided at run time), reads its length and first token from an input buffer the
+host filled from a seeded RNG (``READ``), allocates an empty KV cache in its CU's MU
+(``ALLOC``) and decodes one token a round: a one-step stream appends the new K row
+(``emb[t mod vocab] + t`` in every lane) to the cache, which grows in the MU block by block,
+and a stream over the whole cache reduces ``k * q`` to the attention score (``SUM``). The
+score folds into a running checksum and picks the next token. A finished sequence writes its
+result word (checksum, final length, last score, sequence number) to the output, returns its
+cache (``RETI``, or ``DECREF`` with counter-based reference counting), which frees it, and the
+slot takes the next sequence. Nothing about the sizes is in the programs but the vocabulary;
+the CU loops until no slot is live and the queue is empty.
+
+The numpy reference (:func:`generation_reference`) decodes the same sequences in Python
+integers modulo 2**32.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from rdakit.compiler.compile import placement_fabric
+from rdakit.compiler.job import HostBuffer, Job, Ref
+from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
+from rdakit.hdl.spec.isa import assemble
+from rdakit.hdl.spec.params import RefcountMode
+
+__all__ = ["DynamicJob", "generation", "generation_program", "generation_reference",
+           "SLOT_FIELDS", "QUERY_XOR"]
+
+_M = 0xffffffff
+
+#: Elements of the local buffer that hold one batch slot's state, in this order from the
+#: slot's base element: the cache reference, the sequence number, steps remaining, the current
+#: token, the checksum, whether the slot is live, the cache length.
+SLOT_FIELDS = ("ref", "seq", "remaining", "token", "checksum", "live", "length")
+_SLOT = 8                              # elements per slot in the local buffer (a power of two)
+_F = {name: i for i, name in enumerate(SLOT_FIELDS)}
+
+#: The query of a step is the token XOR this.
+QUERY_XOR = 0x55
+
+
+@dataclasses.dataclass
+class DynamicJob(Job):
+    """A :class:`~rdakit.compiler.job.Job` of a dynamic workload, with what the benchmarks
+    count: ``tokens`` decoded (one KV entry each) and ``lengths`` of the sequences."""
+
+    tokens: int = 0
+    lengths: tuple = ()
+
+
+def _check_positive(name, value, minimum=1):
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer of at least {minimum}, not {value!r}")
+
+
+def generation_program(params, *, slots, vocab):
+    """The CU program of :func:`generation` for ``slots`` batch slots and a vocabulary of
+    ``vocab`` (a power of two) K rows. Initial registers: r1 the embedding table, r2 the
+    sequences (word s: length, first token), r3 the queue counter, r4 the output, r5 the MU ID
+    of this CU's caches, r6 the number of sequences."""
+    counter = params.mu.refcount is RefcountMode.COUNTER
+    release = "DECREF r9" if counter else "RETI r9, 1"
+    f = _F
+    return assemble(f"""
+        SCFGI A_STRIDE, 1
+        SCFGI B_MODE, 2              # SCALAR
+        LI r14, 0                    # the queue is empty (it gave a number >= r6)
+    round:
+        LI r8, 0                     # a slot was live this round
+        LI r7, 0                     # this slot's base element in the local buffer
+    slot:
+        LGET r9, r7, {f['live']}
+        BNZ r9, step
+        BNZ r14, next
+        LI r10, 0
+        FADD r11, r3, r10, 1         # r11 = the next waiting sequence
+        BLT r11, r6, start
+        LI r14, 1
+        JMP next
+    start:
+        READ 0, r12, r2, r11         # its length, drawn by the host
+        READ 1, r13, r2, r11         # its first token
+        ALLOC r9, r5, 1              # its KV cache, empty, in this CU's MU
+        LSET r11, r7, {f['seq']}
+        LSET r12, r7, {f['remaining']}
+        LSET r13, r7, {f['token']}
+        LI r10, 0
+        LSET r10, r7, {f['checksum']}
+        LSET r10, r7, {f['length']}
+        LSET r9, r7, {f['ref']}
+        LI r10, 1
+        LSET r10, r7, {f['live']}
+    step:
+        LGET r9, r7, {f['ref']}
+        LGET r13, r7, {f['token']}
+        ALUI AND, r10, r13, {vocab - 1}
+        SCFG A_REF, r1
+        SCFG A_BASE, r10
+        SCFGI N, 1
+        SCFG B_VAL, r13
+        SCFGI D_MODE, 2              # APPEND the new K row emb[t] + t to the cache
+        SCFG D_REF, r9
+        SRUN ADD, r0
+        LGET r12, r7, {f['length']}
+        ALUI ADD, r12, r12, 1
+        LSET r12, r7, {f['length']}
+        ALUI XOR, r10, r13, {QUERY_XOR}
+        SCFG A_REF, r9
+        SCFGI A_BASE, 0
+        SCFG N, r12
+        SCFG B_VAL, r10
+        SCFGI D_MODE, 5              # SUM over the whole cache: the attention score
+        SRUN MUL, r11
+        LGET r10, r7, {f['checksum']}
+        ALUI MUL, r10, r10, 31
+        ALU ADD, r10, r10, r11
+        LSET r10, r7, {f['checksum']}
+        ALUI SHRU, r15, r11, 7
+        ALU XOR, r13, r13, r15
+        ALUI AND, r13, r13, 0xffff   # the next token
+        LSET r13, r7, {f['token']}
+        LI r8, 1
+        LGET r15, r7, {f['remaining']}
+        ALUI SUB, r15, r15, 1
+        LSET r15, r7, {f['remaining']}
+        BNZ r15, next
+        VSET 0, r10                  # finished: its result word
+        VSET 1, r12
+        VSET 2, r11
+        LGET r15, r7, {f['seq']}
+        VSET 3, r15
+        VWRITE r4, r15
+        {release}                    # the cache is freed
+        LI r10, 0
+        LSET r10, r7, {f['live']}
+    next:
+        ALUI ADD, r7, r7, {_SLOT}
+        LI r10, {slots * _SLOT}
+        BLT r7, r10, slot
+        BNZ r8, round
+        HALT
+    """)
+
+
+def generation_reference(emb, seqs):
+    """The output of :func:`generation`: one word per sequence (checksum, length, last
+    score, sequence number), decoded in Python integers modulo 2**32 from the embedding
+    table ``emb`` (vocab × lanes) and ``seqs`` (word s: length, first token)."""
+    table = emb.astype(np.int64) & _M
+    vocab = len(table)
+    out = np.zeros((len(seqs), emb.shape[1]), np.int64)
+    for s, (length, t, *_) in enumerate(seqs.astype(np.int64)):
+        cache = np.zeros((0, emb.shape[1]), np.int64)
+        acc = score = 0
+        for _ in range(int(length)):
+            k = (table[t & (vocab - 1)] + t) & _M
+            cache = np.vstack([cache, k])
+            score = int((cache * (t ^ QUERY_XOR)).sum()) & _M
+            acc = (acc * 31 + score) & _M
+            t = (t ^ (score >> 7)) & 0xffff
+        out[s, :4] = (acc, length, score, s)
+    return out.astype(np.uint32).astype(np.int32)
+
+
+def generation(params, *, sequences=8, slots=2, min_len=2, max_len=8, vocab=16, cus=None,
+               host_mu=None, cache_mus=None, seed=0):
+    """Autoregressive generation with continuous batching (the module docstring): a
+    :class:`DynamicJob`.
+
+    Parameters
+    ----------
+    params : FabricParams
+        The fabric; its CUs need ``lanes >= 4`` and a program of about 80 instructions.
+    sequences : int
+        Sequences to decode; their lengths are drawn uniformly from ``min_len..max_len`` and
+        their first tokens from ``0..65535`` by ``numpy.random.default_rng(seed)``.
+    slots : int
+        Batch slots per CU (sequences a CU decodes at once).
+    vocab : int
+        Rows of the embedding table (a power of two).
+    cus : list of (x, y)
+        The CUs that decode (default: every CU).
+    host_mu : (x, y)
+        The MU of the host's buffers (default: the first MU).
+    cache_mus : dict
+        CU -> the MU of its caches (default: each CU its own MU, spread over the MUs).
+    """
+    for name, value in (("sequences", sequences), ("slots", slots), ("min_len", min_len),
+                        ("max_len", max_len), ("vocab", vocab)):
+        _check_positive(name, value)
+    if max_len < min_len:
+        raise ValueError(f"max_len must be at least min_len ({min_len}), not {max_len}")
+    if vocab & (vocab - 1):
+        raise ValueError(f"vocab must be a power of two, not {vocab}")
+    lanes = params.cu.lanes
+    if lanes < 4:
+        raise ValueError(f"generation needs at least 4 lanes, not {lanes}")
+    if slots * _SLOT > params.cu.local_words * lanes:
+        raise ValueError(f"slots must be at most {params.cu.local_words * lanes // _SLOT} "
+                         f"(the local buffer holds {_SLOT} elements a slot), not {slots}")
+    cus = list(cus or params.tiles("C"))
+    host_mu = host_mu or params.tiles("M")[0]
+    cache_mus = cache_mus or placement_fabric(params).spread(cus)
+    rng = np.random.default_rng(seed)
+    emb = rng.integers(-2**31, 2**31, size=(vocab, lanes), dtype=np.int64).astype(np.int32)
+    lengths = rng.integers(min_len, max_len + 1, size=sequences)
+    seqs = np.zeros((sequences, lanes), np.int32)
+    seqs[:, 0] = lengths
+    seqs[:, 1] = rng.integers(0, 1 << 16, size=sequences)
+    buffers = [HostBuffer("emb", host_mu, emb), HostBuffer("seqs", host_mu, seqs),
+               HostBuffer("queue", host_mu, np.zeros((1, lanes), np.int32)),
+               HostBuffer("out", host_mu, np.zeros((sequences, lanes), np.int32))]
+    program = generation_program(params, slots=slots, vocab=vocab)
+    if len(program) > params.cu.prog_len:
+        raise ValueError(f"generation's program has {len(program)} instructions; prog_len is "
+                         f"{params.cu.prog_len}")
+    tiles = {cu: TileConfig(program=program, regs={
+        1: Ref("emb"), 2: Ref("seqs"), 3: Ref("queue"), 4: Ref("out"),
+        5: params.mu_id(*cache_mus[cu]), 6: sequences}) for cu in cus}
+    return DynamicJob(FabricConfig(params, tiles), buffers, ["out"],
+                      {"out": generation_reference(emb, seqs)}, cus_used=len(cus),
+                      description=f"generation of {sequences} sequences of {min_len}.."
+                                  f"{max_len} tokens, {slots} slots on each of {len(cus)} CUs",
+                      tokens=int(lengths.sum()), lengths=tuple(int(n) for n in lengths))
