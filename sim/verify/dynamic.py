@@ -61,9 +61,11 @@ def _check_positive(name, value, minimum=1):
 
 def generation_program(params, *, slots, vocab):
     """The CU program of :func:`generation` for ``slots`` batch slots and a vocabulary of
-    ``vocab`` (a power of two) K rows. Initial registers: r1 the embedding table, r2 the
-    sequences (word s: length, first token), r3 the queue counter, r4 the output, r5 the MU ID
-    of this CU's caches, r6 the number of sequences."""
+    ``vocab`` (a power of two) K rows. Initial registers: r1 the host's buffer (words 0 to
+    ``vocab - 1`` the embedding table), r2 the index of its first sequence word (word ``r2 +
+    s``: length, first token of sequence s), r3 the index of the queue counter, r4 the index
+    of the first output word, r5 the MU ID of this CU's caches, r6 the number of
+    sequences."""
     counter = params.mu.refcount is RefcountMode.COUNTER
     release = "DECREF r9" if counter else "RETI r9, 1"
     f = _F
@@ -78,14 +80,14 @@ def generation_program(params, *, slots, vocab):
         LGET r9, r7, {f['live']}
         BNZ r9, step
         BNZ r14, next
-        LI r10, 0
-        FADD r11, r3, r10, 1         # r11 = the next waiting sequence
+        FADD r11, r1, r3, 1          # r11 = the next waiting sequence
         BLT r11, r6, start
         LI r14, 1
         JMP next
     start:
-        READ 0, r12, r2, r11         # its length, drawn by the host
-        READ 1, r13, r2, r11         # its first token
+        ALU ADD, r10, r2, r11
+        READ 0, r12, r1, r10         # its length, drawn by the host
+        READ 1, r13, r1, r10         # its first token
         ALLOC r9, r5, 1              # its KV cache, empty, in this CU's MU
         LSET r11, r7, {f['seq']}
         LSET r12, r7, {f['remaining']}
@@ -135,7 +137,8 @@ def generation_program(params, *, slots, vocab):
         VSET 2, r11
         LGET r15, r7, {f['seq']}
         VSET 3, r15
-        VWRITE r4, r15
+        ALU ADD, r15, r15, r4
+        VWRITE r1, r15
         {release}                    # the cache is freed
         LI r10, 0
         LSET r10, r7, {f['live']}
@@ -213,18 +216,25 @@ def generation(params, *, sequences=8, slots=2, min_len=2, max_len=8, vocab=16, 
     seqs = np.zeros((sequences, lanes), np.int32)
     seqs[:, 0] = lengths
     seqs[:, 1] = rng.integers(0, 1 << 16, size=sequences)
-    buffers = [HostBuffer("emb", host_mu, emb), HostBuffer("seqs", host_mu, seqs),
-               HostBuffer("queue", host_mu, np.zeros((1, lanes), np.int32)),
-               HostBuffer("out", host_mu, np.zeros((sequences, lanes), np.int32))]
+    # One host buffer (an MU in single mode holds one): the embedding table, the sequences,
+    # the queue counter, the outputs.
+    seqs_at, queue_at = vocab, vocab + sequences
+    out_at = queue_at + 1
+    io = np.concatenate([emb, seqs, np.zeros((1 + sequences, lanes), np.int32)])
+    buffers = [HostBuffer("io", host_mu, io)]
+    want = io.copy()
+    # Each CU takes one number past the last sequence from the queue, then stops asking.
+    want[queue_at, 0] = sequences + len(cus)
+    want[out_at:] = generation_reference(emb, seqs)
     program = generation_program(params, slots=slots, vocab=vocab)
     if len(program) > params.cu.prog_len:
         raise ValueError(f"generation's program has {len(program)} instructions; prog_len is "
                          f"{params.cu.prog_len}")
     tiles = {cu: TileConfig(program=program, regs={
-        1: Ref("emb"), 2: Ref("seqs"), 3: Ref("queue"), 4: Ref("out"),
+        1: Ref("io"), 2: seqs_at, 3: queue_at, 4: out_at,
         5: params.mu_id(*cache_mus[cu]), 6: sequences}) for cu in cus}
-    return DynamicJob(FabricConfig(params, tiles), buffers, ["out"],
-                      {"out": generation_reference(emb, seqs)}, cus_used=len(cus),
+    return DynamicJob(FabricConfig(params, tiles), buffers, ["io"], {"io": want},
+                      cus_used=len(cus),
                       description=f"generation of {sequences} sequences of {min_len}.."
                                   f"{max_len} tokens, {slots} slots on each of {len(cus)} CUs",
                       tokens=int(lengths.sum()), lengths=tuple(int(n) for n in lengths))

@@ -36,7 +36,7 @@ def _run_interp(job, **kw):
     interp, refs = prepare_interp(job, **kw)
     before = {xy: m.counters() for xy, m in interp._mus.items()}
     result = interp.run(max_steps=50_000_000)
-    out = interp.read_buffer(job.buffers[-1].mu, refs["out"])
+    out = interp.read_buffer(job.buffers[-1].mu, refs["io"])
     return out, result, before, interp
 
 
@@ -52,7 +52,7 @@ def test_generation_is_bit_exact_and_leaves_no_buffer(seed, sequences, slots, sc
     job = generation(p, sequences=sequences, slots=slots, min_len=1, max_len=9, seed=seed)
     out, result, before, interp = _run_interp(job, schedule=schedule, seed=seed)
     assert result.ok, result
-    np.testing.assert_array_equal(out, job.expected["out"])
+    np.testing.assert_array_equal(out, job.expected["io"])
     mu = interp.mu(1, 1)
     after = mu.counters()
     assert after["allocs"] - before[(1, 1)]["allocs"] == sequences
@@ -79,7 +79,7 @@ def test_caches_outgrow_blocks_and_reservations():
         job = generation(p, sequences=5, slots=2, min_len=10, max_len=20, seed=7)
         out, result, before, interp = _run_interp(job)
         assert result.ok, (scheme, result)
-        np.testing.assert_array_equal(out, job.expected["out"])
+        np.testing.assert_array_equal(out, job.expected["io"])
         copied = interp.mu(1, 1).counters()["copy_cycles"] - before[(1, 1)]["copy_cycles"]
         assert (copied > 0) == (extra.get("alloc_mode") == "reserve"), (scheme, copied)
 
@@ -172,7 +172,7 @@ def test_generation_on_the_rtl_matches_the_interpreter():
     result.check(job)
     interp_out, interp_result, _ = run_job_interp(job)
     assert interp_result.ok
-    np.testing.assert_array_equal(result.outputs["out"], interp_out["out"])
+    np.testing.assert_array_equal(result.outputs["io"], interp_out["io"])
     c = result.counters[(1, 1)]
     assert c["allocs"] == c["frees"] == 4
     assert c["live_buffers"] == len(job.buffers)
