@@ -36,7 +36,7 @@ from rdakit.compiler.workloads import WORKLOADS
 from rdakit.errors import UserError
 from rdakit.hdl.cluster.system import System
 from rdakit.hdl.noc.router import QUEUE_KINDS, check_mesh_params
-from rdakit.sim.bench import calibrate, clusters, e2e, models, partition, race
+from rdakit.sim.bench import calibrate, clusters, e2e, memory, models, partition, race
 from rdakit.sim.bench.boards import bench_boards
 from rdakit.sim.bench.fabric import bench_fabric
 from rdakit.sim.bench.mu import bench_mu
@@ -333,6 +333,18 @@ def _bench_e2e(args):
     return 1 if bad else 0
 
 
+# --- memory -----------------------------------------------------------------------------------
+
+def _check_memory(args):
+    if args.plot is not None and args.sim != "model":
+        raise UserError(f"--plot needs --sim model (its occupancy trace), not --sim {args.sim}")
+
+
+def _bench_memory(args):
+    return memory.bench_memory(quick=args.quick, sim=args.sim, seed=args.seed,
+                               area=not args.no_area, plot=args.plot, json_path=args.json)
+
+
 # --- boards -----------------------------------------------------------------------------------
 
 def _check_boards(args):
@@ -545,6 +557,27 @@ def register(commands):
     add_fabric_arguments(p, default="4x4")
     add_check(p, _check_e2e)
     p.set_defaults(func=_bench_e2e, prog_len=RUN_PROG_LEN)
+
+    p = sub.add_parser(
+        "memory", help="dynamic workloads under each memory scheme: utilization, copies, OOM",
+        description="Autoregressive generation with continuous batching (KV caches that grow "
+                    "at run time, lengths drawn at run time) on a 2x3 fabric whose MUs use "
+                    "each memory scheme: virtualization with partial-free or counters, "
+                    "reserve-and-copy, one buffer per MU. Prints cycles, tokens per "
+                    "kilocycle, peak memory utilization, words copied, reference-counting "
+                    "messages, cycles from last use to free and out-of-memory events (a "
+                    "scheme that runs out of memory is a row), and the MUs' area. Exit 1 if a "
+                    "run differs from numpy.")
+    p.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    p.add_argument("--sim", choices=memory.SIMS, default="model",
+                   help="simulator (default: %(default)s; amaranth: use with --quick)")
+    add_number(p, "--seed", low=0, default=0, help="seed of the sequence lengths (default: 0)")
+    p.add_argument("--no-area", action="store_true", help="skip the MUs' area (yosys)")
+    add_output(p, "--plot", default=None, metavar="PNG", suffixes=image_suffixes,
+               help="occupancy of the cache MU over time (model only)")
+    add_output(p, "--json", metavar="FILE", help="also write the figures to FILE")
+    add_check(p, _check_memory)
+    p.set_defaults(func=_bench_memory)
 
     p = sub.add_parser(
         "boards", help="largest fabric that fits each board, utilization and Fmax per size",

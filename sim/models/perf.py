@@ -253,6 +253,9 @@ class PerfInterpreter(Interpreter):
         self._seq = 0
         self._timed = {cu.xy: _CU(cu) for cu in self._order}
         self._outstanding = params.cu.outstanding
+        #: The cycle of the instruction being executed (its MU requests are made then; a
+        #: stream's are all made in its SRUN's cycle): a clock for traces of MU occupancy.
+        self.now = 0
 
     # --- hooks on the interpreter --------------------------------------------------------------
 
@@ -381,6 +384,7 @@ class PerfInterpreter(Interpreter):
                     tc.sleeping = t
                     return
             # Execute (functionally) in cycle t.
+            self.now = t
             self._log.clear()
             if op is Op.SRUN:
                 self._step(cu)
