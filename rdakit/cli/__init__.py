@@ -26,6 +26,7 @@ from rdakit.cli import (
     importcmd,
     inspect,
     run,
+    sweep,
     verify,
     verilog,
 )
@@ -36,7 +37,8 @@ from rdakit.errors import UserError
 __all__ = ["main", "build_parser", "COMMANDS", "UserError"]
 
 #: The modules of the commands, in the order ``rdakit --help`` lists them.
-COMMANDS = [verilog, bench, docs, doctor, verify, inspect, importcmd, compile, run, board]
+COMMANDS = [verilog, bench, docs, doctor, verify, inspect, importcmd, compile, run, board,
+            sweep]
 
 
 def build_parser():
