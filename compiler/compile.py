@@ -30,11 +30,12 @@ from rdakit.compiler.partition import (
     partition,
 )
 from rdakit.compiler.placement import Fabric, PlacementError, check_host_fit, check_steps, place
+from rdakit.compiler.split import split_rows
 from rdakit.compiler.workloads import WORKLOADS, Workload, build, load_graph
 from rdakit.hdl.spec.bitstream import write_bitstream
 
 __all__ = ["CompileSummary", "compile_workload", "placement_fabric", "bitstream_for",
-           "load_workload", "unused", "FASTEST", "PARTITIONERS"]
+           "load_workload", "unused", "check_split", "FASTEST", "PARTITIONERS"]
 
 #: ``partitioner="fastest"``: the job is compiled with each of these strategies and the one
 #: whose estimated cycles are the fewest is kept (the first on ties). A cut is not a makespan:
@@ -79,6 +80,10 @@ class CompileSummary:
     partition_warnings : tuple of str
         What the partitioner's backend said (:attr:`PartitionResult.warnings`), printed as
         warnings.
+    split : int
+        Row blocks of the split ops (1: none; :func:`~rdakit.compiler.split.split_rows`).
+    split_nodes : int
+        Nodes of the graph after splitting (``nodes`` is the graph's own).
     """
 
     graph: str
@@ -93,10 +98,14 @@ class CompileSummary:
     mu_buffers: dict
     unused: tuple = ()
     partition_warnings: tuple = ()
+    split: int = 1
+    split_nodes: int = 0
 
     def lines(self):
         """The summary as text lines."""
-        out = [f"graph {self.graph}: {self.nodes} nodes, partitioner {self.partitioner}",
+        rows = f", rows split {self.split} ways ({self.split_nodes} nodes)" if self.split > 1 \
+            else ""
+        out = [f"graph {self.graph}: {self.nodes} nodes, partitioner {self.partitioner}{rows}",
                f"parts {self.parts}, cut {self.cut} bytes, imbalance {self.imbalance:.3f}, "
                f"estimated cycles {self.estimated_cycles} (lower bound "
                f"{self.lower_bound:.0f})"]
@@ -176,7 +185,7 @@ def load_workload(workload, sizes=None):
 
 def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", seed=0,
                      place_steps=20000, inputs=None, cost=None, schedule_cost=None,
-                     order="graph", progress=None):
+                     order="graph", progress=None, split=None):
     """Compile a workload for a fabric.
 
     Parameters
@@ -210,6 +219,11 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
         ``progress(stage, done=None, total=None)``, called at each stage (``"partitioning"``,
         ``"placing"``, ``"lowering"``) and as the placement's annealing goes (``done`` of
         ``total`` steps), for a command line to show.
+    split : int or "auto", optional
+        Row blocks of the graph's row-wise chains (:func:`~rdakit.compiler.split.split_rows`;
+        1: none), or ``"auto"``: compiled both unsplit and split over the fabric's CUs, keeping
+        the job with fewer estimated cycles (the unsplit one on ties). Default: ``"auto"``
+        with ``partitioner="fastest"``, else 1.
 
     Returns
     -------
@@ -225,10 +239,15 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
         searched (:func:`~rdakit.compiler.placement.check_host_fit`), and the sample inputs
         are made only once the graph has been placed.
     """
-    if partitioner == "fastest":
+    if split is None:
+        split = "auto" if partitioner == "fastest" else 1
+    check_split(split)
+    if partitioner == "fastest" or split == "auto":
         return _fastest(workload, sizes=sizes, params=params, seed=seed,
                         place_steps=place_steps, inputs=inputs, cost=cost,
-                        schedule_cost=schedule_cost, order=order, progress=progress)
+                        schedule_cost=schedule_cost, order=order, progress=progress,
+                        strategies=FASTEST if partitioner == "fastest" else (partitioner,),
+                        split=split)
     check_strategy(partitioner)
     check_steps("place_steps", place_steps)
     if not isinstance(seed, int) or isinstance(seed, bool):
@@ -237,7 +256,7 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
         raise ValueError(f"order must be 'graph' or 'schedule', not {order!r}")
     progress = progress or (lambda stage, done=None, total=None: None)
     wl = load_workload(workload, sizes)
-    graph = wl.graph
+    graph = wl.graph if split == 1 else split_rows(wl.graph, split)
     fabric = placement_fabric(params, cu_program=max(len(graph), params.cu.prog_len))
     check_host_fit(graph, fabric)
     cost = cost or CostModel(lanes=params.cu.lanes)
@@ -256,35 +275,56 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
     job = lower(graph, placed if order == "schedule" else result.parts, placement, params,
                 inputs=wl.inputs if inputs is None else inputs)
     summary = CompileSummary(
-        graph=graph.name, nodes=len(graph), partitioner=result.strategy,
+        graph=graph.name, nodes=len(wl.graph), partitioner=result.strategy,
         parts=len(job.programs), cut=int(result.cut), imbalance=float(result.imbalance),
         estimated_cycles=int(placed.makespan), lower_bound=float(result.lower_bound),
         instructions={cu: p.instructions for cu, p in job.programs.items()},
         mu_buffers={mu: (u["host_buffers"], u["bound_words"], u["bound_slots"])
                     for mu, u in job.mu_usage.items()},
-        unused=unused(graph), partition_warnings=result.warnings)
+        unused=unused(graph), partition_warnings=result.warnings,
+        split=split if len(graph) != len(wl.graph) else 1, split_nodes=len(graph))
     job.workload = wl
     return job, summary
 
 
-def _fastest(workload, **options):
-    """The job of :data:`FASTEST`'s strategy with the fewest estimated cycles (its summary's
-    ``partitioner`` says ``fastest: <strategy>``); a strategy that cannot compile the
-    workload is passed over, and when none can, the first one's error is raised."""
+def check_split(split):
+    """Raise ``ValueError`` naming ``split`` unless it is a positive integer or ``"auto"``."""
+    if split == "auto":
+        return
+    if not isinstance(split, int) or isinstance(split, bool) or split < 1:
+        raise ValueError(f"split must be a positive integer or 'auto', not {split!r}")
+
+
+def _fastest(workload, *, strategies, split, **options):
+    """The job with the fewest estimated cycles of each strategy in ``strategies`` and, with
+    ``split="auto"``, each also with the rows split over the fabric's CUs (the unsplit job
+    first: it is kept on ties). Its summary's ``partitioner`` says ``fastest: <strategy>``
+    when several strategies were tried. A candidate that cannot compile the workload is
+    passed over, and when none can, the first one's error is raised."""
     best, first_error = None, None
     wl = load_workload(workload, options.pop("sizes"))
-    for name in FASTEST:
-        try:
-            job, summary = compile_workload(wl, partitioner=name, **options)
-        except (LoweringError, PlacementError, PartitionError) as e:
-            first_error = first_error or e
-            continue
-        if best is None or summary.estimated_cycles < best[1].estimated_cycles:
-            best = (job, summary)
+    cus = len(options["params"].tiles("C"))
+    if split == "auto":
+        splits = [1]
+        if cus > 1 and len(split_rows(wl.graph, cus)) != len(wl.graph):
+            splits.append(cus)
+    else:
+        splits = [split]
+    for ways in splits:
+        for name in strategies:
+            try:
+                job, summary = compile_workload(wl, partitioner=name, split=ways, **options)
+            except (LoweringError, PlacementError, PartitionError) as e:
+                first_error = first_error or e
+                continue
+            if best is None or summary.estimated_cycles < best[1].estimated_cycles:
+                best = (job, summary)
     if best is None:
         raise first_error
     job, summary = best
-    return job, dataclasses.replace(summary, partitioner=f"fastest: {summary.partitioner}")
+    if len(strategies) > 1:
+        summary = dataclasses.replace(summary, partitioner=f"fastest: {summary.partitioner}")
+    return job, summary
 
 
 def bitstream_for(job):

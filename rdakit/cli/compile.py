@@ -27,8 +27,8 @@ from rdakit.hdl.spec.bitstream import listing
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.runtime.events import cost_model
 
-__all__ = ["register", "parse_sizes", "add_workload_arguments", "load_or_explain",
-           "choose_fabric", "FIT_ERRORS"]
+__all__ = ["register", "parse_sizes", "parse_split", "add_workload_arguments",
+           "load_or_explain", "choose_fabric", "FIT_ERRORS"]
 
 #: What the compiler raises when a workload does not fit a fabric.
 FIT_ERRORS = (LoweringError, PlacementError, PartitionError)
@@ -61,7 +61,7 @@ def _grid(kw):
     return f"{kw['rows']}x{kw['cols']} with {kw['mu_words']}-word MUs"
 
 
-def choose_fabric(workload, candidates, *, name, partitioner, seed, place_steps):
+def choose_fabric(workload, candidates, *, name, partitioner, seed, place_steps, split=None):
     """The first fabric of ``candidates`` (keyword dicts of :func:`fabric_params`, from
     :func:`~rdakit.cli.options.fabric_candidates`) on which the compiler fits ``workload``
     (called ``name``, as the user typed it), and a sentence saying so (``None`` if there was
@@ -88,7 +88,7 @@ def choose_fabric(workload, candidates, *, name, partitioner, seed, place_steps)
             continue
         try:
             compile_workload(workload, params=fabric_params(**kw), partitioner=partitioner,
-                             seed=seed, place_steps=place_steps)
+                             seed=seed, place_steps=place_steps, split=split)
         except FIT_ERRORS as e:
             last = tried[same] = e
             continue
@@ -112,8 +112,23 @@ def choose_fabric(workload, candidates, *, name, partitioner, seed, place_steps)
                     f"words{programs}; on {_grid(largest)}: {last}{_hint(last)}")
 
 
+def parse_split(text):
+    """``--split``: ``None`` (not given), ``"auto"`` or a positive integer; a UserError naming
+    what was typed otherwise."""
+    if text is None or text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1 or str(value) != text.strip():
+        raise UserError(f"--split takes auto or a positive number of row blocks, not {text!r}")
+    return value
+
+
 def _check(args):
     args.partitioner = args.partitioner or "fastest"
+    args.split = parse_split(args.split)
     args.sizes = parse_sizes(args.size)
     check_sizes(args.workload, args.sizes, fabric_candidates(args))
 
@@ -122,13 +137,13 @@ def _compile(args):
     workload = load_or_explain(args)
     kw, chosen = choose_fabric(workload, fabric_candidates(args), name=args.workload,
                                partitioner=args.partitioner, seed=args.seed,
-                               place_steps=args.place_steps)
+                               place_steps=args.place_steps, split=args.split)
     params = fabric_params(**kw)
     try:
         with progress_bar(sys.stderr.isatty()) as progress:
             job, summary = compile_workload(
                 workload, params=params, partitioner=args.partitioner, seed=args.seed,
-                place_steps=args.place_steps, progress=progress,
+                place_steps=args.place_steps, progress=progress, split=args.split,
                 schedule_cost=cost_model(workload, params=params, progress=progress))
     except FIT_ERRORS as e:
         raise UserError(f"{e}{_hint(e)}") from None
@@ -161,6 +176,11 @@ def add_workload_arguments(p):
                    help="partitioning strategy; fastest (the default on one fabric) compiles "
                         "with several and keeps the job with the fewest estimated cycles; "
                         "across clusters the default is multilevel")
+    p.add_argument("--split", default=None, metavar="auto|N",
+                   help="row blocks of the graph's row-wise chains (matmuls and what follows "
+                        "them row by row), spread over the CUs: N blocks, 1 for none, or auto "
+                        "(the default with --partitioner fastest, else 1): compiled both "
+                        "ways, keeping the faster estimate (docs/compiler.md)")
     add_number(p, "--seed", low=0, default=0, help="seed of the placement (default 0)")
     add_number(p, "--place-steps", low=0, high=MAX_PLACE_STEPS,
                reason="about 10 us a step: a million take tens of seconds", default=20000,

@@ -2,7 +2,13 @@
 
 from amaranth.utils import ceil_log2
 
-from rdakit.cli.compile import FIT_ERRORS, add_workload_arguments, choose_fabric, load_or_explain
+from rdakit.cli.compile import (
+    FIT_ERRORS,
+    add_workload_arguments,
+    choose_fabric,
+    load_or_explain,
+    parse_split,
+)
 from rdakit.cli.options import (
     AUTO,
     RUN_PROG_LEN,
@@ -40,7 +46,8 @@ MAX_INJECT_LOAD = 1_000_000
 def spec_from_args(args, *, iterations=1, fabric=None):
     return e2e.RunSpec(workload=args.workload, sizes=parse_sizes(args.size),
                        fabric=fabric or fabric_dict(args), partitioner=args.partitioner,
-                       seed=args.seed, iterations=iterations, place_steps=args.place_steps)
+                       seed=args.seed, iterations=iterations, place_steps=args.place_steps,
+                       split=getattr(args, "split", None))
 
 
 def compile_or_explain(spec, cost=None):
@@ -61,7 +68,11 @@ def _check(args):
         raise UserError(f"--adapt takes a number of iterations >= 1 and at most {MAX_ADAPT} "
                         f"(each is a whole run), not {args.adapt}")
     args.sizes = parse_sizes(args.size)
+    args.split = parse_split(args.split)
     if args.clusters is not None:
+        if args.split is not None:
+            raise UserError("--split applies to one fabric; across clusters each cluster's "
+                            "ops are not split")
         if args.partitioner == "fastest":
             raise UserError("--partitioner fastest compiles one fabric with several strategies; "
                             "across clusters name one of the strategies (default multilevel)")
@@ -91,7 +102,7 @@ def _run(args):
     workload = load_or_explain(args)
     kw, chosen = choose_fabric(workload, fabric_candidates(args), name=args.workload,
                                partitioner=args.partitioner, seed=args.seed,
-                               place_steps=args.place_steps)
+                               place_steps=args.place_steps, split=args.split)
     spec = spec_from_args(args, iterations=args.adapt or 1, fabric=kw)
     params = spec.params
     _, summary = compile_or_explain(spec)

@@ -112,6 +112,9 @@ class RunSpec:
     max_cycles : int or None
         Cycles after which a run that is not done counts as hung; ``None`` (the default) is
         :func:`cycle_budget` of the iteration's estimate.
+    split : int, "auto" or None
+        Row blocks of the graph's row-wise chains (``compile_workload``'s ``split``; ``None``:
+        its default).
     """
 
     workload: str
@@ -122,6 +125,7 @@ class RunSpec:
     iterations: int = 1
     place_steps: int = 20000
     max_cycles: int | None = None
+    split: int | str | None = None
 
     def __post_init__(self):
         if not isinstance(self.iterations, int) or self.iterations < 1:
@@ -166,7 +170,8 @@ class RunSpec:
             schedule_cost = cost_model(workload, params=params, progress=progress)
         return compile_workload(workload, params=params, partitioner=self.partitioner,
                                 seed=self.seed, place_steps=self.place_steps, cost=cost,
-                                schedule_cost=schedule_cost, progress=progress)
+                                schedule_cost=schedule_cost, progress=progress,
+                                split=self.split)
 
 
 #: The MU counters an iteration's row reports (``allocs``, ``frees``, ``leaked_buffers``,

@@ -63,8 +63,8 @@ def test_compile_a_graph_file(tmp_path, capsys):
     path.write_text(TINY_GRAPH)
     assert main(["compile", str(path), "--prog-len", "256", "-o", str(tmp_path / "t.bit")]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert re.fullmatch(rf"graph tiny: 5 nodes, partitioner fastest: ({'|'.join(FASTEST)})",
-                        first), first
+    assert re.fullmatch(rf"graph tiny: 5 nodes, partitioner fastest: ({'|'.join(FASTEST)})"
+                        r"(, rows split 2 ways \(10 nodes\))?", first), first
     assert main(["compile", str(path), "--size", "batch=2"]) == 2
     assert capsys.readouterr().err == ("rdakit: error: --size applies to built-in "
                                        "workloads, not to graph files\n")

@@ -1,0 +1,111 @@
+"""Row splitting (compiler/split.py): the split graph computes the same values bit for bit,
+its blocks spread over the CUs, ``split="auto"`` keeps the faster estimate, and bad ``--split``
+values are refused."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rdakit.cli import main
+from rdakit.compiler import intops, workloads
+from rdakit.compiler.compile import compile_workload
+from rdakit.compiler.graph import DataflowGraph
+from rdakit.compiler.lower import sample_inputs
+from rdakit.compiler.split import row_blocks, split_rows
+from rdakit.hdl.spec.params import fabric_params
+from tests.conftest import assert_interpreter_matches, hostile
+
+
+def _mixed(rows):
+    """A graph with every way a split continues and ends: a matmul chain with a broadcast
+    bias, a residual add of the same shape (split alike), a softmax, a layer norm, a
+    transpose (which takes the whole tensor back) and two outputs."""
+    rng = np.random.default_rng(rows)
+    g = DataflowGraph("mixed")
+    x = g.input("x", (rows, 8), "int8")
+    w = g.const("w", rng.integers(-8, 8, (8, 8), dtype=np.int8))
+    h = g.add("matmul", x, w, name="mm")
+    h = g.add("add", h, g.const("b", rng.integers(-50, 50, (8,), dtype=np.int32)), name="bias")
+    h = g.add("clip", g.add("shr", h, name="shr", shift=3), name="act", lo=-128, hi=127,
+              dtype="int8")
+    r = g.add("add", h, x, name="residual")
+    r8 = g.add("clip", r, name="r8", lo=-128, hi=127, dtype="int8")
+    s = g.add("softmax", r8, name="soft", **intops.softmax_params(0.1, 7))
+    c = g.add("softmax", r8, name="causal", **intops.softmax_params(0.1, 7), causal=0)
+    n = g.add("layer_norm", r8, g.const("gamma", np.full((8,), 3, np.int8)),
+              g.const("beta", np.zeros((8,), np.int32)), name="norm",
+              **intops.layer_norm_params(0.1, 10, 8))
+    g.output("y", s)
+    g.output("c", c)
+    g.output("t", g.add("transpose", n, name="tr"))
+    return g
+
+
+@pytest.mark.parametrize("rows,parts", [(16, 8), (5, 3), (2, 4)])
+def test_split_graph_evaluates_bit_exactly(rows, parts):
+    g = _mixed(rows).validate()
+    s = split_rows(g, parts)
+    assert len(s) > len(g)
+    kinds = [s.kind(n) for n in s.order()]
+    assert kinds.count("matmul") == min(parts, rows)          # one matmul per block
+    assert kinds.count("softmax") == min(parts, rows) + 1     # the causal one is whole
+    assert kinds.count("transpose") == 1                      # not row-wise: whole
+    inputs = sample_inputs(g)
+    want, got = g.evaluate(inputs), s.evaluate(inputs)
+    assert sorted(want) == sorted(got)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_nothing_splits_without_rows_or_parts():
+    g = _mixed(1).validate()
+    assert len(split_rows(g, 8)) == len(g)                    # one row: nothing to split
+    g = _mixed(8).validate()
+    assert len(split_rows(g, 1)) == len(g)
+
+
+@hostile(30)
+@given(rows=st.integers(1, 200), parts=st.integers(1, 20))
+def test_row_blocks_cover_the_rows_in_order(rows, parts):
+    blocks = row_blocks(rows, parts)
+    assert len(blocks) == min(rows, parts)
+    assert blocks[0][0] == 0 and blocks[-1][1] == rows
+    assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:], strict=False))
+    sizes = [b - a for a, b in blocks]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def test_bad_parts_are_refused():
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="parts must be a positive integer"):
+            split_rows(_mixed(4), bad)
+    with pytest.raises(ValueError, match="split must be a positive integer or 'auto'"):
+        compile_workload("mlp", params=fabric_params(rows=2, cols=2), split=0)
+
+
+def test_split_job_is_bit_exact_and_spreads_its_blocks():
+    """The MLP with 8 row blocks on a 4x4 fabric: every CU gets a block, the interpreter's
+    outputs equal numpy's, and the estimate falls well below the unsplit job's."""
+    params = fabric_params(rows=4, cols=4, mu_words=8192, prog_len=512)
+    wl = workloads.build("mlp", batch=16, sizes=(64, 128, 64))
+    whole, s1 = compile_workload(wl, params=params, partitioner="heft", split=1)
+    job, s8 = compile_workload(wl, params=params, partitioner="heft", split=8)
+    assert s1.split == 1 and s8.split == 8 and s8.nodes == s1.nodes
+    assert s8.parts == len(params.tiles("C")) > s1.parts
+    assert s8.estimated_cycles < s1.estimated_cycles / 4
+    assert_interpreter_matches(job, wl.reference(wl.inputs))
+    _, auto = compile_workload(wl, params=params, partitioner="heft", split="auto")
+    assert auto.split == 8 and auto.estimated_cycles == s8.estimated_cycles
+
+
+def test_split_cli_option(tmp_path, capsys):
+    assert main(["compile", "mlp", "--size", "batch=4", "--size", "sizes=16,32,16", "--fabric",
+                 "2x2", "--split", "2", "--partitioner", "greedy"]) == 0
+    assert "rows split 2 ways" in capsys.readouterr().out
+    for bad in ("0", "two", "1.5", "-3"):
+        assert main(["compile", "mlp", "--split", bad]) == 2
+        assert capsys.readouterr().err == (f"rdakit: error: --split takes auto or a positive "
+                                           f"number of row blocks, not {bad!r}\n")
+    assert main(["run", "mlp", "--clusters", "2", "--split", "2"]) == 2
+    assert "--split applies to one fabric" in capsys.readouterr().err
