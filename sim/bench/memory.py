@@ -33,17 +33,21 @@ import collections
 import dataclasses
 import pathlib
 
+import numpy as np
+
 from rdakit.files import atomic_path
 from rdakit.hdl.spec.packets import MUOp, MUStatus
 from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.models.cu_state import InterpreterError
 from rdakit.sim.models.mu import MUModel
 from rdakit.sim.models.perf import ModelTransport
-from rdakit.sim.runtime.host import HostDriver
-from rdakit.sim.runtime.job import JobError, run_job
-from rdakit.sim.verify.dynamic import generation
+from rdakit.sim.runtime.host import HostDriver, HostTimeout
+from rdakit.sim.runtime.job import JobError, prepare_interp, run_job
+from rdakit.sim.verify.dynamic import SPLITS, generation, moe_dispatch
 
 __all__ = ["SCHEMES", "FABRIC", "SIZES", "QUICK_SIZES", "SIMS", "Run", "run_workload",
-           "scheme_params", "bench_rows", "bench_memory", "plot_occupancy", "TracedMU"]
+           "scheme_params", "bench_rows", "bench_memory", "plot_occupancy", "TracedMU",
+           "run_traced", "interpreter_failure", "moe_rows", "weight_rows", "MOE_SCHEMES"]
 
 #: Scheme -> the fabric parameters that differ from :data:`FABRIC`, and the job's changes
 #: (``slots`` and ``cus`` of :func:`~rdakit.sim.verify.dynamic.generation`).
@@ -60,6 +64,10 @@ SCHEMES = {
 FABRIC = dict(rows=2, cols=3, layout="CCM/CCM", mu_words=1024, block_words=4, prog_len=128,
               max_buffers=16)
 CACHE_MU, HOST_MU = (2, 0), (2, 1)
+
+#: Cycles after which a run counts as hung (the longest, one slot decoding 32 sequences of
+#: up to 128 tokens, takes 360,000).
+MAX_CYCLES = 2_000_000
 
 #: The simulators: the performance model (default) and the RTL in Amaranth's simulator.
 SIMS = ("model", "amaranth")
@@ -87,6 +95,12 @@ QUICK_SIZES = (Size("light", 8, 4, 16), Size("half", 12, 16, 64))
 COLUMNS = ("size", "scheme", "check", "cycles", "tokens_per_kcycle", "peak_utilization",
            "peak_held_words", "copied_words", "sync_messages", "messages_per_copy",
            "free_latency_mean", "oom_events")
+#: The columns of the MoE table and of the weight study.
+MOE_COLUMNS = ("scheme", "check", "cycles", "tokens_per_kcycle", "ref_copies",
+               "copy_messages", "release_messages", "messages_per_copy",
+               "release_messages_per_ref", "free_latency_mean", "oom_events")
+WEIGHT_COLUMNS = ("weight_bits", "split", "check", "cycles", "ref_copies", "add_weight",
+                  "messages_per_copy", "release_messages_per_ref")
 #: The size whose occupancy over time is plotted.
 PLOT_SIZE = "full"
 
@@ -145,7 +159,48 @@ def _job(scheme, size, seed, params):
 def run_workload(scheme, size, *, sim="model", seed=0, base=None):
     """Run the generation workload of ``size`` under ``scheme`` on ``sim``: a :class:`Run`."""
     params = scheme_params(scheme, base)
-    job = _job(scheme, size, seed, params)
+    return run_traced(_job(scheme, size, seed, params), sim=sim)
+
+
+def interpreter_failure(job):
+    """Why ``job`` fails on the interpreter (the status of the first MU request refused, or
+    the deadlock that follows), or ``None`` if it runs and matches numpy. A run that would
+    leave CUs waiting forever (experts whose router halted) is found here, in milliseconds,
+    rather than by a simulation's timeout."""
+    try:
+        interp, refs = prepare_interp(job, trace=True)
+    except InterpreterError as e:      # the host's own buffer does not fit
+        return "out of memory" if "OUT_OF_MEMORY" in str(e) else str(e)
+    try:
+        result = interp.run(max_steps=50_000_000)
+        ok = result.ok
+    except InterpreterError:
+        ok = False
+    if not ok:
+        refused = next((t.response["status"] for t in interp.transactions
+                        if t.response["status"] is not MUStatus.OK), None)
+        return _FAILURES.get(refused, f"the interpreter failed ({refused})")
+    mu = next(b.mu for b in job.buffers if b.name == job.outputs[0])
+    for name in job.outputs:
+        if not np.array_equal(interp.read_buffer(mu, refs[name]), job.expected[name]):
+            return f"output {name!r} differs from numpy on the interpreter"
+    return None
+
+
+#: What the benchmark's check column says for a run an MU refused.
+_FAILURES = {MUStatus.OUT_OF_MEMORY: "out of memory", MUStatus.WEIGHT_OVERFLOW:
+             "weight overflow", MUStatus.BAD_REQUEST: "refused (bad request)"}
+
+
+def run_traced(job, *, sim="model", precheck=False):
+    """Run ``job`` on ``sim`` (the model with traced MUs, or Amaranth's simulator): a
+    :class:`Run`. With ``precheck`` it runs on the interpreter first and, if it fails there,
+    is not simulated (the :class:`Run` has no result and says why)."""
+    params = job.params
+    if precheck:
+        why = interpreter_failure(job)
+        if why is not None:
+            return Run(job, None, why, {}, {})
     if sim == "model":
         transport = ModelTransport(params)
         transport.mus = {xy: TracedMU(params.mu, params.mu_id(*xy),
@@ -157,6 +212,10 @@ def run_workload(scheme, size, *, sim="model", seed=0, base=None):
                 m.recording = name == "run"
 
         result, error, counters = asyncio.run(_run(HostDriver(params, transport), job, stage))
+        if error is not None:
+            refused = next((t[3] for m in transport.mus.values() for t in m.trace
+                            if t[3] is not MUStatus.OK), None)
+            error = _FAILURES.get(refused, error)
         sent = sum(c.refs_sent for c in transport.interp.result().cus.values())
         cache = transport.mus[CACHE_MU]
         return Run(job, result, error, counters,
@@ -179,9 +238,13 @@ def run_workload(scheme, size, *, sim="model", seed=0, base=None):
 
 async def _run(host, job, stage):
     try:
-        result = await run_job(host, job, on_stage=stage)
+        result = await run_job(host, job, on_stage=stage, max_cycles=MAX_CYCLES)
     except JobError as e:
         return None, str(e), e.counters
+    except HostTimeout as e:
+        # CUs waiting forever for messages a halted CU would have sent (the model knows at
+        # START; the driver gives up after MAX_CYCLES).
+        return None, str(e), {}
     try:
         result.check(job)
     except AssertionError as e:
@@ -250,7 +313,81 @@ def _row(scheme, size, run):
     return row
 
 
+# --- MoE with run-time dispatch and the weight study -----------------------------------------
+
+#: The MoE table's schemes: :data:`SCHEMES` but the one-slot equivalent (the router has one
+#: token buffer live at a time already); partial-free splits weight as ``fanout``.
+MOE_SCHEMES = ("virtual+partial", "virtual+counter", "reserve", "single")
+#: ``(tokens, words a token)`` of the MoE table, and with ``--quick``.
+MOE_SIZE, MOE_QUICK = (32, 8), (16, 4)
+#: Weight bits and tokens of the weight study.
+WEIGHT_BITS = (2, 3, 4, 5, 6, 8, 12, 16)
+WEIGHT_TOKENS = 32
+
+
+def _moe_job(params, tokens, d, split, seed):
+    cus = params.tiles("C")
+    return moe_dispatch(params, tokens=tokens, d=d, split=split, router=cus[0],
+                        experts=cus[1:], host_mu=HOST_MU, token_mu=CACHE_MU, seed=seed)
+
+
+def moe_row(run, **key):
+    """A row of the MoE tables: the run's cycles, the references copied and every message
+    the reference counting sent, per copy and per reference, and the cycles from each token
+    buffer's last use to its free."""
+    job = run.job
+    row = {**key, "check": "ok" if run.error is None else _short(run.error),
+           "cycles": run.result.cycles if run.result and run.error is None else None,
+           "tokens": job.tokens}
+    row["tokens_per_kcycle"] = (round(1000 * job.tokens / row["cycles"], 2)
+                                if row["cycles"] else None)
+    if not run.traces or run.error is not None:
+        return row
+    ops, lat, oom = _messages(run.traces, [CACHE_MU])
+    copies = run.refs_sent - job.control_refs
+    refs = copies + ops[MUOp.ALLOC]
+    copy_msgs = ops[MUOp.INCREF] + ops[MUOp.ADD_WEIGHT]
+    release = ops[MUOp.RETURN] + ops[MUOp.DECREF]
+    row.update({
+        "buffers": ops[MUOp.ALLOC], "ref_copies": copies, "add_weight": ops[MUOp.ADD_WEIGHT],
+        "copy_messages": copy_msgs, "release_messages": release,
+        "sync_messages": copy_msgs + release,
+        "messages_per_copy": round(copy_msgs / copies, 3) if copies else None,
+        "release_messages_per_ref": round(release / refs, 3) if refs else None,
+        "free_latency_mean": round(sum(lat) / len(lat), 1) if lat else None,
+        "free_latency_max": max(lat, default=None), "oom_events": oom})
+    return row
+
+
+def moe_rows(*, size=MOE_SIZE, schemes=MOE_SCHEMES, sim="model", seed=0, base=None):
+    """The MoE with run-time dispatch under each scheme: ``(rows, runs)``."""
+    tokens, d = size
+    rows, runs = [], {}
+    for scheme in schemes:
+        job = _moe_job(scheme_params(scheme, base), tokens, d, "fanout", seed)
+        run = run_traced(job, sim=sim, precheck=True)
+        runs[scheme] = run
+        rows.append(moe_row(run, scheme=scheme))
+    return rows, runs
+
+
+def weight_rows(*, bits=WEIGHT_BITS, splits=SPLITS, tokens=WEIGHT_TOKENS, d=4, seed=0,
+                base=None):
+    """The weight study on the model: the MoE dispatch with partial-free at each weight width
+    and splitting strategy; ADD_WEIGHT traffic, cycles, and the widths a strategy cannot run
+    with (a weight overflow, or an allocation wider than the weight)."""
+    rows = []
+    for b in bits:
+        params = fabric_params(**{**(base or FABRIC), "weight_bits": b})
+        for split in splits:
+            run = run_traced(_moe_job(params, tokens, d, split, seed), precheck=True)
+            rows.append(moe_row(run, weight_bits=b, split=split))
+    return rows
+
+
 def _short(message):
+    if message in _FAILURES.values():
+        return message
     if "MU_ERROR" in message:
         return "MU refused a request (" + message.split(":", 1)[0] + ")"
     return message.splitlines()[0][:120]
@@ -285,7 +422,8 @@ def plot_occupancy(runs, size, path):
             continue
         cycles = [c for c, _, _ in occ]
         label = scheme + ("" if run.error is None else " (out of memory)")
-        top.plot(cycles, [live / held if held else 1.0 for _, live, held in occ], label=label,
+        top.plot(cycles, [live / held if held else float("nan") for _, live, held in occ],
+                 label=label,
                  linewidth=0.8)
         bottom.plot(cycles, [held for _, _, held in occ], label=label, linewidth=0.8)
     words = next(iter(runs.values())).job.params.mu.words
@@ -339,6 +477,25 @@ def bench_memory(*, quick=False, sim="model", seed=0, area=True, plot=None, json
             report.figure(f"{key}_tokens_per_kcycle", r["tokens_per_kcycle"])
             if r.get("peak_utilization") is not None:
                 report.figure(f"{key}_peak_utilization", r["peak_utilization"])
+    tokens, d = MOE_QUICK if quick else MOE_SIZE
+    m_rows, _ = moe_rows(size=(tokens, d), sim=sim, seed=seed)
+    report.table(f"MoE with run-time dispatch: a router sends each of {tokens} token buffers "
+                 f"({d + 1} words) to the experts its gate picks at run time (3 CUs); "
+                 f"partial-free splits one weight per expert", m_rows, key="moe",
+                 columns=MOE_COLUMNS)
+    bad += [r for r in m_rows if r["check"] not in ("ok", "out of memory")]
+    for r in m_rows:
+        if r["check"] == "ok" and r.get("messages_per_copy") is not None:
+            key = r["scheme"].replace("+", "_")
+            report.figure(f"moe_{key}_messages_per_copy", r["messages_per_copy"])
+            report.figure(f"moe_{key}_tokens_per_kcycle", r["tokens_per_kcycle"])
+    if sim == "model":
+        w_rows = weight_rows(bits=(2, 4, 8) if quick else WEIGHT_BITS,
+                             tokens=8 if quick else WEIGHT_TOKENS, seed=seed)
+        report.table("Weight study (partial-free, MoE dispatch on the model): weight bits x "
+                     "splitting strategy", w_rows, key="weights", columns=WEIGHT_COLUMNS)
+        bad += [r for r in w_rows
+                if r["check"] not in ("ok", "weight overflow", "refused (bad request)")]
     if area:
         report.table("Area of each scheme's MU (yosys coarse synthesis)", area_rows(),
                      key="area")

@@ -30,7 +30,8 @@ from rdakit.hdl.spec.isa import assemble
 from rdakit.hdl.spec.params import RefcountMode
 
 __all__ = ["DynamicJob", "generation", "generation_program", "generation_reference",
-           "SLOT_FIELDS", "QUERY_XOR"]
+           "SLOT_FIELDS", "QUERY_XOR", "moe_dispatch", "moe_reference", "SPLITS",
+           "static_copies"]
 
 _M = 0xffffffff
 
@@ -52,6 +53,8 @@ class DynamicJob(Job):
 
     tokens: int = 0
     lengths: tuple = ()
+    #: References sent that are not copies of a buffer (stop messages).
+    control_refs: int = 0
 
 
 def _check_positive(name, value, minimum=1):
@@ -238,3 +241,200 @@ def generation(params, *, sequences=8, slots=2, min_len=2, max_len=8, vocab=16, 
                       description=f"generation of {sequences} sequences of {min_len}.."
                                   f"{max_len} tokens, {slots} slots on each of {len(cus)} CUs",
                       tokens=int(lengths.sum()), lengths=tuple(int(n) for n in lengths))
+
+
+# --- MoE with run-time dispatch -----------------------------------------------------------------
+
+#: How the router splits a token buffer's weight over the copies it sends (partial-free):
+#: ``halving`` (allocate half the weight range, give half of what it holds to each copy, and
+#: ADD_WEIGHT when it holds 1), ``fanout`` (allocate one per expert plus its own, the largest
+#: fan-out, known when the program is written), ``static`` (allocate one per SENDREF of the
+#: buffer's register in the router's program, counted by :func:`static_copies`, plus its own).
+SPLITS = ("halving", "fanout", "static")
+
+_TOKEN_REG = 3                      # the router's register holding the token buffer
+
+
+def static_copies(program, reg=_TOKEN_REG):
+    """The copies of the reference in register ``reg`` that ``program`` can make: its SENDREF
+    instructions that send ``reg`` (a static analysis of the program, as a compiler would
+    make it; each such instruction runs at most once per buffer in the router's loop)."""
+    from rdakit.hdl.spec.isa import Op
+    return sum(1 for ins in program if ins.op is Op.SENDREF and ins.ra == reg)
+
+
+def _router_program(params, *, tokens, d, experts, split, weight):
+    """The router: for each token, a buffer allocated and filled at run time, its gate read
+    back, its reference sent to the experts the gate picks (lane e of its first word > 0),
+    the router's own weight returned, and each chosen expert's acknowledgement awaited."""
+    counter = params.mu.refcount is RefcountMode.COUNTER
+    half = (params.mu.max_weight + 1) // 2
+    sends = []
+    for e in range(experts):
+        if counter:
+            copy = f"""
+        INCREF r3                    # counted and acknowledged before the copy is sent
+        SENDREF 0, r{7 + e}, r3, r15"""
+        elif split == "halving":
+            copy = f"""
+        ALUI SEQ, r12, r4, 1
+        BZ r12, give{e}
+        ADDW r3, {half - 1}          # the router holds 1: raise the total
+        ALUI ADD, r4, r4, {half - 1}
+    give{e}:
+        ALUI SHRU, r6, r4, 1
+        ALU SUB, r4, r4, r6
+        SENDREF 0, r{7 + e}, r3, r6"""
+        else:
+            copy = f"""
+        SENDREF 0, r{7 + e}, r3, r15"""
+        if not counter and split != "halving":
+            copy += """
+        ALUI SUB, r4, r4, 1"""
+        sends.append(f"""
+        READ {e}, r11, r3, r14       # gate of expert {e}
+        BLT r11, r15, skip{e}
+        {copy.strip()}
+        ALUI ADD, r13, r13, 1
+    skip{e}:""")
+    release = "DECREF r3" if counter else "RET r3, r4"
+    stops = "\n".join(f"        SENDREF 0, r{7 + e}, r0, r0" for e in range(experts))
+    return assemble(f"""
+        LI r10, 0                    # token
+        LI r14, 0
+        LI r15, 1
+    token:
+        ALLOC r3, r5, {weight}
+        ALUI MUL, r11, r10, {d}
+        SCFG A_REF, r1
+        SCFG A_BASE, r11
+        SCFGI A_STRIDE, 1
+        SCFGI N, {d}
+        SCFGI D_MODE, 2              # APPEND the token's words to its buffer
+        SCFG D_REF, r3
+        SRUN PASS, r0
+        VCLR
+        VSET 0, r10
+        VAPPEND r11, r3              # its number, after them
+        LI r4, {weight}              # the weight the router holds
+        LI r13, 0                    # copies sent
+        {"".join(sends)}
+        {release}
+        BZ r13, next
+    ack:
+        WAIT 0, 1
+        LOOP r13, ack
+    next:
+        ALUI ADD, r10, r10, 1
+        LI r11, {tokens}
+        BLT r10, r11, token
+{stops}
+        HALT
+    """)
+
+
+def _expert_program(params, *, d, experts, e):
+    """Expert ``e``: receive a token's reference, acknowledge it (the mailbox slot is free),
+    reduce the token's words times ``e + 2``, write (sum, token, e, 1) to output word
+    ``token * experts + e``, return the reference; stop on a reference of weight 0."""
+    release = "DECREF r1" if params.mu.refcount is RefcountMode.COUNTER else "RET r1, r2"
+    return assemble(f"""
+        SCFGI A_STRIDE, 1
+        SCFGI B_MODE, 2              # SCALAR
+        SCFGI B_VAL, {e + 2}
+        SCFGI N, {d}
+        SCFGI D_MODE, 5              # SUM
+        LI r14, {d}
+    loop:
+        RECV 0, r1                   # r1 = the token's reference, r2 = its weight
+        BZ r2, done
+        SEND 0, r5, 1                # acknowledge: the router may send again
+        SCFG A_REF, r1
+        SRUN MUL, r3
+        READ 0, r4, r1, r14          # the token's number
+        {release}
+        ALUI MUL, r6, r4, {experts}
+        ALUI ADD, r6, r6, {e}
+        VSET 0, r3
+        VSET 1, r4
+        LI r7, {e}
+        VSET 2, r7
+        LI r7, 1
+        VSET 3, r7
+        ALU ADD, r6, r6, r12
+        VWRITE r11, r6
+        JMP loop
+    done:
+        HALT
+    """)
+
+
+def moe_reference(x, d, experts):
+    """Output words of :func:`moe_dispatch`: word ``t * experts + e`` is (sum of token t's
+    words times e + 2 modulo 2**32, t, e, 1) if lane e of its first word is positive, else
+    0."""
+    lanes = x.shape[1]
+    tokens = len(x) // d
+    out = np.zeros((tokens * experts, lanes), np.int64)
+    for t in range(tokens):
+        words = x[t * d:(t + 1) * d].astype(np.int64)
+        for e in range(experts):
+            if words[0, e] > 0:
+                out[t * experts + e, :4] = (int(words.sum()) * (e + 2) & _M, t, e, 1)
+    return out.astype(np.uint32).astype(np.int32)
+
+
+def moe_dispatch(params, *, tokens=8, d=4, split="fanout", router=None, experts=None,
+                 host_mu=None, token_mu=None, seed=0):
+    """MoE with run-time dispatch: a :class:`DynamicJob`. The router allocates a buffer per
+    token in ``token_mu`` and fills it; the gate (lane e of the token's first word, drawn by
+    the host) picks at run time which experts get the token's reference, so a buffer's
+    holders are decided by data. Partial-free splits the router's weight as ``split`` (one of
+    :data:`SPLITS`) says; counter-based counting sends an INCREF and waits for its
+    acknowledgement before each copy. Each expert returns its copy after reading the token;
+    the buffer is freed by the last return, whoever sends it."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, not {split!r}")
+    for name, value in (("tokens", tokens), ("d", d)):
+        _check_positive(name, value)
+    cus = params.tiles("C")
+    router = router or cus[0]
+    experts = list(experts or [c for c in cus if c != router])
+    lanes = params.cu.lanes
+    if not 1 <= len(experts) <= min(lanes, 3):
+        raise ValueError(f"moe_dispatch needs 1 to {min(lanes, 3)} experts (a gate lane and "
+                         f"one of the router's registers r7 to r9 each), not {len(experts)}")
+    host_mu = host_mu or params.tiles("M")[0]
+    token_mu = token_mu or host_mu
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-1000, 1000, size=(tokens * d, lanes), dtype=np.int64).astype(np.int32)
+    io = np.concatenate([x, np.zeros((tokens * len(experts), lanes), np.int32)])
+    want = io.copy()
+    want[tokens * d:] = moe_reference(x, d, len(experts))
+    n = len(experts)
+    if split == "halving":
+        weight = (params.mu.max_weight + 1) // 2
+    else:
+        weight = n + 1
+    if split == "static":
+        probe = _router_program(params, tokens=tokens, d=d, experts=n, split=split, weight=1)
+        weight = static_copies(probe) + 1
+    if params.mu.refcount is RefcountMode.COUNTER:
+        weight = 1
+    router_prog = _router_program(params, tokens=tokens, d=d, experts=n, split=split,
+                                  weight=weight)
+    regs = {1: Ref("io"), 5: params.mu_id(*token_mu)}
+    regs.update({7 + k: params.mu_id(*c) for k, c in enumerate(experts)})
+    tiles = {router: TileConfig(program=router_prog, regs=regs)}
+    for k, c in enumerate(experts):
+        tiles[c] = TileConfig(program=_expert_program(params, d=d, experts=n, e=k),
+                              regs={5: params.mu_id(*router), 11: Ref("io"),
+                                    12: tokens * d})
+    for tile in tiles.values():
+        if len(tile.program) > params.cu.prog_len:
+            raise ValueError(f"moe_dispatch's router program has {len(tile.program)} "
+                             f"instructions; prog_len is {params.cu.prog_len}")
+    return DynamicJob(FabricConfig(params, tiles), [HostBuffer("io", host_mu, io)], ["io"],
+                      {"io": want}, cus_used=1 + n,
+                      description=f"MoE dispatch of {tokens} tokens of {d} words to {n} "
+                                  f"experts ({split})", tokens=tokens, control_refs=n)

@@ -15,7 +15,9 @@ from rdakit.sim.bench.memory import (
     TracedMU,
     _occupancy,
     bench_rows,
+    moe_rows,
     run_workload,
+    weight_rows,
 )
 
 #: Two sizes: short caches (a few blocks) and caches that outgrow their reservation many times
@@ -128,6 +130,7 @@ def test_unknown_sim_is_refused():
         run_workload("reserve", SMALL, sim="x")
 
 
+@pytest.mark.long   # 5 s: the whole quick bench (generation, MoE, weight study) and its plot
 def test_cli_writes_json_and_plot(tmp_path):
     out, png = tmp_path / "m.json", tmp_path / "m.png"
     assert main(["bench", "memory", "--quick", "--no-area", "--json", out,
@@ -169,3 +172,40 @@ def test_the_rtl_agrees_with_the_model():
     assert rtl.error is None and model.error is None
     for key in ("allocs", "frees", "copy_cycles"):
         assert rtl.counters[CACHE_MU][key] == model.counters[CACHE_MU][key], key
+
+
+@pytest.fixture(scope="module")
+def moe_table():
+    """The MoE table and a small weight study on the model (about 1 s)."""
+    rows, _ = moe_rows(size=(12, 2))
+    return {r["scheme"]: r for r in rows}, weight_rows(bits=(2, 3, 4, 8), tokens=12, d=2)
+
+
+def test_moe_partial_free_sends_nothing_at_a_copy_and_one_message_a_reference(moe_table):
+    """The issue's target on the fabric: partial-free, no message at a copy and one per
+    reference at its return; counters one INCREF per copy, acknowledged before the copy is
+    sent, which costs cycles."""
+    rows, _ = moe_table
+    partial, counter = rows["virtual+partial"], rows["virtual+counter"]
+    for r in (partial, counter):
+        assert r["check"] == "ok" and r["ref_copies"] > 0
+        assert r["release_messages_per_ref"] == 1.0
+    assert partial["messages_per_copy"] == 0 and partial["copy_messages"] == 0
+    assert counter["messages_per_copy"] == 1
+    assert counter["sync_messages"] == partial["sync_messages"] + counter["ref_copies"]
+    assert counter["cycles"] > partial["cycles"]
+    assert rows["single"]["check"] == "out of memory"
+
+
+def test_weight_study_rows(moe_table):
+    _, rows = moe_table
+    by = {(r["weight_bits"], r["split"]): r for r in rows}
+    # 2-bit weights hold at most 3: one per expert plus the router's is 4.
+    assert all(by[(2, s)]["check"] == "weight overflow" for s in ("fanout", "static"))
+    for b in (3, 4, 8):
+        # The static analysis finds one copy site per expert: the fan-out's split exactly.
+        assert by[(b, "static")]["cycles"] == by[(b, "fanout")]["cycles"]
+        assert by[(b, "fanout")]["add_weight"] == 0
+    # Halving needs ADD_WEIGHT where a token goes to every expert with few weight bits.
+    assert by[(8, "halving")]["add_weight"] == 0
+    assert all(r["check"] in ("ok", "weight overflow") for r in rows)

@@ -12,13 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rdakit.hdl.fabric.top import Fabric
-from rdakit.hdl.spec.isa import Op
+from rdakit.hdl.spec.isa import Instr, Op
+from rdakit.hdl.spec.packets import MUOp
 from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.models.cu_state import DeadlockError
 from rdakit.sim.models.perf import ModelTransport
 from rdakit.sim.runtime.host import AmaranthTransport, HostDriver
 from rdakit.sim.runtime.job import prepare_interp, run_job, run_job_interp
 from rdakit.sim.verify.amaranth_sim import simulate
-from rdakit.sim.verify.dynamic import generation
+from rdakit.sim.verify.dynamic import SPLITS, generation, moe_dispatch, static_copies
 
 #: Three CUs decoding into one MU (where the host's buffers live too).
 SCHEMES = {"weighted+virtual": {}, "counter+virtual": {"refcount": "counter"},
@@ -176,3 +178,103 @@ def test_generation_on_the_rtl_matches_the_interpreter():
     c = result.counters[(1, 1)]
     assert c["allocs"] == c["frees"] == 4
     assert c["live_buffers"] == len(job.buffers)
+
+
+# --- MoE with run-time dispatch ----------------------------------------------------------------
+
+def _moe_params(**extra):
+    return fabric_params(2, 3, layout="CCM/CCM", prog_len=128, **extra)
+
+
+def _moe(p, **kw):
+    return moe_dispatch(p, host_mu=(2, 1), token_mu=(2, 0), **kw)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**16), tokens=st.integers(1, 10), d=st.integers(1, 6),
+       split=st.sampled_from(SPLITS), counter=st.booleans(),
+       schedule=st.sampled_from(["round_robin", "random"]))
+def test_moe_dispatch_is_bit_exact_and_frees_every_token(seed, tokens, d, split, counter,
+                                                         schedule):
+    """Any gate outcome, split and interleaving: every (token, expert) word as numpy's, and
+    each token buffer freed exactly once, by whichever holder returns last."""
+    p = _moe_params(refcount="counter" if counter else "weighted")
+    job = _moe(p, tokens=tokens, d=d, split=split, seed=seed)
+    outputs, result, interp = run_job_interp(job, schedule=schedule, seed=seed)
+    assert result.ok, result
+    np.testing.assert_array_equal(outputs["io"], job.expected["io"])
+    mu = interp.mu(2, 0)
+    assert mu.allocs == mu.frees == tokens
+    assert mu.live_buffers() == {}
+    ops = result.mu_ops[(2, 0)]
+    copies = sum(c.refs_sent for c in result.cus.values()) - job.control_refs
+    if counter:
+        assert ops[MUOp.INCREF] == copies and ops[MUOp.DECREF] == copies + tokens
+    else:
+        # Partial-free: no message at a copy, one at each return.
+        assert ops[MUOp.INCREF] == 0 and ops[MUOp.RETURN] == copies + tokens
+        if split != "halving":
+            assert ops[MUOp.ADD_WEIGHT] == 0
+
+
+def test_moe_holders_are_decided_by_data():
+    """The gate picks between none and all of the experts, token by token."""
+    job = _moe(_moe_params(), tokens=32, d=2, seed=5)
+    x = job.buffers[0].data[:64].reshape(32, 2, -1)
+    picked = {int((x[t, 0, :3] > 0).sum()) for t in range(32)}
+    assert picked == {0, 1, 2, 3}
+
+
+def test_static_analysis_counts_the_copies_of_the_token_buffer():
+    """The router's program sends the token buffer from one SENDREF per expert (the stop
+    messages send register r0): the static split allocates that many plus one."""
+    for n in (1, 2, 3):
+        p = _moe_params()
+        cus = p.tiles("C")
+        job = _moe(p, tokens=2, split="static", router=cus[0], experts=cus[1:1 + n])
+        assert static_copies(job.config.tiles[cus[0]].program) == n
+        assert any(ins.op is Op.ALLOC and ins.imm == n + 1
+                   for ins in job.config.tiles[cus[0]].program)
+
+
+def test_halving_adds_weight_when_the_router_holds_one():
+    """Halving with 3-bit weights (4 allocated): the third copy of a token finds the router
+    holding 1 and raises the total once; with 2-bit weights the second raise overflows."""
+    def all_three(p, seed):
+        return _moe(p, tokens=8, d=1, split="halving", seed=seed)
+    seed = next(s for s in range(100) if (all_three(_moe_params(), s).buffers[0].data[:8, :3]
+                                          > 0).all(axis=1).any())
+    _, ok, _ = run_job_interp(all_three(_moe_params(weight_bits=3), seed))
+    assert ok.ok and ok.mu_ops[(2, 0)][MUOp.ADD_WEIGHT] > 0
+    with pytest.raises(DeadlockError):       # the router halts, the experts wait for it
+        run_job_interp(all_three(_moe_params(weight_bits=2), seed))
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"split": "thirds"}, r"^split must be one of halving, fanout, static, not 'thirds'$"),
+    ({"tokens": 0}, r"^tokens must be an integer of at least 1, not 0$"),
+    ({"experts": [(0, 1)] * 4}, r"^moe_dispatch needs 1 to 3 experts"),
+])
+def test_moe_dispatch_refuses_what_it_cannot_run(kw, message):
+    with pytest.raises(ValueError, match=message):
+        _moe(_moe_params(), **kw)
+
+
+def test_counters_without_the_incref_free_too_early():
+    """The check can fail: counter-based counting with the copies' INCREFs left out frees a
+    token buffer when the router drops its count, before the experts read it (a stale
+    reference, MU_ERROR), where the kernel as written runs clean in the same schedules."""
+    p = _moe_params(refcount="counter")
+    job = _moe(p, tokens=6, d=2, seed=1)
+    router = p.tiles("C")[0]
+    tile = job.config.tiles[router]
+    no_incref = dataclasses.replace(job, config=dataclasses.replace(job.config, tiles={
+        **job.config.tiles, router: dataclasses.replace(tile, program=[
+            Instr(Op.NOP) if ins.op is Op.INCREF else ins for ins in tile.program])}))
+    for seed in range(3):
+        assert run_job_interp(job, schedule="random", seed=seed)[1].ok
+        try:
+            _, bad, _ = run_job_interp(no_incref, schedule="random", seed=seed)
+        except DeadlockError as e:       # an expert halted: the router waits for its ack
+            bad = e.result
+        assert not bad.ok and sum(bad.mu_errors.values()) > 0
