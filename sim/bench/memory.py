@@ -43,11 +43,18 @@ from rdakit.sim.models.mu import MUModel
 from rdakit.sim.models.perf import ModelTransport
 from rdakit.sim.runtime.host import HostDriver, HostTimeout
 from rdakit.sim.runtime.job import JobError, prepare_interp, run_job
-from rdakit.sim.verify.dynamic import SPLITS, generation, moe_dispatch
+from rdakit.sim.verify.dynamic import (
+    DRAFT_DEPTH,
+    SPLITS,
+    generation,
+    moe_dispatch,
+    speculative,
+)
 
 __all__ = ["SCHEMES", "FABRIC", "SIZES", "QUICK_SIZES", "SIMS", "Run", "run_workload",
            "scheme_params", "bench_rows", "bench_memory", "plot_occupancy", "TracedMU",
-           "run_traced", "interpreter_failure", "moe_rows", "weight_rows", "MOE_SCHEMES"]
+           "run_traced", "interpreter_failure", "moe_rows", "weight_rows", "MOE_SCHEMES",
+           "speculative_rows"]
 
 #: Scheme -> the fabric parameters that differ from :data:`FABRIC`, and the job's changes
 #: (``slots`` and ``cus`` of :func:`~rdakit.sim.verify.dynamic.generation`).
@@ -371,6 +378,25 @@ def moe_rows(*, size=MOE_SIZE, schemes=MOE_SCHEMES, sim="model", seed=0, base=No
     return rows, runs
 
 
+#: Rounds of the speculative-decoding table, and with ``--quick``.
+SPEC_ROUNDS, SPEC_QUICK = 60, 12
+
+
+def speculative_rows(*, rounds=SPEC_ROUNDS, schemes=MOE_SCHEMES, sim="model", seed=0,
+                     base=None):
+    """Speculative decoding under each scheme: ``(rows, runs)``."""
+    rows, runs = [], {}
+    for scheme in schemes:
+        params = scheme_params(scheme, base)
+        cus = params.tiles("C")
+        job = speculative(params, rounds=rounds, drafter=cus[0], verifiers=cus[1:],
+                          host_mu=HOST_MU, cache_mu=CACHE_MU, seed=seed)
+        run = run_traced(job, sim=sim, precheck=True)
+        runs[scheme] = run
+        rows.append(moe_row(run, scheme=scheme))
+    return rows, runs
+
+
 def weight_rows(*, bits=WEIGHT_BITS, splits=SPLITS, tokens=WEIGHT_TOKENS, d=4, seed=0,
                 base=None):
     """The weight study on the model: the MoE dispatch with partial-free at each weight width
@@ -489,6 +515,13 @@ def bench_memory(*, quick=False, sim="model", seed=0, area=True, plot=None, json
             key = r["scheme"].replace("+", "_")
             report.figure(f"moe_{key}_messages_per_copy", r["messages_per_copy"])
             report.figure(f"moe_{key}_tokens_per_kcycle", r["tokens_per_kcycle"])
+    rounds = SPEC_QUICK if quick else SPEC_ROUNDS
+    s_rows, _ = speculative_rows(rounds=rounds, sim=sim, seed=seed)
+    report.table(f"Speculative decoding, {rounds} rounds: a drafter shares its prefix cache "
+                 f"with 3 verifiers each round (a branch of {DRAFT_DEPTH} candidates each), "
+                 f"appends the longest accepted prefix, releases every branch "
+                 f"(tokens = rounds)", s_rows, key="speculative", columns=MOE_COLUMNS)
+    bad += [r for r in s_rows if r["check"] not in ("ok", "out of memory")]
     if sim == "model":
         w_rows = weight_rows(bits=(2, 4, 8) if quick else WEIGHT_BITS,
                              tokens=8 if quick else WEIGHT_TOKENS, seed=seed)

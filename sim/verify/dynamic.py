@@ -31,7 +31,7 @@ from rdakit.hdl.spec.params import RefcountMode
 
 __all__ = ["DynamicJob", "generation", "generation_program", "generation_reference",
            "SLOT_FIELDS", "QUERY_XOR", "moe_dispatch", "moe_reference", "SPLITS",
-           "static_copies"]
+           "static_copies", "speculative", "speculative_reference", "DRAFT_DEPTH"]
 
 _M = 0xffffffff
 
@@ -53,7 +53,8 @@ class DynamicJob(Job):
 
     tokens: int = 0
     lengths: tuple = ()
-    #: References sent that are not copies of a buffer (stop messages).
+    #: References sent that are not new copies of a buffer: stop messages, and weight handed
+    #: back to the holder it came from.
     control_refs: int = 0
 
 
@@ -438,3 +439,216 @@ def moe_dispatch(params, *, tokens=8, d=4, split="fanout", router=None, experts=
                       {"io": want}, cus_used=1 + n,
                       description=f"MoE dispatch of {tokens} tokens of {d} words to {n} "
                                   f"experts ({split})", tokens=tokens, control_refs=n)
+
+
+# --- Speculative decoding -----------------------------------------------------------------------
+
+#: Candidate tokens of a draft branch (an accepted prefix is 0 to this many).
+DRAFT_DEPTH = 3
+
+
+def _branch_rows(table, t, b, vocab):
+    base = (t + 5 * b) & (vocab - 4)
+    return (table[base:base + DRAFT_DEPTH] + t) & _M
+
+
+def speculative_reference(emb, t0, rounds, branches):
+    """The output word of :func:`speculative` (sum of the prefix cache's elements, its
+    length, the last token, rounds; modulo 2**32) and the last round's accepted lengths."""
+    table = emb.astype(np.int64) & _M
+    vocab = len(table)
+    t = int(t0)
+    prefix = [(table[t & (vocab - 1)] + t) & _M]
+    for _ in range(rounds):
+        cache = np.array(prefix)
+        accepted = []
+        for b in range(branches):
+            rows = _branch_rows(table, t, b, vocab)
+            score = (int((cache * (b + 3)).sum()) + int((rows * (b + 3)).sum())) & _M
+            accepted.append((score >> 5) & DRAFT_DEPTH)
+        best = int(np.argmax(accepted))
+        prefix.extend(_branch_rows(table, t, best, vocab)[:accepted[best]])
+        t = (t * 3 + accepted[best] + 1) & 0xffff
+    total = int(np.array(prefix).sum()) & _M
+    return np.array([total, len(prefix), t, rounds], np.uint32).astype(np.int32), accepted
+
+
+def speculative(params, *, rounds=4, vocab=16, drafter=None, verifiers=None, host_mu=None,
+                cache_mu=None, seed=0):
+    """Speculative decoding: a :class:`DynamicJob`. The drafter keeps the sequence's prefix
+    KV cache (one buffer, one entry per accepted token) and, every round, drafts a tree of
+    ``len(verifiers)`` branches of :data:`DRAFT_DEPTH` candidate entries, each in a buffer of
+    its own, all sharing the prefix: each verifier gets a copy of the prefix's reference and
+    its branch's. A verifier reads the whole prefix and its branch and accepts a prefix of
+    the branch (0 to 3 entries, decided by the data); the drafter appends the longest accepted
+    prefix to the cache and releases every branch, so the rejected entries are reclaimed and
+    the accepted ones live on in the cache.
+
+    Partial-free: the prefix is allocated with one weight per verifier plus the drafter's
+    own (the fan-out is known when the program is written); a verifier hands its weight back
+    to the drafter with the reference (SENDREF: no MU message), so the prefix is copied every
+    round without a message and freed by one RETURN at the end. Counters: every copy of the
+    prefix is an INCREF acknowledged before it is sent and a DECREF when the verifier is done.
+    The branches have two holders from their allocation (weight or count 2)."""
+    _check_positive("rounds", rounds)
+    if vocab & (vocab - 1) or vocab < 8:
+        raise ValueError(f"vocab must be a power of two of at least 8, not {vocab}")
+    cus = params.tiles("C")
+    drafter = drafter or cus[0]
+    verifiers = list(verifiers or [c for c in cus if c != drafter])
+    n = len(verifiers)
+    if not 1 <= n <= 3 or params.cu.lanes < 4:
+        raise ValueError(f"speculative needs 1 to 3 verifiers and 4 lanes, not {n} and "
+                         f"{params.cu.lanes}")
+    counter = params.mu.refcount is RefcountMode.COUNTER
+    host_mu = host_mu or params.tiles("M")[0]
+    cache_mu = cache_mu or host_mu
+    lanes = params.cu.lanes
+    rng = np.random.default_rng(seed)
+    emb = rng.integers(-2**31, 2**31, size=(vocab, lanes), dtype=np.int64).astype(np.int32)
+    t0 = int(rng.integers(0, 1 << 16))
+    res_at, out_at = vocab, vocab + n
+    io = np.concatenate([emb, np.zeros((n + 1, lanes), np.int32)])
+    want = io.copy()
+    want[out_at] = 0
+    want[out_at, :4], accepted = speculative_reference(emb, t0, rounds, n)
+    want[res_at:out_at, 0] = accepted        # the verdicts of the last round
+    weight = 1 if counter else n + 1
+    drafts = []
+    for b in range(n):
+        share = "INCREF r2\n" if counter else ""
+        drafts.append(f"""
+        ALLOC r{7 + b}, r5, 2        # branch {b}: the drafter's and its verifier's
+        ALUI ADD, r13, r4, {5 * b}
+        ALUI AND, r13, r13, {vocab - 4}
+        SCFG A_BASE, r13
+        SCFG D_REF, r{7 + b}
+        SRUN ADD, r0                 # its candidate entries
+        {share}LI r13, {params.mu_id(*verifiers[b])}
+        SENDREF 0, r13, r2, r15      # the prefix, shared
+        SENDREF 1, r13, r{7 + b}, r15""")
+    returns = "" if counter else "\n".join(f"        RECV {b}, r13" for b in range(n))
+    reads = []
+    for b in range(n):
+        reads.append(f"""
+        READ 0, r{10 + b}, r1, r13
+        ALUI ADD, r13, r13, 1""")
+    pick = []
+    for b in range(1, n):
+        pick.append(f"""
+        BLT r{10 + b}, r13, keep{b}
+        BLT r13, r{10 + b}, take{b}
+        JMP keep{b}
+    take{b}:
+        ALU ADD, r13, r{10 + b}, r0
+        ALU ADD, r14, r{7 + b}, r0
+    keep{b}:""")
+    release_branches = "\n".join(
+        f"        {'DECREF' if counter else 'RETI'} r{7 + b}{'' if counter else ', 1'}"
+        for b in range(n))
+    stops = "\n".join(f"        LI r13, {params.mu_id(*v)}\n        SENDREF 0, r13, r0, r0"
+                       for v in verifiers)
+    release_prefix = "DECREF r2" if counter else f"RETI r2, {weight}"
+    drafter_prog = assemble(f"""
+        LI r15, 1
+        SCFG A_REF, r1
+        SCFGI A_STRIDE, 1
+        SCFGI B_MODE, 2              # SCALAR
+        SCFG B_VAL, r4
+        SCFGI D_MODE, 2              # APPEND
+        ALLOC r2, r5, {weight}       # the prefix cache
+        ALUI AND, r13, r4, {vocab - 1}
+        SCFG A_BASE, r13
+        SCFGI N, 1
+        SCFG D_REF, r2
+        SRUN ADD, r0                 # its first entry
+        LI r3, 1                     # its length
+        SCFGI N, {DRAFT_DEPTH}
+    round:
+        SCFG A_REF, r1
+        SCFG B_VAL, r4
+        {"".join(drafts)}
+        WAIT 0, {n}                  # every verifier has written its verdict
+{returns}
+        LI r13, {res_at}
+        {"".join(reads)}
+        ALU ADD, r13, r10, r0        # the longest accepted prefix, the first on ties
+        ALU ADD, r14, r7, r0
+        {"".join(pick)}
+        BZ r13, none
+        SCFG A_REF, r14
+        SCFGI A_BASE, 0
+        SCFG N, r13
+        SCFG D_REF, r2
+        SRUN PASS, r0                # the accepted entries live on in the cache
+        ALU ADD, r3, r3, r13
+        SCFGI N, {DRAFT_DEPTH}
+    none:
+{release_branches}
+        ALUI MUL, r4, r4, 3
+        ALU ADD, r4, r4, r13
+        ALUI ADD, r4, r4, 1
+        ALUI AND, r4, r4, 0xffff
+        LOOP r6, round
+        SCFG A_REF, r2
+        SCFGI A_BASE, 0
+        SCFG N, r3
+        SCFGI B_VAL, 1
+        SCFGI D_MODE, 5              # SUM
+        SRUN MUL, r13
+        VSET 0, r13
+        VSET 1, r3
+        VSET 2, r4
+        LI r13, {rounds}
+        VSET 3, r13
+        LI r13, {out_at}
+        VWRITE r1, r13
+        {release_prefix}
+{stops}
+        HALT
+    """)
+    tiles = {drafter: TileConfig(program=drafter_prog, regs={
+        1: Ref("io"), 4: t0, 5: params.mu_id(*cache_mu), 6: rounds})}
+    for b, v in enumerate(verifiers):
+        if counter:
+            done = "DECREF r3\n        DECREF r1"
+        else:
+            done = f"RET r3, r4\n        SENDREF {b}, r5, r1, r2    # the prefix's weight back"
+        prog = assemble(f"""
+            SCFGI A_STRIDE, 1
+            SCFGI B_MODE, 2
+            SCFGI B_VAL, {b + 3}
+            SCFGI D_MODE, 5          # SUM
+        loop:
+            RECV 0, r1               # the prefix (r2: its weight; 0 stops)
+            BZ r2, stop
+            RECV 1, r3               # the branch
+            LEN r6, r1
+            SCFG A_REF, r1
+            SCFG N, r6
+            SRUN MUL, r7
+            SCFG A_REF, r3
+            SCFGI N, {DRAFT_DEPTH}
+            SRUN MUL, r8
+            ALU ADD, r7, r7, r8
+            ALUI SHRU, r7, r7, 5
+            ALUI AND, r7, r7, {DRAFT_DEPTH}
+            VCLR
+            VSET 0, r7
+            VWRITE r11, r12
+            {done}
+            SEND 0, r5, 1
+            JMP loop
+        stop:
+            HALT
+        """)
+        tiles[v] = TileConfig(program=prog, regs={5: params.mu_id(*drafter), 11: Ref("io"),
+                                                   12: res_at + b})
+    for tile in tiles.values():
+        if len(tile.program) > params.cu.prog_len:
+            raise ValueError(f"speculative's drafter program has {len(tile.program)} "
+                             f"instructions; prog_len is {params.cu.prog_len}")
+    return DynamicJob(FabricConfig(params, tiles), [HostBuffer("io", host_mu, io)], ["io"],
+                      {"io": want}, cus_used=1 + n,
+                      description=f"speculative decoding, {rounds} rounds of {n} branches",
+                      tokens=rounds, control_refs=n + (0 if counter else rounds * n))

@@ -17,6 +17,7 @@ from rdakit.sim.bench.memory import (
     bench_rows,
     moe_rows,
     run_workload,
+    speculative_rows,
     weight_rows,
 )
 
@@ -209,3 +210,16 @@ def test_weight_study_rows(moe_table):
     # Halving needs ADD_WEIGHT where a token goes to every expert with few weight bits.
     assert by[(8, "halving")]["add_weight"] == 0
     assert all(r["check"] in ("ok", "weight overflow") for r in rows)
+
+
+def test_speculative_table():
+    """Partial-free copies the shared prefix with no message (the weight comes back with the
+    reference); counters pay an INCREF a copy; every branch is reclaimed."""
+    rows = {r["scheme"]: r for r in speculative_rows(rounds=6)[0]}
+    partial, counter = rows["virtual+partial"], rows["virtual+counter"]
+    assert partial["check"] == counter["check"] == "ok"
+    assert partial["ref_copies"] == counter["ref_copies"] == 6 * 3 * 2
+    assert partial["copy_messages"] == 0 and counter["copy_messages"] == 6 * 3
+    assert partial["release_messages"] == 1 + 6 * 3 * 2
+    assert counter["release_messages"] == partial["release_messages"] + 6 * 3
+    assert rows["single"]["check"] == "out of memory"

@@ -20,7 +20,13 @@ from rdakit.sim.models.perf import ModelTransport
 from rdakit.sim.runtime.host import AmaranthTransport, HostDriver
 from rdakit.sim.runtime.job import prepare_interp, run_job, run_job_interp
 from rdakit.sim.verify.amaranth_sim import simulate
-from rdakit.sim.verify.dynamic import SPLITS, generation, moe_dispatch, static_copies
+from rdakit.sim.verify.dynamic import (
+    SPLITS,
+    generation,
+    moe_dispatch,
+    speculative,
+    static_copies,
+)
 
 #: Three CUs decoding into one MU (where the host's buffers live too).
 SCHEMES = {"weighted+virtual": {}, "counter+virtual": {"refcount": "counter"},
@@ -278,3 +284,44 @@ def test_counters_without_the_incref_free_too_early():
         except DeadlockError as e:       # an expert halted: the router waits for its ack
             bad = e.result
         assert not bad.ok and sum(bad.mu_errors.values()) > 0
+
+
+# --- Speculative decoding ----------------------------------------------------------------------
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**16), rounds=st.integers(1, 12), counter=st.booleans(),
+       reserve=st.booleans(), schedule=st.sampled_from(["round_robin", "random"]))
+def test_speculative_is_bit_exact_and_reclaims_every_branch(seed, rounds, counter, reserve,
+                                                            schedule):
+    """Any draft data and interleaving: the cache's checksum, length and last token as
+    numpy's; three branches allocated and freed a round, the prefix freed once at the end;
+    partial-free sends no message for the prefix's copies (one RETURN frees it), counters
+    an INCREF and a DECREF for each."""
+    p = _moe_params(refcount="counter" if counter else "weighted",
+                    alloc_mode="reserve" if reserve else "virtual")
+    job = speculative(p, rounds=rounds, host_mu=(2, 1), cache_mu=(2, 0), seed=seed)
+    outputs, result, interp = run_job_interp(job, schedule=schedule, seed=seed)
+    assert result.ok, result
+    np.testing.assert_array_equal(outputs["io"], job.expected["io"])
+    mu = interp.mu(2, 0)
+    assert mu.allocs == mu.frees == 1 + 3 * rounds and mu.live_buffers() == {}
+    ops = result.mu_ops[(2, 0)]
+    if counter:
+        assert ops[MUOp.INCREF] == 3 * rounds and ops[MUOp.DECREF] == 1 + 9 * rounds
+    else:
+        assert ops[MUOp.RETURN] == 1 + 6 * rounds and ops[MUOp.ADD_WEIGHT] == 0
+
+
+def test_speculative_cache_keeps_the_accepted_entries():
+    """The prefix grows by the accepted entries only: from 1 entry by 0 to 3 a round."""
+    job = speculative(_moe_params(), rounds=20, host_mu=(2, 1), cache_mu=(2, 0), seed=4)
+    length = int(job.expected["io"][-1, 1])
+    assert 1 < length < 1 + 3 * 20
+
+
+def test_speculative_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match=r"^vocab must be a power of two of at least 8, "
+                                         r"not 4$"):
+        speculative(_moe_params(), vocab=4)
+    with pytest.raises(ValueError, match=r"^rounds must be an integer of at least 1, not 0$"):
+        speculative(_moe_params(), rounds=0)
