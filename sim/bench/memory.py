@@ -431,15 +431,22 @@ def bench_rows(*, sizes=SIZES, schemes=tuple(SCHEMES), sim="model", seed=0, base
     return rows, runs
 
 
-def plot_occupancy(runs, size, path):
+def plot_occupancy(runs, size, path, messages=None):
     """Utilization (live / held words) and held words of the cache MU over the run, one line
-    per scheme, for the runs of ``size`` that have a trace; written as an image at ``path``."""
+    per scheme, for the runs of ``size`` that have a trace, and with ``messages`` (``{workload:
+    rows}`` of :func:`moe_row`) the reference-counting messages per copy and per reference of
+    each scheme that ran; written as an image at ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    panels = 3 if messages else 2
+    fig = plt.figure(figsize=(8, 3 * panels))
+    top = fig.add_subplot(panels, 1, 1)
+    bottom = fig.add_subplot(panels, 1, 2, sharex=top)
+    if messages:
+        _plot_messages(fig.add_subplot(panels, 1, 3), messages)
     for (name, scheme), run in runs.items():
         if name != size or not run.traces:
             continue
@@ -464,6 +471,24 @@ def plot_occupancy(runs, size, path):
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=110, format=pathlib.Path(path).suffix[1:] or "png")
     plt.close(fig)
+
+
+def _plot_messages(ax, messages):
+    labels, per_copy, per_ref = [], [], []
+    for workload, rows in messages.items():
+        for r in rows:
+            if r.get("messages_per_copy") is None:
+                continue
+            labels.append(f"{workload}\n{r['scheme']}")
+            per_copy.append(r["messages_per_copy"])
+            per_ref.append(r["release_messages_per_ref"])
+    x = np.arange(len(labels))
+    ax.bar(x - 0.2, per_copy, 0.4, label="messages at a copy (INCREF, ADD_WEIGHT) per copy")
+    ax.bar(x + 0.2, per_ref, 0.4, label="messages at a release per reference")
+    ax.set_xticks(x, labels, fontsize=6)
+    ax.set_ylabel("messages")
+    ax.legend(fontsize=7)
+    ax.set_title("Reference-counting messages (performance model)", fontsize=9)
 
 
 def area_rows(base=None):
@@ -534,7 +559,7 @@ def bench_memory(*, quick=False, sim="model", seed=0, area=True, plot=None, json
                      key="area")
     if plot is not None and sim == "model":
         plot_size = PLOT_SIZE if any(s.name == PLOT_SIZE for s in sizes) else sizes[-1].name
-        plot_occupancy(runs, plot_size, plot)
+        plot_occupancy(runs, plot_size, plot, {"moe": m_rows, "speculative": s_rows})
     report.figure("failed_runs", len(bad))
     report.finish(json_path)
     return 1 if bad else 0
