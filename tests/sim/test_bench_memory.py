@@ -223,3 +223,12 @@ def test_speculative_table():
     assert partial["release_messages"] == 1 + 6 * 3 * 2
     assert counter["release_messages"] == partial["release_messages"] + 6 * 3
     assert rows["single"]["check"] == "out of memory"
+
+
+def test_a_run_the_model_finds_failing_is_not_simulated_on_the_rtl():
+    """One buffer per MU: the router's second token buffer is refused and the experts would
+    wait for it forever; on the RTL that would be a simulation to the cycle budget. The model
+    finds it first, and the row says out of memory at once."""
+    rows, runs = moe_rows(size=(4, 2), schemes=("single",), sim="amaranth")
+    assert rows[0]["check"] == "out of memory" and rows[0]["cycles"] is None
+    assert runs["single"].result is None
