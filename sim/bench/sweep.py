@@ -23,6 +23,7 @@ Pareto front, and ``pareto.png``. ``docs/sweep.md`` describes them.
 
 import csv
 import dataclasses
+import functools
 import hashlib
 import inspect
 import io
@@ -270,6 +271,13 @@ def _compute_area(kw):
     return out
 
 
+@functools.cache
+def _sources_digest():
+    """The gateware's digest (sources, Amaranth and Yosys versions), once a process: it reads
+    every source and asks Yosys its version, a second or two."""
+    return _hdl_digest()[:16]
+
+
 def fabric_area(kw):
     """The area of the fabric of :func:`fabric_params` keywords ``kw`` (``{"cells",
     "memory_bits", "router_cells", "cu_cells", "cu_count", "mu_tile_cells",
@@ -282,7 +290,7 @@ def fabric_area(kw):
         (folder / "area.json").write_text(json.dumps(_compute_area(kw)))
 
     base = cache.cache_root() / "sweep-area"
-    with cache.use(base, f"area_{hw}", _hdl_digest()[:16], build) as entry:
+    with cache.use(base, f"area_{hw}", _sources_digest(), build) as entry:
         return json.loads((entry / "area.json").read_text())
 
 
