@@ -655,11 +655,22 @@ def plot_pareto(spec, rows, path):
                    s=18, label=f"{w.label()}: over budget" if over else None)
         ax.scatter([r[xm] for r in inside], [r["cycles"] for r in inside], color=color, s=18,
                    alpha=0.6, label=w.label())
-        front = sorted((r for r in inside if r["pareto"]), key=lambda r: (r[xm], r["cycles"]))
-        if front:
-            ax.plot([r[xm] for r in front], [r["cycles"] for r in front], color=color,
-                    marker="o", markersize=7, markerfacecolor="none", linewidth=1,
-                    drawstyle="steps-post", label=f"{w.label()}: Pareto front")
+        marked = [r for r in inside if r["pareto"]]
+        ax.scatter([r[xm] for r in marked], [r["cycles"] for r in marked], s=70,
+                   facecolors="none", edgecolors=color, linewidths=1.2,
+                   label=f"{w.label()}: Pareto front" if marked else None)
+        # The staircase of the front in this plane (with more than two objectives, some of
+        # the front's points are above it: they win on another objective).
+        plane = [inside[i] for i in pareto_front([(r[xm], r["cycles"]) for r in inside])]
+        plane.sort(key=lambda r: (r[xm], r["cycles"]))
+        if plane:
+            ax.plot([r[xm] for r in plane], [r["cycles"] for r in plane], color=color,
+                    linewidth=1, drawstyle="steps-post")
+        if len(mine) <= 40:
+            for r in mine:
+                text = " ".join(f"{n}={r[n]}" for n in spec.axes)
+                ax.annotate(text, (r[xm], r["cycles"]), fontsize=5, xytext=(3, 3),
+                            textcoords="offset points", color="#444444")
     for m, limit in spec.budget.items():
         if m == xm:
             ax.axvline(limit, color="red", linestyle="--", linewidth=1, label=f"{m} budget")
