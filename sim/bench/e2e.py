@@ -67,12 +67,14 @@ def _row(spec, rows, scheme=None):
     return out
 
 
-def run(fabric, *, sim, workloads=WORKLOADS, names=None, place_steps=20000, progress=None):
-    """Run every group; return ``(partitioner_rows, memory_rows)``."""
+def run(fabric, *, sim, workloads=WORKLOADS, names=None, place_steps=20000, progress=None,
+        build=None):
+    """Run every group; return ``(partitioner_rows, memory_rows)``. ``build``: how Verilator
+    builds the fabrics (:func:`~rdakit.sim.flows.e2e.run_many`)."""
     groups = specs(fabric, workloads=workloads, names=names, place_steps=place_steps)
     part_rows, mem_rows = [], []
     for group, runs in groups.items():
-        results = run_many(runs, sim=sim, progress=(
+        results = run_many(runs, sim=sim, build=build, progress=(
             None if progress is None else
             lambda stage, done=None, total=None, g=group: progress(f"{g}: {stage}", done, total)))
         for spec, rows in zip(runs, results, strict=True):

@@ -430,18 +430,30 @@ def failed(rows):
 
 # --- backends ---------------------------------------------------------------------------------
 
-def run(spec, *, sim="amaranth", waves=None, progress=None):
+def run(spec, *, sim="amaranth", waves=None, progress=None, build=None, timings=None):
     """Run ``spec`` on ``sim`` (one of :data:`BACKENDS`); return the iteration rows.
 
     ``waves``: a file for the waveforms (VCD from Amaranth's simulator and Icarus, FST from
-    Verilator)."""
-    return run_many([spec], sim=sim, waves=waves, progress=progress)[0]
+    Verilator). ``build`` and ``timings``: as for :func:`run_many`."""
+    return run_many([spec], sim=sim, waves=waves, progress=progress, build=build,
+                    timings=timings)[0]
 
 
-def run_many(specs, *, sim="amaranth", waves=None, progress=None):
+def run_many(specs, *, sim="amaranth", waves=None, progress=None, build=None, timings=None):
     """Run several specs with the same fabric parameters one after the other on one
     simulation of the fabric (one Verilog build); return one list of iteration rows per
-    spec."""
+    spec.
+
+    ``build``: how Verilator builds the fabric (a
+    :class:`~rdakit.sim.verify.runner.VerilatorBuild`; the defaults if ``None``). ``timings``:
+    a dict that, for Icarus and Verilator, gets the wall seconds of each phase
+    (``verilog_s``: the fabric's Verilog, generated or from the cache; ``build_s``: until the
+    testbench first reports, so the simulator build, a second or two when cached; ``run_s``:
+    the rest, the simulation with the host's transfers and checks; ``stages``: the seconds of
+    each stage the testbench reported, as polled every quarter second, e.g. ``running``;
+    ``stages_cpu``: the simulator process's CPU seconds in each stage but the last, which a
+    busy machine does not inflate) and, for Verilator, the build's own record
+    (``verilate_s``, ``compile_s``, its options, and ``built``: whether this run built it)."""
     if sim not in BACKENDS:
         raise ValueError(f"Simulator must be one of {', '.join(BACKENDS)}, not {sim!r}")
     if not specs:
@@ -457,7 +469,8 @@ def run_many(specs, *, sim="amaranth", waves=None, progress=None):
         return _run_model(specs, progress=progress)
     if sim == "amaranth":
         return _run_amaranth(specs, waves=waves, progress=progress)
-    return _run_cocotb(specs, sim, waves=waves, progress=progress)
+    return _run_cocotb(specs, sim, waves=waves, progress=progress, build=build,
+                       timings=timings if timings is not None else {})
 
 
 async def run_specs(host, specs, *, progress=None):
@@ -503,11 +516,13 @@ def fabric_verilog(params):
     return cached_verilog(f"Fabric {params!r}", lambda: Fabric(params))
 
 
-def _run_cocotb(specs, sim, *, waves, progress):
+def _run_cocotb(specs, sim, *, waves, progress, build, timings):
     params = specs[0].params
     progress = progress or (lambda stage, done=None, total=None: None)
     progress(f"generating Verilog ({params.rows}x{params.cols} fabric)")
+    start = time.monotonic()
     text = fabric_verilog(params)
+    timings["verilog_s"] = round(time.monotonic() - start, 2)
     digest = hashlib.sha256(repr(params).encode()).hexdigest()[:10]
     with tempfile.TemporaryDirectory(prefix="rdakit-run-") as tmp:
         out = pathlib.Path(tmp) / "rows.json"
@@ -522,22 +537,37 @@ def _run_cocotb(specs, sim, *, waves, progress):
                     build_name=f"run-{params.rows}x{params.cols}-{digest}",
                     config={"specs": [s.to_dict() for s in specs], "out": str(out),
                             "progress": str(prog)},
-                    waves=bool(waves))
+                    waves=bool(waves), verilator=build)
             except BaseException as e:     # re-raised in the caller's thread
                 done["error"] = e
 
         progress(f"building the {sim} model and running")
         thread = threading.Thread(target=work, daemon=True)
+        start = time.monotonic()
         thread.start()
+        seen = []                   # (stage, when first seen, the simulator's CPU seconds then)
         while thread.is_alive():
             thread.join(0.25)
             try:
                 p = json.loads(prog.read_text())
             except (OSError, ValueError):
                 continue
+            if not seen or seen[-1][0] != p["stage"]:
+                seen.append((p["stage"], time.monotonic(), p.get("cpu")))
             progress(p["stage"], p.get("done"), p.get("total"))
         if "error" in done:
             raise done["error"]
+        end = time.monotonic()
+        ran = seen[0][1] if seen else end
+        stages, cpu = {}, {}
+        for (stage, t, c), (_, t_next, c_next) in zip(seen, [*seen[1:], (None, end, None)],
+                                                      strict=True):
+            stages[stage] = round(stages.get(stage, 0) + t_next - t, 2)
+            if c is not None and c_next is not None:
+                cpu[stage] = round(cpu.get(stage, 0) + c_next - c, 2)
+        timings.update(build_s=round(ran - start, 2), run_s=round(end - ran, 2),
+                       stages=stages, stages_cpu=cpu,
+                       **(done["info"].get("build_times") or {}))
         rows = json.loads(out.read_text())
         if waves:
             # The run's own folder (kept because waves were asked), removed once copied.
@@ -552,8 +582,9 @@ def _run_cocotb(specs, sim, *, waves, progress):
 
 
 class FileProgress:
-    """``progress`` for a cocotb process: writes the latest stage to a JSON file (at most every
-    ``interval`` seconds while running) for the parent's progress bar."""
+    """``progress`` for a cocotb process: writes the latest stage and the process's CPU seconds
+    to a JSON file (at most every ``interval`` seconds while running) for the parent's progress
+    bar and timings."""
 
     def __init__(self, path, interval=0.2):
         self.path = pathlib.Path(path)
@@ -566,7 +597,8 @@ class FileProgress:
             return
         self._last = now
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"stage": stage, "done": done, "total": total}))
+        tmp.write_text(json.dumps({"stage": stage, "done": done, "total": total,
+                                   "cpu": time.process_time()}))
         tmp.replace(self.path)
 
 

