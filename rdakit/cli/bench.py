@@ -19,6 +19,7 @@ from rdakit.cli.options import (
     add_mu_arguments,
     add_number,
     add_system_arguments,
+    add_verilator_arguments,
     dashed,
     fabric_candidates,
     fabric_dict,
@@ -318,7 +319,7 @@ def _bench_e2e(args):
     with progress_bar(report.console.is_terminal) as progress:
         part_rows, mem_rows = e2e.run(fabric, sim=args.sim, workloads=workloads,
                                       names=names, place_steps=args.place_steps,
-                                      progress=progress)
+                                      progress=progress, build=args.verilator_build)
     report.table("Partitioners: measured cycles on the RTL beside the cost model's lower "
                  "bound (utilization = mean CU busy / cycles; vs_round_robin = cycles / the "
                  "round-robin baseline's)", part_rows, key="partitioners")
@@ -555,6 +556,7 @@ def register(commands):
                    help="annealing steps of the placement (default: %(default)s)")
     add_output(p, "--json", metavar="FILE", help="also write the figures to FILE")
     add_fabric_arguments(p, default="4x4")
+    add_verilator_arguments(p)
     add_check(p, _check_e2e)
     p.set_defaults(func=_bench_e2e, prog_len=RUN_PROG_LEN)
 

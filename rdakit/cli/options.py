@@ -20,7 +20,9 @@ option as the user typed it (``--lanes``, not ``data_bits``); the command line e
   count checked against :data:`~rdakit.hdl.spec.params.CLUSTERS`;
 - a workload's sizes (``--size KEY=VALUE``, :func:`parse_sizes`, :func:`check_sizes`);
 - numbers with a range (:func:`add_number`), refused with the option's name and the reason
-  of the bound.
+  of the bound;
+- how Verilator builds a fabric (``--build-jobs``, ``--opt``, ``--threads``, ``--public``:
+  :func:`add_verilator_arguments`), refused without ``--sim verilator``.
 """
 
 import argparse
@@ -37,6 +39,13 @@ from rdakit.compiler.placement import MAX_STEPS
 from rdakit.errors import UserError
 from rdakit.hdl.cluster.system import SystemParams
 from rdakit.hdl.spec.params import CLUSTERS, PLASTICINE_MU, MUParams, fabric_params
+from rdakit.sim.verify.runner import (
+    MAX_BUILD_JOBS,
+    MAX_THREADS,
+    OPT_LEVELS,
+    PUBLIC_MODES,
+    VerilatorBuild,
+)
 
 __all__ = ["add_check", "run_checks", "dashed", "add_number", "parse_grid",
            "add_grid_argument", "max_grid", "AUTO", "AUTO_GRIDS", "RUN_PROG_LEN",
@@ -44,7 +53,7 @@ __all__ = ["add_check", "run_checks", "dashed", "add_number", "parse_grid",
            "fabric_dict", "fabric_candidates", "fabric_from_args", "checked_params",
            "fabric_params", "MU_PRESETS", "add_mu_arguments", "mu_params_from_args",
            "check_clusters", "add_system_arguments", "system_from_args", "parse_sizes",
-           "check_sizes", "MAX_PLACE_STEPS", "given"]
+           "check_sizes", "MAX_PLACE_STEPS", "given", "add_verilator_arguments"]
 
 
 # --- the checks run before any work -----------------------------------------------------------
@@ -89,6 +98,48 @@ def add_number(parser, *flags, kind=int, low=None, high=None, low_open=False, re
 
 #: The annealing steps a placement may take (``--place-steps``): the compiler's own bound.
 MAX_PLACE_STEPS = MAX_STEPS
+
+
+# --- the Verilator build ----------------------------------------------------------------------
+
+_VERILATOR_OPTIONS = ("build_jobs", "opt", "threads", "public")
+
+
+def add_verilator_arguments(parser):
+    """The options of the Verilator build of a fabric (``docs/performance-model.md``,
+    "Verilator at scale"); after the checks, ``args.verilator_build`` is the
+    :class:`~rdakit.sim.verify.runner.VerilatorBuild` they give (the defaults if none is
+    given). Given with another ``--sim`` than verilator, they are refused."""
+    g = parser.add_argument_group("Verilator build (docs/performance-model.md, Verilator at "
+                                  "scale); each build is cached by its options")
+    add_number(g, "--build-jobs", low=1, high=MAX_BUILD_JOBS, metavar="N",
+               reason="parallel C++ compile jobs",
+               help="parallel C++ compile jobs of the build (default: one a core)")
+    g.add_argument("--opt", choices=OPT_LEVELS,
+                   help="C++ optimisation level of the build: 0 builds fastest, 1 to 3 "
+                        "simulate faster, s is Verilator's own (-Os) (default: 0)")
+    add_number(g, "--threads", low=1, high=MAX_THREADS, metavar="N",
+               reason="threads of the simulation",
+               help="Verilator --threads: simulate on N threads (default: 1)")
+    g.add_argument("--public", choices=PUBLIC_MODES,
+                   help="signals cocotb can reach: all (--public-flat-rw) or ports (the top "
+                        "module's only, which lets Verilator optimise the rest) "
+                        "(default: all)")
+
+    def check(args):
+        given_ = [o for o in _VERILATOR_OPTIONS if getattr(args, o) is not None]
+        if given_ and args.sim != "verilator":
+            names = ", ".join(dashed(o) for o in given_)
+            raise UserError(f"{names} set{'s' if len(given_) == 1 else ''} how Verilator "
+                            f"builds the fabric; {'it needs' if len(given_) == 1 else 'they need'}"
+                            f" --sim verilator, not --sim {args.sim}")
+        try:
+            args.verilator_build = VerilatorBuild(
+                jobs=args.build_jobs, opt=args.opt, threads=args.threads or 1,
+                public=args.public or "all")
+        except ValueError as e:
+            raise UserError(str(e)) from None
+    add_check(parser, check)
 
 
 # --- the grid ---------------------------------------------------------------------------------

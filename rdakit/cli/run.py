@@ -13,6 +13,7 @@ from rdakit.cli.options import (
     AUTO,
     RUN_PROG_LEN,
     add_check,
+    add_verilator_arguments,
     check_clusters,
     check_sizes,
     checked_params,
@@ -116,8 +117,10 @@ def _run(args):
     report.console.print(f"[bold]{summary.graph}[/bold] on a {params.rows}x{params.cols} fabric "
                          f"({params.cu.lanes} lanes) with {args.sim}; partitioner "
                          f"{summary.partitioner}")
+    timings = {}
     with progress_bar(not args.quiet and report.console.is_terminal) as progress:
-        rows = e2e.run(spec, sim=args.sim, waves=args.waves, progress=progress)
+        rows = e2e.run(spec, sim=args.sim, waves=args.waves, progress=progress,
+                       build=args.verilator_build, timings=timings)
     last = rows[-1]
     report.table("Iterations" + (" (adaptation: re-partitioned with measured costs)"
                                  if spec.iterations > 1 else ""),
@@ -144,6 +147,10 @@ def _run(args):
     report.figure("fabric", f"{params.rows}x{params.cols}")
     report.figure("simulator", args.sim)
     report.data("iterations_full", rows)
+    if timings:
+        report.console.print(_timings_line(args.sim, timings, last.get("cycles")),
+                             markup=False)
+        report.data("timings", [timings])
     report.finish(args.report)
     if args.plot and last["tiles"]:
         e2e.plot_utilization(params, last["tiles"], args.plot,
@@ -157,6 +164,27 @@ def _run(args):
         report.console.print(f"wrote {args.waves}")
     return _verdict(report, rows, "outputs equal numpy's and the interpreter's bit for bit; "
                                   "every buffer freed")
+
+
+def _timings_line(sim, timings, cycles):
+    """One line saying where the wall time of a cocotb run went (:func:`e2e.run`'s
+    ``timings``) and the simulated cycles per wall second of its ``running`` stage."""
+    parts = [f"Verilog {timings['verilog_s']:.1f} s"]
+    if "verilate_s" in timings:
+        state = "built now" if timings.get("built") else "cached"
+        parts.append(f"build {state} (verilate {timings['verilate_s']:.1f} s, C++ "
+                     f"{timings['compile_s']:.1f} s at -O{timings['opt']} with "
+                     f"{timings['jobs']} jobs, {timings['threads']} thread(s), public "
+                     f"{timings['public']})")
+    else:
+        parts.append(f"build {timings['build_s']:.1f} s")
+    running = timings.get("stages", {}).get("running")
+    cpu = timings.get("stages_cpu", {}).get("running")
+    rate = f", {cycles / running:,.0f} cycles/s" if cycles and running else ""
+    rate += f", {cycles / cpu:,.0f} cycles per CPU second" if cycles and cpu else ""
+    parts.append(f"run {timings['run_s']:.1f} s, of which running {running or 0:.1f} s "
+                 f"({cpu or 0:.1f} CPU s{rate})")
+    return f"{sim}: " + "; ".join(parts)
 
 
 def _verdict(report, rows, passed):
@@ -292,6 +320,7 @@ def register(commands):
                    help="run N iterations; after each, feed the measured per-CU costs into "
                         "the cost model, re-partition and reload")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    add_verilator_arguments(p)
 
     g = p.add_argument_group("a system of clusters (docs/clusters.md); --fabric is each "
                              "cluster's")
