@@ -674,6 +674,9 @@ def plot_pareto(spec, rows, path):
     for m, limit in spec.budget.items():
         if m == xm:
             ax.axvline(limit, color="red", linestyle="--", linewidth=1, label=f"{m} budget")
+    xs = [r[xm] for r in rows if r["status"] == "ok" and r.get(xm)]
+    if xs and min(xs) > 0 and max(xs) / min(xs) > 8:
+        ax.set_xscale("log")                 # e.g. memory bits over several MU sizes
     ax.set_xlabel(xm)
     ax.set_ylabel("cycles (performance model)")
     skipped = sum(1 for r in rows if r["status"] != "ok")

@@ -336,8 +336,7 @@ def test_docs_example_spec_is_valid(tmp_path):
     root = pathlib.Path(__file__).resolve().parents[2]
     text = (root / "docs" / "sweep.md").read_text()
     (tmp_path / "moe.toml").write_text(text.split("```toml\n", 1)[1].split("```", 1)[0])
-    args = build_parser().parse_args(["sweep", str(tmp_path / "moe.toml"), "--no-area",
-                                      "--objective", "cycles", "-o", str(tmp_path / "o")])
-    args.budget = []
+    args = build_parser().parse_args(["sweep", str(tmp_path / "moe.toml"),
+                                      "-o", str(tmp_path / "o")])
     spec = spec_from_args(args)
     assert spec.workloads[0].name == "moe" and len(spec.grid()) > 1
