@@ -339,6 +339,8 @@ def _bench_e2e(args):
 def _check_memory(args):
     if args.plot is not None and args.sim != "model":
         raise UserError(f"--plot needs --sim model (its occupancy trace), not --sim {args.sim}")
+    if args.sim in NEEDS_TOOLS:
+        require_simulator_or_raise(args.sim)
 
 
 def _bench_memory(args):
@@ -572,7 +574,8 @@ def register(commands):
                     "run differs from numpy.")
     p.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     p.add_argument("--sim", choices=memory.SIMS, default="model",
-                   help="simulator (default: %(default)s; amaranth: use with --quick)")
+                   help="simulator (default: %(default)s; the RTL ones with --quick: "
+                        "about a minute a run, verilator and icarus one build per scheme)")
     add_number(p, "--seed", low=0, default=0, help="seed of the sequence lengths (default: 0)")
     p.add_argument("--no-area", action="store_true", help="skip the MUs' area (yosys)")
     add_output(p, "--plot", default=None, metavar="PNG", suffixes=image_suffixes,

@@ -31,7 +31,9 @@ the fabric's counters only (cycles, allocations, frees, words copied, peak held 
 import asyncio
 import collections
 import dataclasses
+import json
 import pathlib
+import tempfile
 
 import numpy as np
 
@@ -42,7 +44,7 @@ from rdakit.sim.models.cu_state import InterpreterError
 from rdakit.sim.models.mu import MUModel
 from rdakit.sim.models.perf import ModelTransport
 from rdakit.sim.runtime.host import HostDriver, HostTimeout
-from rdakit.sim.runtime.job import JobError, prepare_interp, run_job
+from rdakit.sim.runtime.job import JobError, JobResult, prepare_interp, run_job
 from rdakit.sim.verify.dynamic import (
     DRAFT_DEPTH,
     SPLITS,
@@ -54,7 +56,7 @@ from rdakit.sim.verify.dynamic import (
 __all__ = ["SCHEMES", "FABRIC", "SIZES", "QUICK_SIZES", "SIMS", "Run", "run_workload",
            "scheme_params", "bench_rows", "bench_memory", "plot_occupancy", "TracedMU",
            "run_traced", "interpreter_failure", "moe_rows", "weight_rows", "MOE_SCHEMES",
-           "speculative_rows"]
+           "speculative_rows", "build", "rebuild", "BUILDERS", "scheme_fabric", "COCOTB_SIMS"]
 
 #: Scheme -> the fabric parameters that differ from :data:`FABRIC`, and the job's changes
 #: (``slots`` and ``cus`` of :func:`~rdakit.sim.verify.dynamic.generation`).
@@ -80,8 +82,10 @@ MAX_CYCLES = 2_000_000
 #: measured, ``docs/results.md``) before a run counts as hung.
 RTL_BUDGET = 4
 
-#: The simulators: the performance model (default) and the RTL in Amaranth's simulator.
-SIMS = ("model", "amaranth")
+#: The simulators: the performance model (default), the RTL in Amaranth's simulator, and the
+#: RTL's Verilog under cocotb on Verilator or Icarus (one build per scheme).
+COCOTB_SIMS = ("verilator", "icarus")
+SIMS = ("model", "amaranth", *COCOTB_SIMS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,10 +141,56 @@ class TracedMU(MUModel):
         return resp
 
 
+def scheme_fabric(scheme, base=None):
+    """The keyword arguments of :func:`fabric_params` of ``scheme`` (a key of
+    :data:`SCHEMES`) on the fabric ``base`` (default :data:`FABRIC`)."""
+    extra, _ = SCHEMES[scheme]
+    return {**(base or FABRIC), **extra}
+
+
 def scheme_params(scheme, base=None):
     """The fabric parameters of ``scheme`` (a key of :data:`SCHEMES`)."""
-    extra, _ = SCHEMES[scheme]
-    return fabric_params(**{**(base or FABRIC), **extra})
+    return fabric_params(**scheme_fabric(scheme, base))
+
+
+#: The job builders of :mod:`rdakit.sim.verify.dynamic` a recipe may name.
+BUILDERS = {"generation": generation, "moe_dispatch": moe_dispatch, "speculative": speculative}
+
+
+def build(builder, fabric, **kwargs):
+    """``BUILDERS[builder](fabric_params(**fabric), **kwargs)`` with its
+    :attr:`~rdakit.sim.verify.dynamic.DynamicJob.recipe` set, so that :func:`rebuild` makes
+    the same job in another process."""
+    job = BUILDERS[builder](fabric_params(**fabric), **kwargs)
+    return dataclasses.replace(job, recipe={"builder": builder, "fabric": fabric,
+                                            "kwargs": _encode(kwargs)})
+
+
+def rebuild(recipe):
+    """The job of a :func:`build` recipe."""
+    return build(recipe["builder"], recipe["fabric"], **_decode(recipe["kwargs"]))
+
+
+def _encode(v):
+    """JSON of keyword arguments whose tuples (tiles) and dicts keyed by tiles must come back
+    as they were."""
+    if isinstance(v, tuple):
+        return {"tuple": [_encode(x) for x in v]}
+    if isinstance(v, dict):
+        return {"items": [[_encode(k), _encode(x)] for k, x in v.items()]}
+    if isinstance(v, list):
+        return [_encode(x) for x in v]
+    return v
+
+
+def _decode(v):
+    if isinstance(v, dict) and "tuple" in v:
+        return tuple(_decode(x) for x in v["tuple"])
+    if isinstance(v, dict):
+        return {_decode(k): _decode(x) for k, x in v["items"]}
+    if isinstance(v, list):
+        return [_decode(x) for x in v]
+    return v
 
 
 @dataclasses.dataclass
@@ -159,18 +209,20 @@ class Run:
     reserved_words: int | None = None
 
 
-def _job(scheme, size, seed, params):
+def _job(scheme, size, seed, base):
     _, change = SCHEMES[scheme]
-    cus = params.tiles("C")[:change.get("cus", len(params.tiles("C")))]
-    return generation(params, sequences=size.sequences, slots=change.get("slots", size.slots),
-                      min_len=size.min_len, max_len=size.max_len, cus=cus, host_mu=HOST_MU,
-                      cache_mus=dict.fromkeys(cus, CACHE_MU), seed=seed)
+    fabric = scheme_fabric(scheme, base)
+    cus = fabric_params(**fabric).tiles("C")
+    cus = cus[:change.get("cus", len(cus))]
+    return build("generation", fabric, sequences=size.sequences,
+                 slots=change.get("slots", size.slots), min_len=size.min_len,
+                 max_len=size.max_len, cus=cus, host_mu=HOST_MU,
+                 cache_mus=dict.fromkeys(cus, CACHE_MU), seed=seed)
 
 
 def run_workload(scheme, size, *, sim="model", seed=0, base=None):
     """Run the generation workload of ``size`` under ``scheme`` on ``sim``: a :class:`Run`."""
-    params = scheme_params(scheme, base)
-    return run_traced(_job(scheme, size, seed, params), sim=sim)
+    return run_traced(_job(scheme, size, seed, base), sim=sim)
 
 
 def interpreter_failure(job):
@@ -252,7 +304,33 @@ def run_traced(job, *, sim="model", precheck=False):
 
         simulate(fabric, tb)
         return Run(job, *out["r"], {})
+    if sim in COCOTB_SIMS:
+        model = run_traced(job, sim="model")
+        if model.result is None:
+            return Run(job, None, model.error, {}, {})
+        return _run_cocotb(job, sim, RTL_BUDGET * model.result.cycles + 10_000)
     raise ValueError(f"sim must be one of {', '.join(SIMS)}, not {sim!r}")
+
+
+def _run_cocotb(job, sim, budget):
+    """``job`` (built by :func:`build`) on the fabric's Verilog under cocotb (``memory_tb``):
+    a :class:`Run` with the fabric's counters."""
+    from rdakit.hdl.fabric.top import Fabric
+    from rdakit.sim.verify.runner import run_cocotb
+
+    params = job.params
+    with tempfile.TemporaryDirectory(prefix="rdakit-memory-") as tmp:
+        out = pathlib.Path(tmp) / "run.json"
+        run_cocotb(Fabric(params), simulator=sim, test_module="memory_tb",
+                   test_dir=pathlib.Path(__file__).parent,
+                   build_name=f"bench-memory-{params.rows}x{params.cols}",
+                   config={"recipe": job.recipe, "out": str(out), "max_cycles": budget})
+        data = json.loads(out.read_text())
+    counters = {tuple(xy): c for xy, c in data["counters"]}
+    result = None
+    if data["cycles"] is not None:
+        result = JobResult({}, data["cycles"], data["load_cycles"], {}, counters)
+    return Run(job, result, data["error"], counters, {})
 
 
 async def _run(host, job, stage, max_cycles=None):
@@ -344,10 +422,10 @@ WEIGHT_BITS = (2, 3, 4, 5, 6, 8, 12, 16)
 WEIGHT_TOKENS = 32
 
 
-def _moe_job(params, tokens, d, split, seed):
-    cus = params.tiles("C")
-    return moe_dispatch(params, tokens=tokens, d=d, split=split, router=cus[0],
-                        experts=cus[1:], host_mu=HOST_MU, token_mu=CACHE_MU, seed=seed)
+def _moe_job(fabric, tokens, d, split, seed):
+    cus = fabric_params(**fabric).tiles("C")
+    return build("moe_dispatch", fabric, tokens=tokens, d=d, split=split, router=cus[0],
+                 experts=cus[1:], host_mu=HOST_MU, token_mu=CACHE_MU, seed=seed)
 
 
 def moe_row(run, **key):
@@ -383,7 +461,7 @@ def moe_rows(*, size=MOE_SIZE, schemes=MOE_SCHEMES, sim="model", seed=0, base=No
     tokens, d = size
     rows, runs = [], {}
     for scheme in schemes:
-        job = _moe_job(scheme_params(scheme, base), tokens, d, "fanout", seed)
+        job = _moe_job(scheme_fabric(scheme, base), tokens, d, "fanout", seed)
         run = run_traced(job, sim=sim, precheck=True)
         runs[scheme] = run
         rows.append(moe_row(run, scheme=scheme))
@@ -399,10 +477,10 @@ def speculative_rows(*, rounds=SPEC_ROUNDS, schemes=MOE_SCHEMES, sim="model", se
     """Speculative decoding under each scheme: ``(rows, runs)``."""
     rows, runs = [], {}
     for scheme in schemes:
-        params = scheme_params(scheme, base)
-        cus = params.tiles("C")
-        job = speculative(params, rounds=rounds, drafter=cus[0], verifiers=cus[1:],
-                          host_mu=HOST_MU, cache_mu=CACHE_MU, seed=seed)
+        fabric = scheme_fabric(scheme, base)
+        cus = fabric_params(**fabric).tiles("C")
+        job = build("speculative", fabric, rounds=rounds, drafter=cus[0], verifiers=cus[1:],
+                    host_mu=HOST_MU, cache_mu=CACHE_MU, seed=seed)
         run = run_traced(job, sim=sim, precheck=True)
         runs[scheme] = run
         rows.append(moe_row(run, scheme=scheme))
@@ -416,9 +494,9 @@ def weight_rows(*, bits=WEIGHT_BITS, splits=SPLITS, tokens=WEIGHT_TOKENS, d=4, s
     with (a weight overflow, or an allocation wider than the weight)."""
     rows = []
     for b in bits:
-        params = fabric_params(**{**(base or FABRIC), "weight_bits": b})
+        fabric = {**(base or FABRIC), "weight_bits": b}
         for split in splits:
-            run = run_traced(_moe_job(params, tokens, d, split, seed), precheck=True)
+            run = run_traced(_moe_job(fabric, tokens, d, split, seed), precheck=True)
             rows.append(moe_row(run, weight_bits=b, split=split))
     return rows
 

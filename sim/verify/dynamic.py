@@ -56,6 +56,9 @@ class DynamicJob(Job):
     #: References sent that are not new copies of a buffer: stop messages, and weight handed
     #: back to the holder it came from.
     control_refs: int = 0
+    #: How to build the job again in another process (a cocotb simulator's): JSON-able, set by
+    #: :func:`rdakit.sim.bench.memory.build`.
+    recipe: dict | None = None
 
 
 def _check_positive(name, value, minimum=1):
