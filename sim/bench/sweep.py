@@ -402,7 +402,7 @@ def _client(workers, scheduler):
     if scheduler:
         try:
             return Client(scheduler, timeout="10s"), None
-        except OSError as e:
+        except (OSError, ValueError, TypeError) as e:      # unreachable, or not an address
             raise UserError(f"--scheduler {scheduler!r}: cannot connect ({e})") from None
     cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
                            dashboard_address=None, silence_logs=40)
@@ -544,13 +544,13 @@ def run_sweep(spec, folder, *, workers=2, scheduler=None, fit_errors=(), progres
     progress = progress or (lambda stage, done=None, total=None: None)
     folder = pathlib.Path(folder)
     check_output_dir(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    atomic_write(folder / "sweep.json", json.dumps({MARK: 1, "spec": spec.to_json()},
-                                                   indent=2) + "\n")
-    store = SweepStore(folder)
     progress("starting Dask")
-    client, cluster = _client(workers, scheduler)
+    client, cluster = _client(workers, scheduler)    # before anything is written
     try:
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write(folder / "sweep.json", json.dumps({MARK: 1, "spec": spec.to_json()},
+                                                       indent=2) + "\n")
+        store = SweepStore(folder)
         evaluator = _Evaluator(client, spec, store, fit_errors, progress,
                                len(client.scheduler_info().get("workers", {})) or workers)
         if spec.search == "optuna":

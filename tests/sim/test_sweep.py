@@ -244,6 +244,7 @@ BASE = ["sweep", "--workload", MOE, "--no-area", "--objective", "cycles"]
     (["--trials", "0", "--search", "optuna"], "--trials must be at least 1, not 0"),
     (["--workers", "0"], "--workers must be at least 1, not 0"),
     (["--workers", "2", "--scheduler", "tcp://x:1"], "--workers starts a LocalCluster"),
+    (["--scheduler", "nowhere"], "--scheduler 'nowhere': cannot connect (missing port"),
 ])
 def test_bad_options_exit_2_naming_the_input(extra, message, tmp_path, capsys):
     assert main([*BASE, *extra, "-o", str(tmp_path / "o")]) == 2
