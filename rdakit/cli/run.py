@@ -172,8 +172,10 @@ def _timings_line(sim, timings, cycles):
     parts = [f"Verilog {timings['verilog_s']:.1f} s"]
     if "verilate_s" in timings:
         state = "built now" if timings.get("built") else "cached"
-        parts.append(f"build {state} (verilate {timings['verilate_s']:.1f} s, C++ "
-                     f"{timings['compile_s']:.1f} s at -O{timings['opt']} with "
+        cpu = {k: f" ({timings[k + '_cpu_s']:.1f} CPU s)" if k + "_cpu_s" in timings else ""
+               for k in ("verilate", "compile")}
+        parts.append(f"build {state} (verilate {timings['verilate_s']:.1f} s{cpu['verilate']}, "
+                     f"C++ {timings['compile_s']:.1f} s{cpu['compile']} at -O{timings['opt']} with "
                      f"{timings['jobs']} jobs, {timings['threads']} thread(s), public "
                      f"{timings['public']})")
     else:

@@ -279,3 +279,20 @@ def test_a_register_built_with_options_runs_under_cocotb(build, tmp_path, monkey
                               test_dir=HERE, build_name="scale-reg", verilator=build,
                               config={"inner_public": build.public == "all"})
     assert again["build_dir"] == out["build_dir"] and not again["build_times"]["built"]
+
+
+def test_the_run_says_where_its_wall_time_went():
+    from rdakit.cli.run import _timings_line
+    timings = {"verilog_s": 24.2, "build_s": 230.0, "run_s": 102.2,
+               "stages": {"filling inputs": 25.2, "running": 68.0},
+               "stages_cpu": {"filling inputs": 5.0, "running": 17.0},
+               "verilate_s": 43.5, "verilate_cpu_s": 40.1, "compile_s": 178.0,
+               "compile_cpu_s": 170.2, "jobs": 1, "opt": "0", "threads": 1, "public": "ports",
+               "built": True}
+    assert _timings_line("verilator", timings, 17000) == (
+        "verilator: Verilog 24.2 s; build built now (verilate 43.5 s (40.1 CPU s), C++ 178.0 s "
+        "(170.2 CPU s) at -O0 with 1 jobs, 1 thread(s), public ports); run 102.2 s, of which "
+        "running 68.0 s (17.0 CPU s, 250 cycles/s, 1,000 cycles per CPU second)")
+    icarus = {"verilog_s": 1.0, "build_s": 2.0, "run_s": 3.0, "stages": {}}
+    assert _timings_line("icarus", icarus, 10) == (
+        "icarus: Verilog 1.0 s; build 2.0 s; run 3.0 s, of which running 0.0 s (0.0 CPU s)")
