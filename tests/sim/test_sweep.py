@@ -122,7 +122,8 @@ def test_optuna_search_on_an_existing_scheduler_is_reproducible(tmp_path):
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                       dashboard_address=None, silence_logs=40) as cluster:
         args = ["sweep", "--axis", "lanes=1,2,4", "--axis", "block_words=8,16", *QUICK,
-                "--search", "optuna", "--trials", "4", "--scheduler", cluster.scheduler_address,
+                "--search", "optuna", "--trials", "4", "--budget", "mu_peak_words=100000",
+                "--scheduler", cluster.scheduler_address,
                 "-o", str(tmp_path / "o")]
         assert main(args) == 0
         first = json.loads((tmp_path / "o" / "summary.json").read_text())
@@ -161,6 +162,30 @@ def test_a_point_key_does_not_depend_on_how_sizes_are_spelled():
     b = {**a, "sizes": {k: v for k, v in reversed(list(a["sizes"].items()))}}
     assert sweep.point_key(a) == sweep.point_key(b)
     assert sweep.point_key(a) != sweep.point_key(_point(lanes=2))
+
+
+def test_front_is_per_workload_and_within_the_budget(tmp_path):
+    """Rows of two workloads from a store: each workload has its own front, taken among the
+    points that ran and are within the budget."""
+    spec = sweep.SweepSpec(axes={"lanes": (1, 2, 4)}, objectives=("cycles", "mu_peak_words"),
+                           budget={"mu_peak_words": 50},
+                           workloads=(sweep.Workload("moe", {"tokens": 4}),
+                                      sweep.Workload("mlp")))
+    points = [p for v in spec.grid() for p in spec.points(v)]
+    store = sweep.SweepStore(tmp_path)
+    made = {("moe", 1): (30, 10), ("moe", 2): (20, 60), ("moe", 4): (25, 20),
+            ("mlp", 1): (5, 5), ("mlp", 2): (4, 6), ("mlp", 4): None}
+    for p in points:
+        m = made[p["workload"], p["fabric"]["lanes"]]
+        store.add({"key": sweep.point_key(p), **sweep._design_columns(p),
+                   **({"status": "does not fit", "reason": "r"} if m is None else
+                      {"status": "ok", "cycles": m[0], "mu_peak_words": m[1]})})
+    rows = sweep._finish_rows(spec, points, store, {})
+    front = {(r["workload"], r["lanes"]) for r in rows if r["pareto"]}
+    # moe lanes 2 is over the budget (60 words); moe 4 beats moe 1 on cycles, 1 beats 4 on
+    # words; mlp 4 did not fit.
+    assert front == {("moe", 1), ("moe", 4), ("mlp", 1), ("mlp", 2)}
+    assert [r["within_budget"] for r in rows if r["workload"] == "moe"] == [True, False, True]
 
 
 # --- the area ---------------------------------------------------------------------------------
