@@ -301,9 +301,10 @@ def spec_from_args(args):
                                                              MAX_PLACE_STEPS)):
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= high:
             raise UserError(f"{f}: {key} must be an integer from 0 to {high}, not {value!r}")
-    area = data.get("area", True) and not args.no_area
+    area = data.get("area", True)
     if not isinstance(area, bool):
         raise UserError(f"{f}: area must be true or false, not {area!r}")
+    area = area and not args.no_area
     needs_area = [m for m in (*objectives, *budget) if m in ("cells", "memory_bits")]
     if needs_area and not area:
         raise UserError(f"{needs_area[0]} (an objective or a budget) needs the area: drop "

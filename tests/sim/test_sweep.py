@@ -290,6 +290,7 @@ def test_bad_options_exit_2_naming_the_input(extra, message, tmp_path, capsys):
     ("s.toml", "workloads = [{name = 'moe', sizes = {tokens = 'x'}}]",
      "s.toml: workloads[0]: size tokens must be an integer"),
     ("s.toml", "search = 'random'", "s.toml: search must be 'grid' or 'optuna'"),
+    ("s.toml", "area = 'yes'", "s.toml: area must be true or false, not 'yes'"),
     ("s.yaml", "", "the spec file must be .toml or .json, not"),
 ])
 def test_bad_spec_files_exit_2_naming_the_entry(name, text, message, tmp_path, capsys):
