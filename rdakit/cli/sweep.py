@@ -219,14 +219,16 @@ def spec_from_args(args):
         labels[name] = where
     for name, value in _table(data, "fixed", f).items():
         where = f"{f}: fixed.{name}"
-        fixed[_name(name, f"{f}: fixed")] = _value(name, value, where)
+        _name(name, f"{f}: fixed")         # before its value: the value's type is the name's
+        fixed[name] = _value(name, value, where)
         flabels[name] = where
     for item in args.fixed:
         name, sep, text = item.partition("=")
         where = f"--fixed {name}"
         if not sep or not name or not text:
             raise UserError(f"--fixed must be NAME=VALUE, not {item!r}")
-        fixed[_name(name, "--fixed")] = _value(name, text, where, text=True)
+        _name(name, "--fixed")
+        fixed[name] = _value(name, text, where, text=True)
         flabels[name] = where
     for name in axes:
         if name in fixed:

@@ -256,6 +256,7 @@ BASE = ["sweep", "--workload", MOE, "--no-area", "--objective", "cycles"]
     (["--axis", "mu_words=1000"], "--axis mu_words must be a power of two"),
     (["--axis", "noc_queues=lifo"], "--axis noc_queues must be 'voq' or 'fifo', not 'lifo'"),
     (["--fixed", "block_words=3"], "--fixed block_words must be a power of two"),
+    (["--fixed", "tokens=3"], "--fixed 'tokens' is not a design parameter"),
     (["--axis", "lanes=4", "--fixed", "lanes=8"], "--axis lanes is also fixed"),
     (["--workload", "moe:tokens=x"], "--workload 'moe:tokens=x': --size tokens must be an"),
     (["--workload", "moe:colour=3"], "workload 'moe:colour=3': --size colour is not a size"),
@@ -315,6 +316,32 @@ def test_hostile_axes_are_refused_without_a_traceback(name, values, tmp_path_fac
     assert main(["sweep", "--workload", MOE, "--no-area", f"--axis={name}={values}",
                  "--objective", "bogus", "-o", str(out)]) == 2
     assert not out.exists()
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 70) | st.floats(allow_nan=True)
+                     | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
+_NAMES = st.sampled_from(["lanes", "mu_words", "fabric", "layout", "partitioner", "alloc_mode",
+                          "noc_depth", "tokens", "name", "sizes", ""])
+
+
+@hostile(30)
+@given(spec=st.dictionaries(st.sampled_from(["axes", "fixed", "workloads", "objectives",
+                                             "budget", "search", "trials", "seed",
+                                             "place_steps", "area", "other"]),
+                            _JSON | st.dictionaries(_NAMES, _JSON, max_size=3)
+                            | st.lists(st.dictionaries(_NAMES, _JSON, max_size=2),
+                                       max_size=2), max_size=5))
+def test_hostile_spec_files_are_refused_without_a_traceback(spec, tmp_path_factory):
+    """Any JSON spec file: refused with exit 2 naming what is wrong (one that passes reaches
+    the bogus objective after it, also exit 2), never an exception."""
+    folder = tmp_path_factory.mktemp("hostile-spec")
+    path = folder / "s.json"
+    path.write_text(json.dumps(spec))
+    assert main(["sweep", str(path), "--workload", MOE, "--no-area", "--objective", "bogus",
+                 "-o", str(folder / "o")]) == 2
+    assert not (folder / "o").exists()
 
 
 @pytest.mark.parametrize("setup, message", [
