@@ -318,6 +318,19 @@ def test_hostile_axes_are_refused_without_a_traceback(name, values, tmp_path_fac
     assert not out.exists()
 
 
+@hostile(30)
+@given(text=st.one_of(st.text(max_size=20), st.builds(
+    lambda name, sizes: f"{name}:{sizes}", st.sampled_from(["moe", "mlp", "switch", "x"]),
+    st.text(alphabet="tokens_dmlf=,0123456789-", max_size=24))))
+def test_hostile_workloads_are_refused_without_a_traceback(text, tmp_path_factory):
+    """Any ``--workload`` text: refused with exit 2 naming it (a valid one reaches the bogus
+    objective after it, also exit 2), never an exception."""
+    out = tmp_path_factory.mktemp("hostile-workload") / "o"
+    assert main(["sweep", f"--workload={text}", "--no-area", "--objective", "bogus",
+                 "-o", str(out)]) == 2
+    assert not out.exists()
+
+
 _JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 70) | st.floats(allow_nan=True)
                      | st.text(max_size=8),
                      lambda inner: st.lists(inner, max_size=3)
