@@ -80,7 +80,7 @@ def test_unknown_subcommand(cmd):
     ["verilog", "fabric"], ["verilog", "system"], ["bench"], ["bench", "mu"], ["bench", "noc"],
     ["bench", "fabric"], ["bench", "e2e"], ["bench", "race"], ["bench", "clusters"],
     ["bench", "partition"], ["bench", "calibrate"], ["bench", "boards"], ["bench", "models"],
-    ["compile"],
+    ["bench", "memory"], ["compile"], ["sweep"],
     ["inspect"], ["import"], ["run"], ["board"], ["board", "build"], ["board", "run"],
     ["doctor"], ["docs"], ["verify"],
 ])
