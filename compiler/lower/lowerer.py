@@ -97,11 +97,17 @@ class Lowerer:
     tables : dict, optional
         ``(x, y)`` of a CU -> words to reserve for its reference table (the second run, once
         the first has found which CUs need one).
+    pools : str
+        Where a CU's constant pool goes: ``"home"``, the CU's home MU (every CU streams its
+        weights from its own MU), or ``"placement"``, the MU where the placement put most of
+        its constants (pools pile up there, leaving other MUs free for large run-time
+        buffers); else the nearest MU with room.
     """
 
-    def __init__(self, plan, params, tables=None):
+    def __init__(self, plan, params, tables=None, pools="home"):
         self.plan = plan
         self.tables = tables or {}
+        self.pools_at = pools
         self.params = params
         self.cp = params.cu
         self.mp = params.mu
@@ -127,9 +133,8 @@ class Lowerer:
 
     def place_host(self):
         """Host buffers: inputs, one constant pool per CU (the constants it reads, in creation
-        order), outputs; exact sizes, each in the MU the placement chose (for a pool: the MU
-        holding most of its constants' words) when it has room, else the nearest MU with
-        room."""
+        order), outputs; exact sizes, each in the MU the placement chose (for a pool: see
+        ``pools``) when it has room, else the nearest MU with room."""
         acct, plan = self.acct, self.plan
         out_words = collections.Counter()
         for t in self.tensors.values():
@@ -165,11 +170,14 @@ class Lowerer:
             for i, names in enumerate(chunks):
                 key = f"const@{cu[0]},{cu[1]}" + (f"#{i}" if i else "")
                 self.pools[key] = (cu, names)
-                votes = collections.Counter()
-                for c in names:
-                    if self.tensors[c].mu_hint is not None:
-                        votes[tuple(self.tensors[c].mu_hint)] += self.tensors[c].layout.words
-                hint = min(votes, key=lambda m: (-votes[m], m[1], m[0])) if votes else cu
+                hint = cu
+                if self.pools_at == "placement":
+                    votes = collections.Counter()
+                    for c in names:
+                        if self.tensors[c].mu_hint is not None:
+                            votes[tuple(self.tensors[c].mu_hint)] += \
+                                self.tensors[c].layout.words
+                    hint = min(votes, key=lambda m: (-votes[m], m[1], m[0])) if votes else cu
                 items.append((f"the constant pool {key!r} of CU {cu}", key,
                               sum(self.tensors[c].layout.words for c in names), hint))
         for out, buf in plan.output_map.items():

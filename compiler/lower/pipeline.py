@@ -4,7 +4,7 @@ import numpy as np
 
 from rdakit.compiler.graph import GraphError
 from rdakit.compiler.lower.layout import LoweringError
-from rdakit.compiler.lower.lowerer import Lowerer
+from rdakit.compiler.lower.lowerer import Lowerer, ProgramTooLong
 from rdakit.compiler.lower.passes import PIPELINE
 from rdakit.compiler.lower.plan import Plan
 
@@ -82,10 +82,19 @@ def lower(graph, parts, placement, params, *, inputs=None):
         plan.start = {parts.graph.label(i): float(s) for i, s in enumerate(parts.start)}
     for lowering_pass in PIPELINE:
         lowering_pass.apply(plan)
-    job = Lowerer(plan, params).run(inputs, graph)
-    if isinstance(job, dict):
-        # Some CUs need a reference table: lower again with room reserved for the tables.
-        job = Lowerer(plan, params, tables=job).run(inputs, graph)
-        if isinstance(job, dict):  # pragma: no cover - the tables do not depend on MUs
-            raise AssertionError(f"reference tables changed between passes: {job}")
-    return job
+    # Constant pools in each CU's home MU first; when that leaves no MU room for a run-time
+    # buffer, where the placement put the constants (they pile up in fewer MUs).
+    for pools in ("home", "placement"):
+        try:
+            job = Lowerer(plan, params, pools=pools).run(inputs, graph)
+            if isinstance(job, dict):
+                # Some CUs need a reference table: lower again with room reserved for them.
+                job = Lowerer(plan, params, tables=job, pools=pools).run(inputs, graph)
+                if isinstance(job, dict):  # pragma: no cover - the tables do not depend on MUs
+                    raise AssertionError(f"reference tables changed between passes: {job}")
+            return job
+        except ProgramTooLong:
+            raise
+        except LoweringError:
+            if pools == "placement":
+                raise

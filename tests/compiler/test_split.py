@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from rdakit.cli import main
 from rdakit.compiler import intops, workloads
-from rdakit.compiler.compile import compile_workload
+from rdakit.compiler.compile import compile_workload, placement_fabric
 from rdakit.compiler.graph import DataflowGraph
 from rdakit.compiler.lower import sample_inputs
 from rdakit.compiler.split import row_blocks, split_rows
@@ -109,3 +109,20 @@ def test_split_cli_option(tmp_path, capsys):
                                            f"number of row blocks, not {bad!r}\n")
     assert main(["run", "mlp", "--clusters", "2", "--split", "2"]) == 2
     assert "--split applies to one fabric" in capsys.readouterr().err
+
+
+def test_each_cus_constant_pool_is_in_its_home_mu():
+    """Every CU streams its weights from its own MU (its home MU, the placement's spread of
+    CUs over MUs): with MUs big enough for several pools, the MoE's experts' pools used to
+    pile into the MU holding most of their constants and its one request a cycle bounded
+    every CU reading them."""
+    params = fabric_params(rows=4, cols=4, mu_words=8192, prog_len=2048)
+    job, _ = compile_workload("moe", sizes=dict(tokens=4, d_model=16, d_ff=16), params=params,
+                              partitioner="heft", split=1)
+    home = placement_fabric(params).spread(sorted(job.programs, key=lambda c: (c[1], c[0])))
+    pools = {b.name: b.mu for b in job.buffers if b.name.startswith("const@")}
+    assert len(pools) == len(job.programs) > 4
+    for name, mu in pools.items():
+        cu = tuple(int(v) for v in name[len("const@"):].split("#")[0].split(","))
+        assert mu == home[cu], name
+    assert len(set(pools.values())) == len(pools)          # one pool per MU here
