@@ -187,9 +187,11 @@ def test_hardware_error_exits_nonzero(monkeypatch, capsys):
     assert "BAD_INSTRUCTION" in out
 
 
-def test_adaptation_runs_iterations_and_learns_costs(tmp_path):
+# The fast model in the default suite; the same on Amaranth's simulator takes 28 s.
+@pytest.mark.parametrize("sim", ["model", pytest.param("amaranth", marks=pytest.mark.slow)])
+def test_adaptation_runs_iterations_and_learns_costs(tmp_path, sim):
     spec = RunSpec("switch", SMALLEST["switch"], FABRIC_2X2, iterations=3)
-    rows = e2e.run(spec)
+    rows = e2e.run(spec, sim=sim)
     _check_rows(rows, spec)
     assert [r["iteration"] for r in rows] == [1, 2, 3]
     # After the first run the model has measured every CU: the partitioner's model predicts
