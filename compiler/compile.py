@@ -30,7 +30,7 @@ from rdakit.compiler.partition import (
     partition,
 )
 from rdakit.compiler.placement import Fabric, PlacementError, check_host_fit, check_steps, place
-from rdakit.compiler.split import split_rows
+from rdakit.compiler.split import split_graph
 from rdakit.compiler.workloads import WORKLOADS, Workload, build, load_graph
 from rdakit.hdl.spec.bitstream import write_bitstream
 
@@ -256,7 +256,7 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
         raise ValueError(f"order must be 'graph' or 'schedule', not {order!r}")
     progress = progress or (lambda stage, done=None, total=None: None)
     wl = load_workload(workload, sizes)
-    graph = wl.graph if split == 1 else split_rows(wl.graph, split)
+    graph = wl.graph if split == 1 else split_graph(wl.graph, split, lanes=params.cu.lanes)
     fabric = placement_fabric(params, cu_program=max(len(graph), params.cu.prog_len))
     check_host_fit(graph, fabric)
     cost = cost or CostModel(lanes=params.cu.lanes)
@@ -306,7 +306,8 @@ def _fastest(workload, *, strategies, split, **options):
     cus = len(options["params"].tiles("C"))
     if split == "auto":
         splits = [1]
-        if cus > 1 and len(split_rows(wl.graph, cus)) != len(wl.graph):
+        if cus > 1 and len(split_graph(wl.graph, cus, lanes=options["params"].cu.lanes)) \
+                != len(wl.graph):
             splits.append(cus)
     else:
         splits = [split]

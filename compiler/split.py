@@ -29,7 +29,8 @@ import numpy as np
 
 from rdakit.compiler.graph import DataflowGraph
 
-__all__ = ["ROW_WISE", "split_rows", "row_blocks"]
+__all__ = ["ROW_WISE", "COLUMN_WISE", "split_rows", "split_cols", "split_graph", "row_blocks",
+           "column_blocks"]
 
 #: Op kinds that compute each output row from the same row of their first operand (the other
 #: operands broadcast along the rows or have the same rows), so they continue a split.
@@ -153,3 +154,100 @@ def _fresh(g, name):
     while out in g:
         out, k = f"{name}_{k}", k + 1
     return out
+
+
+#: Op kinds that compute each output column from the same column of their first operand
+#: (the other operand, if any, split alike or broadcast), so they continue a column split.
+COLUMN_WISE = frozenset({"add", "sub", "mul", "max", "min", "relu", "shr", "shl", "clip", "exp",
+                         "gelu", "silu"})
+
+
+#: Binary kinds whose operands may be swapped (integer add and product, max, min): a split
+#: operand second is taken as the first.
+_COMMUTATIVE = frozenset({"add", "mul", "max", "min"})
+
+
+def column_blocks(cols, parts, lanes):
+    """``(start, stop)`` column ranges of at most ``parts`` blocks covering ``cols`` columns,
+    each starting at a word boundary (a multiple of ``lanes``), the first ones a word longer
+    where the words do not divide evenly."""
+    words = -(-cols // lanes)
+    k = min(parts, words)
+    sizes = [len(b) for b in np.array_split(np.arange(words), k)]
+    edges = np.concatenate([[0], np.cumsum(sizes)]) * lanes
+    return [(int(a), int(min(b, cols))) for a, b in zip(edges[:-1], edges[1:], strict=True)]
+
+
+def split_cols(graph, parts, *, lanes, max_rows=1):
+    """A copy of ``graph`` (validated) whose matmuls of at most ``max_rows`` static rows (a
+    decoder step's one token) by a constant are split by the constant's columns into ``parts``
+    blocks of whole words (the left operand is read whole by each), continued through the
+    column-wise ops after them (:data:`COLUMN_WISE`, a constant operand broadcast along the
+    rows sliced alike, a same-shape operand split alike or sliced at word boundaries), and
+    concatenated along the last axis, named as the op was, where a reader needs whole rows.
+    ``graph`` itself is unchanged."""
+    graph.validate()
+    g = graph
+    if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
+        raise ValueError(f"parts must be a positive integer, not {parts!r}")
+    new = DataflowGraph(g.name)
+    blocks = {}         # node -> [(block node, first column, past the last)]
+    whole = {}
+
+    def whole_of(x):
+        if x not in whole:
+            whole[x] = new.add("concat", *[b for b, _, _ in blocks[x]], name=x, axis=-1)
+        return whole[x]
+
+    def other_blocks(o, shape, ranges):
+        """Blocks of the second operand ``o`` over the column ``ranges``, or None."""
+        t = g.type_of(o)
+        if o in blocks and [(a, b) for _, a, b in blocks[o]] == ranges:
+            return [b for b, _, _ in blocks[o]]
+        if g.kind(o) == "const" and t.shape[-1] == shape[-1] and (
+                len(t.shape) == 1 or t.shape[0] == 1):
+            value = g.nx.nodes[o]["attrs"]["value"]
+            return [new.const(_fresh(new, f"{o}@cols{a}"), value[..., a:b]) for a, b in ranges]
+        if t.shape == shape and not t.dynamic:
+            src = whole_of(o) if o in blocks else o
+            return [new.add("slice", src, name=_fresh(new, f"{o}@cols{a}"), axis=1, start=a,
+                            stop=b) for a, b in ranges]
+        return None
+
+    for n in g.order():
+        kind, ins = g.kind(n), g.inputs_of(n)
+        attrs = dict(g.nx.nodes[n]["attrs"])
+        if kind == "matmul" and g.kind(ins[1]) == "const":
+            a_t = g.type_of(ins[0])
+            w = g.nx.nodes[ins[1]]["attrs"]["value"]
+            if _static_rows(a_t) and a_t.shape[0] <= max_rows:
+                ranges = column_blocks(w.shape[1], parts, lanes)
+                if len(ranges) >= 2:
+                    left = whole_of(ins[0]) if ins[0] in blocks else ins[0]
+                    blocks[n] = [(new.add("matmul", left, new.const(
+                        _fresh(new, f"{ins[1]}@cols{a}"), w[:, a:b]),
+                        name=_fresh(new, f"{n}@c{i}"), **attrs), a, b)
+                        for i, (a, b) in enumerate(ranges)]
+                    continue
+        if (kind in _COMMUTATIVE and len(ins) == 2 and ins[0] not in blocks
+                and ins[1] in blocks):
+            ins = (ins[1], ins[0])      # a residual add's split operand comes second
+        if ins and ins[0] in blocks and kind in COLUMN_WISE:
+            ranges = [(a, b) for _, a, b in blocks[ins[0]]]
+            shape = g.type_of(ins[0]).shape
+            others = [other_blocks(o, shape, ranges) for o in ins[1:]]
+            if g.type_of(n).shape == shape and all(o is not None for o in others):
+                blocks[n] = [(new.add(kind, blk, *[o[i] for o in others],
+                                      name=_fresh(new, f"{n}@c{i}"), **attrs), a, b)
+                             for i, (blk, a, b) in enumerate(blocks[ins[0]])]
+                continue
+            ins = g.inputs_of(n)
+        new.add(kind, *[whole_of(i) if i in blocks else i for i in ins], name=n, **attrs)
+        whole[n] = n
+    return new.validate()
+
+
+def split_graph(graph, parts, *, lanes):
+    """:func:`split_cols` (one-row matmuls by constants) then :func:`split_rows` (the rest)
+    of ``graph`` into ``parts`` blocks: what ``compile_workload(split=parts)`` compiles."""
+    return split_rows(split_cols(graph, parts, lanes=lanes), parts)
