@@ -39,13 +39,8 @@ from rdakit.compiler.placement import MAX_STEPS
 from rdakit.errors import UserError
 from rdakit.hdl.cluster.system import SystemParams
 from rdakit.hdl.spec.params import CLUSTERS, PLASTICINE_MU, MUParams, fabric_params
-from rdakit.sim.verify.runner import (
-    MAX_BUILD_JOBS,
-    MAX_THREADS,
-    OPT_LEVELS,
-    PUBLIC_MODES,
-    VerilatorBuild,
-)
+from rdakit.sim.flows.e2e import VERILATOR_BUILD
+from rdakit.sim.verify.runner import MAX_BUILD_JOBS, MAX_THREADS, OPT_LEVELS, PUBLIC_MODES
 
 __all__ = ["add_check", "run_checks", "dashed", "add_number", "parse_grid",
            "add_grid_argument", "max_grid", "AUTO", "AUTO_GRIDS", "RUN_PROG_LEN",
@@ -108,8 +103,9 @@ _VERILATOR_OPTIONS = ("build_jobs", "opt", "threads", "public")
 def add_verilator_arguments(parser):
     """The options of the Verilator build of a fabric (``docs/performance-model.md``,
     "Verilator at scale"); after the checks, ``args.verilator_build`` is the
-    :class:`~rdakit.sim.verify.runner.VerilatorBuild` they give (the defaults if none is
-    given). Given with another ``--sim`` than verilator, they are refused."""
+    :class:`~rdakit.sim.verify.runner.VerilatorBuild` they give (the flows' own,
+    :data:`~rdakit.sim.flows.e2e.VERILATOR_BUILD`, for those not given). Given with another
+    ``--sim`` than verilator, they are refused."""
     g = parser.add_argument_group("Verilator build (docs/performance-model.md, Verilator at "
                                   "scale); each build is cached by its options")
     add_number(g, "--build-jobs", low=1, high=MAX_BUILD_JOBS, metavar="N",
@@ -123,8 +119,8 @@ def add_verilator_arguments(parser):
                help="Verilator --threads: simulate on N threads (default: 1)")
     g.add_argument("--public", choices=PUBLIC_MODES,
                    help="signals cocotb can reach: all (--public-flat-rw) or ports (the top "
-                        "module's only, which lets Verilator optimise the rest) "
-                        "(default: all)")
+                        "module's only, all a run needs, which lets Verilator optimise the "
+                        f"rest) (default: {VERILATOR_BUILD.public})")
 
     def check(args):
         given_ = [o for o in _VERILATOR_OPTIONS if getattr(args, o) is not None]
@@ -133,10 +129,11 @@ def add_verilator_arguments(parser):
             raise UserError(f"{names} set{'s' if len(given_) == 1 else ''} how Verilator "
                             f"builds the fabric; {'it needs' if len(given_) == 1 else 'they need'}"
                             f" --sim verilator, not --sim {args.sim}")
+        given_kw = {"jobs": args.build_jobs, "opt": args.opt, "threads": args.threads,
+                    "public": args.public}
         try:
-            args.verilator_build = VerilatorBuild(
-                jobs=args.build_jobs, opt=args.opt, threads=args.threads or 1,
-                public=args.public or "all")
+            args.verilator_build = dataclasses.replace(
+                VERILATOR_BUILD, **{k: v for k, v in given_kw.items() if v is not None})
         except ValueError as e:
             raise UserError(str(e)) from None
     add_check(parser, check)

@@ -203,7 +203,7 @@ def test_bench_e2e_passes_the_build_options(monkeypatch):
     got = _captured(monkeypatch, bench_e2e, "run")
     with pytest.raises(_Stop):
         main(["bench", "e2e", "--fabric", "2x2", "--sim", "verilator", "--opt", "1"])
-    assert got["build"] == VerilatorBuild(opt="1")
+    assert got["build"] == VerilatorBuild(opt="1", public="ports")    # the flows' default
 
 
 def test_run_many_hands_the_build_to_the_cocotb_run(monkeypatch):
@@ -217,6 +217,25 @@ def test_run_many_hands_the_build_to_the_cocotb_run(monkeypatch):
         e2e.run(spec, sim="verilator", build=VerilatorBuild(opt="3"), timings=timings)
     assert got["verilator"] == VerilatorBuild(opt="3")
     assert set(timings) == {"verilog_s"}
+
+
+def test_the_flows_build_only_the_ports_public_unless_told(monkeypatch):
+    """``rdakit run`` and ``bench e2e`` reach only the host port: their builds make nothing
+    else public (15x faster on 2x2), the command line's default included."""
+    got = _captured(monkeypatch, e2e, "run_cocotb")
+    monkeypatch.setattr(e2e, "fabric_verilog", lambda params: "module top; endmodule")
+    spec = e2e.RunSpec(workload="mlp", sizes=e2e.SMALLEST["mlp"], fabric={"rows": 2, "cols": 2},
+                       partitioner="greedy")
+    with pytest.raises(_Stop):
+        e2e.run(spec, sim="verilator")
+    assert got["verilator"] == e2e.VERILATOR_BUILD == VerilatorBuild(public="ports")
+    if not runner.simulator_info("verilator").ok:
+        return
+    got = _captured(monkeypatch, e2e, "run")
+    with pytest.raises(_Stop):
+        main(["run", "mlp", "--fabric", "2x2", "--size", "batch=2", "--size", "sizes=8,8,4",
+              "--partitioner", "greedy", "--sim", "verilator", "-q"])
+    assert got["build"] == e2e.VERILATOR_BUILD
 
 
 # --- the build itself (Verilator on a design of one register) ---------------------------------
