@@ -93,6 +93,25 @@ SLOW = {
 #: tests) or node id (all parametrizations, or one in brackets), with their time in one run of
 #: the suite on a loaded 2-core machine (about twice what an idle one takes).
 LONG = {
+    # The inner loop took 2 min 50 s idle at stop 28 (1571 tests, 294 s on two workers): out
+    # of it, into the default suite only, go these families of CU, stream engine and router
+    # simulations (about 107 s; each has cheaper siblings that stay in the loop).
+    **{f"hdl/test_compute_unit.py::{t}": "4-13 s a family" for t in (
+        "test_converts_to_verilog", "test_mu_error_halts",
+        "test_random_programs_match_the_interpreter",
+        "test_a_wrong_destination_halts_before_sending",
+        "test_ticket_lock_mutual_exclusion_and_fairness", "test_elementwise_to_an_mu",
+        "test_reference_passing_frees_the_buffer_after_both_returns",
+        "test_two_cus_streaming_from_one_mu_at_once",
+        "test_wait_cycles_count_the_waits_for_another_cu")},
+    "hdl/test_stream_engine.py::test_stream_matches_numpy": "16 s (14 cases)",
+    "hdl/test_stream_engine.py::test_writes_are_posted_and_counted_until_acknowledged": "9 s",
+    "hdl/test_router.py::test_local_injection_routes_xy": "7 s (12 cases)",
+    "hdl/test_router.py::test_round_robin_is_fair_under_persistent_contention": "6 s",
+    "hdl/test_router.py::test_converts_to_verilog": "3.4 s",
+    "hdl/test_system.py::test_bridge_on_the_host_tile": "4.4 s",
+    "hdl/test_sequencer.py::test_pc_out_of_range_and_bad_instruction_halt_with_their_codes":
+        "4.3 s",
     "test_cli.py::test_bench_mu_quick_json": "12 s (170 s before the MU started in 9 cycles)",
     "test_cli.py::test_help_everywhere": "75 s",
     "hdl/test_jitter.py::test_jittered_mesh_delivers_everything_once_in_order": "3 x 40-65 s",
