@@ -66,6 +66,14 @@ def _check_positive(name, value, minimum=1):
         raise ValueError(f"{name} must be an integer of at least {minimum}, not {value!r}")
 
 
+def _check_length(what, program, params):
+    """Raise ``ValueError`` if ``program`` (``what``'s, e.g. "generation's") is longer than the
+    fabric's CU program memory."""
+    if len(program) > params.cu.prog_len:
+        raise ValueError(f"{what} program has {len(program)} instructions; prog_len is "
+                         f"{params.cu.prog_len}")
+
+
 def generation_program(params, *, slots, vocab):
     """The CU program of :func:`generation` for ``slots`` batch slots and a vocabulary of
     ``vocab`` (a power of two) K rows. Initial registers: r1 the host's buffer (words 0 to
@@ -234,9 +242,7 @@ def generation(params, *, sequences=8, slots=2, min_len=2, max_len=8, vocab=16, 
     want[queue_at, 0] = sequences + len(cus)
     want[out_at:] = generation_reference(emb, seqs)
     program = generation_program(params, slots=slots, vocab=vocab)
-    if len(program) > params.cu.prog_len:
-        raise ValueError(f"generation's program has {len(program)} instructions; prog_len is "
-                         f"{params.cu.prog_len}")
+    _check_length("generation's", program, params)
     tiles = {cu: TileConfig(program=program, regs={
         1: Ref("io"), 2: seqs_at, 3: queue_at, 4: out_at,
         5: params.mu_id(*cache_mus[cu]), 6: sequences}) for cu in cus}
@@ -434,10 +440,9 @@ def moe_dispatch(params, *, tokens=8, d=4, split="fanout", router=None, experts=
         tiles[c] = TileConfig(program=_expert_program(params, d=d, experts=n, e=k),
                               regs={5: params.mu_id(*router), 11: Ref("io"),
                                     12: tokens * d})
-    for tile in tiles.values():
-        if len(tile.program) > params.cu.prog_len:
-            raise ValueError(f"moe_dispatch's router program has {len(tile.program)} "
-                             f"instructions; prog_len is {params.cu.prog_len}")
+    for xy, tile in tiles.items():
+        _check_length(f"moe_dispatch's {'router' if xy == router else 'expert'}", tile.program,
+                      params)
     return DynamicJob(FabricConfig(params, tiles), [HostBuffer("io", host_mu, io)], ["io"],
                       {"io": want}, cus_used=1 + n,
                       description=f"MoE dispatch of {tokens} tokens of {d} words to {n} "
@@ -647,10 +652,9 @@ def speculative(params, *, rounds=4, vocab=16, drafter=None, verifiers=None, hos
         """)
         tiles[v] = TileConfig(program=prog, regs={5: params.mu_id(*drafter), 11: Ref("io"),
                                                    12: res_at + b})
-    for tile in tiles.values():
-        if len(tile.program) > params.cu.prog_len:
-            raise ValueError(f"speculative's drafter program has {len(tile.program)} "
-                             f"instructions; prog_len is {params.cu.prog_len}")
+    for xy, tile in tiles.items():
+        _check_length(f"speculative's {'drafter' if xy == drafter else 'verifier'}",
+                      tile.program, params)
     return DynamicJob(FabricConfig(params, tiles), [HostBuffer("io", host_mu, io)], ["io"],
                       {"io": want}, cus_used=1 + n,
                       description=f"speculative decoding, {rounds} rounds of {n} branches",
