@@ -41,11 +41,15 @@ ROW_WISE = frozenset({"matmul", "add", "sub", "mul", "max", "min", "relu", "shr"
 _ELEMENTWISE = frozenset({"add", "sub", "mul", "max", "min"})
 
 
+def _check_parts(parts):
+    if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
+        raise ValueError(f"parts must be a positive integer, not {parts!r}")
+
+
 def row_blocks(rows, parts):
     """``(start, stop)`` of ``min(parts, rows)`` row blocks covering ``rows`` rows, the first
     ones one row longer where ``rows`` does not divide evenly."""
-    if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
-        raise ValueError(f"parts must be a positive integer, not {parts!r}")
+    _check_parts(parts)
     sizes = [len(b) for b in np.array_split(np.arange(rows), min(parts, rows))]
     edges = np.concatenate([[0], np.cumsum(sizes)])
     return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
@@ -98,8 +102,7 @@ def split_rows(graph, parts, *, min_rows=2):
     """
     graph.validate()
     g = graph
-    if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
-        raise ValueError(f"parts must be a positive integer, not {parts!r}")
+    _check_parts(parts)
     new = DataflowGraph(g.name)
     blocks = {}         # node -> [(block node, start, stop)]
     whole = {}          # node -> its whole tensor in ``new`` (itself, or a concat)
@@ -188,8 +191,7 @@ def split_cols(graph, parts, *, lanes, max_rows=1):
     ``graph`` itself is unchanged."""
     graph.validate()
     g = graph
-    if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
-        raise ValueError(f"parts must be a positive integer, not {parts!r}")
+    _check_parts(parts)
     new = DataflowGraph(g.name)
     blocks = {}         # node -> [(block node, first column, past the last)]
     whole = {}
