@@ -100,6 +100,15 @@ def _name(name, where):
     return name
 
 
+def _option_item(option, item, form):
+    """``(name, text, where)`` of one ``option NAME=TEXT`` the user typed, the name checked
+    (:func:`_name`); ``form`` is what the refusal says the option takes."""
+    name, sep, text = item.partition("=")
+    if not sep or not name or not text:
+        raise UserError(f"{option} must be {form}, not {item!r}")
+    return _name(name, option), text, f"{option} {name}"
+
+
 def _fabric_kw(values):
     kw = dict(_BASE)
     kw.update({k: v for k, v in values.items() if k in _SIGNATURE})
@@ -207,11 +216,7 @@ def spec_from_args(args):
         axes[name] = [_value(name, v, where) for v in values]
         labels[name] = where
     for item in args.axis:
-        name, sep, text = item.partition("=")
-        where = f"--axis {name}"
-        if not sep or not name or not text:
-            raise UserError(f"--axis must be NAME=VALUE,VALUE,..., not {item!r}")
-        _name(name, "--axis")
+        name, text, where = _option_item("--axis", item, "NAME=VALUE,VALUE,...")
         values = text.split(",")
         if name == "layout":
             values = [text]              # a layout has no commas; take it whole
@@ -223,11 +228,7 @@ def spec_from_args(args):
         fixed[name] = _value(name, value, where)
         flabels[name] = where
     for item in args.fixed:
-        name, sep, text = item.partition("=")
-        where = f"--fixed {name}"
-        if not sep or not name or not text:
-            raise UserError(f"--fixed must be NAME=VALUE, not {item!r}")
-        _name(name, "--fixed")
+        name, text, where = _option_item("--fixed", item, "NAME=VALUE")
         fixed[name] = _value(name, text, where, text=True)
         flabels[name] = where
     for name in axes:
