@@ -482,6 +482,13 @@ def _infer_act(kind):
     return infer
 
 
+def _infer_logistic(kind):
+    def infer(node, inputs, attrs):
+        _intop_check(node, kind, intops.check_logistic, attrs)
+        return dataclasses.replace(inputs[0], dtype="int32")
+    return infer
+
+
 def _infer_norm(kind):
     def infer(node, inputs, attrs):
         x, *params = inputs
@@ -604,6 +611,14 @@ OP_KINDS = dict([
           _work_passes(12),
           "integer SiLU (x times a polynomial sigmoid), int32; attrs mult, shift, clip "
           "(silu_params)"),
+    _spec("sigmoid", 1, _infer_logistic("sigmoid"),
+          lambda a, attrs: intops.sigmoid_ref(a[0], attrs), _work_passes(24),
+          "integer sigmoid (i-exp of -abs(x), a polynomial reciprocal and a Newton step), "
+          "int32 of scale 2^-15; attrs mult, shift, clip (sigmoid_params)"),
+    _spec("tanh", 1, _infer_logistic("tanh"), lambda a, attrs: intops.tanh_ref(a[0], attrs),
+          _work_passes(23),
+          "integer tanh (as sigmoid of 2 abs(x), signed), int32 of scale 2^-14; attrs mult, "
+          "shift, clip (tanh_params)"),
     _spec("layer_norm", 3, _infer_norm("layer_norm"), _eval_layer_norm, _work_passes(10, 700),
           "integer LayerNorm over the last axis of x with weight, bias (C,), int32; attrs "
           "shift, frac, eps (layer_norm_params)"),

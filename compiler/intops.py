@@ -33,11 +33,13 @@ import numpy as np
 __all__ = [
     "EXP_BITS", "ACT_BITS", "ACT_G_SHIFT", "NORM_BITS", "MAX_LENGTH", "RECIP_BITS", "SUM_BITS",
     "NORM_ONE",
+    "LOGISTIC",
     "exp_params", "softmax_params", "gelu_params", "silu_params", "layer_norm_params",
-    "rms_norm_params", "output_scale", "requant",
+    "rms_norm_params", "sigmoid_params", "tanh_params", "output_scale", "requant",
     "exp_consts", "act_consts", "softmax_sum_shift", "softmax_dtype", "norm_consts",
-    "check_exp", "check_softmax", "check_act", "check_norm",
-    "exp_ref", "softmax_ref", "gelu_ref", "silu_ref", "act_ref", "layer_norm_ref",
+    "logistic_consts", "check_exp", "check_softmax", "check_act", "check_norm",
+    "check_logistic", "exp_ref", "softmax_ref", "gelu_ref", "silu_ref", "act_ref",
+    "sigmoid_ref", "tanh_ref", "logistic_ref", "logistic_of_u", "layer_norm_ref",
     "rms_norm_ref", "embedding_ref", "reciprocal", "isqrt", "normalize", "shift_in",
 ]
 
@@ -84,6 +86,27 @@ ACT_G_SHIFT = 14
 #: sigmoid, minimising the largest ``|x (sigmoid(x) - H(x))|`` over a grid of [0, 16] (the
 #: same second-order form, so both share one kernel).
 ACT_POLY = {"gelu": (0.2888 / 4, 1.769 * math.sqrt(2)), "silu": (0.0156, 4.92)}
+# --- sigmoid and tanh: 1 / (1 + exp(-|x|)), a polynomial reciprocal and one Newton step ------
+
+#: Fraction bits of ``e = exp(-|x|)``, of ``d = 1 + e`` and of ``y = 1 / d`` (Q15).
+SIG_BITS = 15
+#: Right shift of i-exp's result before it is brought to Q15 (``L >> (z + 8)`` has 15 bits, so
+#: its product with :data:`SIG_ME` fits int32).
+SIG_E_SHIFT = 8
+#: ``e = (E * SIG_ME) >> SIG_BITS`` brings ``E = L >> (z + 8)`` (scale ``EXP_SCALE * 2**8``) to
+#: Q15; the kernel computes ``-e`` (``E * -SIG_ME``).
+SIG_ME = round(EXP_SCALE * (1 << SIG_E_SHIFT) * (1 << SIG_BITS) * (1 << SIG_BITS))
+#: ``1/d ~ p(d) = 70/33 - 16/11 d + 32/99 d^2`` on ``[1, 2]``, the minimax quadratic of the
+#: relative error (``|1 - d p(d)| <= 1/99``), as ``((alpha - beta e) (-(1 + e)) >> 15) +
+#: gamma`` in ``e = d - 1``: ``beta = 32/99``, ``alpha = 112/99``, ``gamma = 210/99``.
+SIG_BETA = round(32 / 99 * (1 << SIG_BITS))
+SIG_ALPHA = round(112 / 99 * (1 << SIG_BITS))
+SIG_GAMMA = round(210 / 99 * (1 << SIG_BITS))
+#: The input's weight per kind: ``sigmoid(x) = 1/2 + sgn(x) (y - 1/2)`` with ``y = 1 / (1 +
+#: exp(-|x|))``; ``tanh(x) = 2 sigmoid(2x) - 1 = sgn(x) (2y - 1)`` with ``exp(-2|x|)``: the
+#: input counts twice, and the result ``sgn(x) (y - 1/2)`` has scale ``2**-14``.
+LOGISTIC = {"sigmoid": 1, "tanh": 2}
+
 # --- LayerNorm and RMSNorm ------------------------------------------------------------------
 
 #: The shifted input is saturated to ``NORM_BITS`` bits and a sign (``x'`` of layer_norm in
@@ -351,6 +374,76 @@ def silu_ref(x, attrs):
     return act_ref("silu", x, attrs)
 
 
+# --- sigmoid and tanh ------------------------------------------------------------------------
+
+def logistic_consts():
+    """``(m_e, beta, alpha, gamma)`` of ``sigmoid`` and ``tanh``: constants of the algorithm
+    (:data:`SIG_ME`, :data:`SIG_BETA`, :data:`SIG_ALPHA`, :data:`SIG_GAMMA`)."""
+    return SIG_ME, SIG_BETA, SIG_ALPHA, SIG_GAMMA
+
+
+def _logistic_params(kind, input_scale):
+    return requant(LOGISTIC[kind] * _scale(input_scale) / EXP_SW, EXP_U_MAX)
+
+
+def sigmoid_params(input_scale):
+    """Attributes of ``sigmoid`` for an input of scale ``input_scale``: ``mult``, ``shift``,
+    ``clip`` (``u = (min(|x|, clip) * mult) >> shift`` is ``|x|`` in i-exp's working scale
+    ``ln 2 / 2**EXP_BITS``, as :func:`exp_params`)."""
+    return _logistic_params("sigmoid", input_scale)
+
+
+def tanh_params(input_scale):
+    """Attributes of ``tanh``: as :func:`sigmoid_params` for ``2 |x|``."""
+    return _logistic_params("tanh", input_scale)
+
+
+def check_logistic(attrs):
+    """Validate the attributes of ``sigmoid`` or ``tanh``."""
+    return _check_requant(attrs, EXP_U_MAX)
+
+
+def logistic_of_u(u):
+    """``w = y - 2**14`` (Q15, ``y ~ 1 / (1 + exp(-u S_w))``) for ``0 <= u <= EXP_U_MAX``:
+    ``E = i-exp(u) >> 8``, ``n = (E * -m_e) >> 15`` (``-e``), ``D = n - 2**15`` (``-d``),
+    ``y0 = (((n * beta) >> 15) + alpha) * D >> 15) + gamma``, one Newton step ``y = (y0 *
+    (((y0 * D) >> 15) + 2**16)) >> 15``, ``w = max(y - 2**14, 0)`` (``y`` is at least 1/2:
+    the few steps below it near ``u = 0``, where i-exp gives ``e`` just above 1, are 0, so
+    ``sigmoid(0)`` is 1/2 and ``tanh(0)`` 0 exactly)."""
+    u = np.asarray(u, dtype=np.int64)
+    e = _iexp_u(u) >> SIG_E_SHIFT
+    n = _i32(e * -SIG_ME) >> SIG_BITS
+    d = n - (1 << SIG_BITS)
+    y0 = (_i32(_i32((_i32(n * SIG_BETA) >> SIG_BITS) + SIG_ALPHA) * d) >> SIG_BITS) + SIG_GAMMA
+    t = (_i32(y0 * d) >> SIG_BITS) + (2 << SIG_BITS)
+    return np.maximum((_i32(y0 * t) >> SIG_BITS) - (1 << (SIG_BITS - 1)), 0)
+
+
+def logistic_ref(kind, x, attrs):
+    """``sigmoid`` (Q15: scale ``2**-15``) or ``tanh`` (scale ``2**-14``) of ``x``, int32:
+    ``t = clip(x, -clip, clip) * mult``, ``m = t >> 31``, ``u = ((t ^ m) - m) >> shift``
+    (``|t| >> shift``), ``w =`` :func:`logistic_of_u` ``(u)``, ``(w ^ m) - m`` (``sgn(x) w``),
+    plus ``2**14`` for sigmoid."""
+    x = np.asarray(x)
+    mult, shift, clip = attrs["mult"], attrs["shift"], attrs["clip"]
+    t = _i32(np.clip(x.astype(np.int64), -clip, clip) * mult)
+    m = t >> 31
+    u = ((t ^ m) - m) >> shift
+    w = logistic_of_u(u)
+    out = (w ^ m) - m + ((1 << (SIG_BITS - 1)) if kind == "sigmoid" else 0)
+    return _i32(out).astype(np.int32)
+
+
+def sigmoid_ref(x, attrs):
+    """Sigmoid, Q15 (:func:`logistic_ref`)."""
+    return logistic_ref("sigmoid", x, attrs)
+
+
+def tanh_ref(x, attrs):
+    """tanh, scale ``2**-14`` (:func:`logistic_ref`)."""
+    return logistic_ref("tanh", x, attrs)
+
+
 # --- LayerNorm and RMSNorm -------------------------------------------------------------------
 
 def norm_consts(kind, length):
@@ -534,7 +627,8 @@ def _scale(s):
 def output_scale(kind, attrs, weight_scale=None):
     """The float scale of the integer result of op ``kind`` with ``attrs``: ``exp``
     :data:`EXP_SCALE`; ``softmax`` ``2**-out_bits``; ``gelu``, ``silu`` ``S_t / (2 q)``
-    (about ``alpha S_t^3 2**14``); ``layer_norm``, ``rms_norm`` ``weight_scale / 2**frac``."""
+    (about ``alpha S_t^3 2**14``); ``layer_norm``, ``rms_norm`` ``weight_scale / 2**frac``;
+    ``sigmoid`` ``2**-15``, ``tanh`` ``2**-14``."""
     if kind == "exp":
         return EXP_SCALE
     if kind == "softmax":
@@ -544,4 +638,6 @@ def output_scale(kind, attrs, weight_scale=None):
         return c / (1 << ACT_BITS) * 0.5 / act_consts(kind)[2]
     if kind in ("layer_norm", "rms_norm"):
         return _scale(weight_scale) / (1 << attrs["frac"])
+    if kind in LOGISTIC:
+        return 2.0 ** -(SIG_BITS + 1 - LOGISTIC[kind])
     raise ValueError(f"op kind {kind!r} has no integer scale rule here")

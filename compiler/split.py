@@ -35,7 +35,8 @@ __all__ = ["ROW_WISE", "COLUMN_WISE", "split_rows", "split_cols", "split_graph",
 #: Op kinds that compute each output row from the same row of their first operand (the other
 #: operands broadcast along the rows or have the same rows), so they continue a split.
 ROW_WISE = frozenset({"matmul", "add", "sub", "mul", "max", "min", "relu", "shr", "shl", "clip",
-                      "exp", "gelu", "silu", "softmax", "layer_norm", "rms_norm"})
+                      "exp", "gelu", "silu", "softmax", "layer_norm", "rms_norm", "sigmoid",
+                      "tanh"})
 
 #: Kinds whose other operands have the first operand's rows (split alike) or broadcast.
 _ELEMENTWISE = frozenset({"add", "sub", "mul", "max", "min"})
@@ -162,7 +163,7 @@ def _fresh(g, name):
 #: Op kinds that compute each output column from the same column of their first operand
 #: (the other operand, if any, split alike or broadcast), so they continue a column split.
 COLUMN_WISE = frozenset({"add", "sub", "mul", "max", "min", "relu", "shr", "shl", "clip", "exp",
-                         "gelu", "silu"})
+                         "gelu", "silu", "sigmoid", "tanh"})
 
 
 #: Binary kinds whose operands may be swapped (integer add and product, max, min): a split

@@ -377,7 +377,7 @@ class Lowerer:
                 return [(f"ltail{lay.cols}", row[-lanes:].reshape(1, lanes))] if (
                     lay.cols % lanes) else []
             return [(f"lrow{lay.cols}", row.reshape(-1, lanes))]
-        if op.kind == "exp" and self.tensors[op.out].layout.cols % lanes:
+        if op.kind in ("exp", "sigmoid") and self.tensors[op.out].layout.cols % lanes:
             return [self._mask_row(self.tensors[op.out].layout.cols)]
         return []
 

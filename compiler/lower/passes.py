@@ -40,7 +40,7 @@ LOWERABLE_KINDS = frozenset({
     "input", "const", "output", "matmul", "add", "sub", "mul", "max", "min", "relu", "shr",
     "shl", "clip", "transpose", "reduce_sum", "reduce_max", "slice", "concat", "append", "topk",
     "take", "dispatch", "combine", "exp", "softmax", "gelu", "silu", "layer_norm", "rms_norm",
-    "embedding",
+    "embedding", "sigmoid", "tanh",
 })
 
 _BINARY = {"add": AluFn.ADD, "sub": AluFn.SUB, "mul": AluFn.MUL, "max": AluFn.MAX,
@@ -279,6 +279,7 @@ class Legalize(LoweringPass):
                     **{k: v for k, v in attrs.items() if v is not None})
 
     _exp = _softmax = _gelu = _silu = _layer_norm = _rms_norm = _embedding = _intop
+    _sigmoid = _tanh = _intop
 
 
 @dataclasses.dataclass(frozen=True)

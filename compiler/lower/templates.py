@@ -859,14 +859,23 @@ def exp(lw, g, op):
     a = op.attrs
     first = clip_stages(op.attrs["dtype"], -a["clip"], 0) + [
         (AluFn.MUL, -a["mult"], a["shift"])]
+    elementwise(lw, g, op, 2, first, iexp_passes, padding_mask(lw, g, op))
+
+
+def padding_mask(lw, g, op):
+    """The ``after`` of :func:`elementwise` for an op whose 0 is not 0 (exp, sigmoid): one
+    AND stream of every row with the ``mask{cols}`` constant zeroes the padding lanes; None
+    when the rows have none."""
     lo = lw.tensors[op.out].layout
+    if not lo.cols % lw.lanes:
+        return None
 
     def mask(n):
         rows = lo.rows if not isinstance(n, Reg) else rows_of(g, R2, lo.cw, R3, R4)
         g.asm.stream(AluFn.AND, a=g.out, a_base=0, n=lo.cw, outer=rows, a_ostride=lo.cw,
                      b_mode=BMode.LOCAL, b_val=g.local[f"mask{lo.cols}"], b_stride=1,
                      b_ostride=0, d_mode=DMode.WRITE, d_ref=g.out, d_base=0, d_stride=1)
-    elementwise(lw, g, op, 2, first, iexp_passes, mask if lo.cols % lw.lanes else None)
+    return mask
 
 
 def act(kind):
@@ -899,6 +908,50 @@ def act(kind):
 
 act("gelu")
 act("silu")
+
+
+def logistic(kind):
+    @template(kind)
+    def lower_logistic(lw, g, op):
+        """``t = x * mult``, its sign ``m = t >> 31`` kept in slot 0, ``u = ((t ^ m) - m) >>
+        shift``, i-exp (slots 1 and 2) shifted right by 8, ``n = -e`` in Q15, ``D = n - 2**15``
+        (``-d``) into slot 1, the quadratic ``y0`` (Horner), one Newton step (``y0`` in slot
+        2), ``w = relu(y - 2**14)``, ``(w ^ m) - m`` (+ ``2**14`` for sigmoid); padding lanes
+        masked at the end for sigmoid (its 0 is 2**14). No division: about 24 stream passes
+        (:func:`rdakit.compiler.intops.logistic_ref`)."""
+        a = op.attrs
+        m_e, beta, alpha, gamma = intops.logistic_consts()
+        one = 1 << intops.SIG_BITS
+        first = clip_stages(a["dtype"], -a["clip"], a["clip"]) + [(AluFn.MUL, a["mult"], 0)]
+        d_slot, y_slot = 1, 2
+
+        def rest(p, slot):
+            p.run(AluFn.PASS, dst=slot(0), shift=31)                # m
+            p.run(AluFn.XOR, slot(0))
+            p.run(AluFn.SUB, slot(0), shift=a["shift"])             # u = |t| >> shift
+            iexp_passes(p, lambda k: slot(1 + k), intops.SIG_E_SHIFT)
+            p.run(AluFn.MUL, -m_e, shift=intops.SIG_BITS)           # n = -e
+            p.run(AluFn.ADD, -one, slot(d_slot))                    # D = -d
+            p.run(AluFn.MUL, beta, shift=intops.SIG_BITS)
+            p.run(AluFn.ADD, alpha)
+            p.run(AluFn.MUL, slot(d_slot), shift=intops.SIG_BITS)
+            p.run(AluFn.ADD, gamma)                                 # y0
+            p.run(AluFn.PASS, dst=slot(y_slot))
+            p.run(AluFn.MUL, slot(d_slot), shift=intops.SIG_BITS)
+            p.run(AluFn.ADD, 2 * one)                               # 2 - d y0
+            p.run(AluFn.MUL, slot(y_slot), shift=intops.SIG_BITS)   # y
+            p.run(AluFn.ADD, -(one >> 1), relu=True)                # w
+            p.run(AluFn.XOR, slot(0))
+            p.run(AluFn.SUB, slot(0))                               # sgn(x) w
+            if kind == "sigmoid":
+                p.run(AluFn.ADD, one >> 1)
+        after = padding_mask(lw, g, op) if kind == "sigmoid" else None
+        elementwise(lw, g, op, 3, first, rest, after)
+    return lower_logistic
+
+
+logistic("sigmoid")
+logistic("tanh")
 
 
 @template("softmax")
