@@ -409,12 +409,15 @@ class Lowerer:
                 for w, row in enumerate(words):
                     g.local_words[g.local_top + w] = [int(v) for v in row]
 
-    def need_local(self, g, op, words):
+    def need_local(self, g, op, words, why=None):
+        """Refuse op if it needs more than ``words`` of the free local buffer (``why``: what
+        they hold, said in the message)."""
         if words > g.local_top:
             consts = self.cp.local_words - g.local_top
             kind = self.plan.g.kind(op.node)
+            what = f" ({why})" if why else ""
             raise LoweringError(f"Node {op.node!r} ({kind}) needs {words} words of the local "
-                                f"buffer but CU {g.xy} has {g.local_top} (local_words = "
+                                f"buffer{what} but CU {g.xy} has {g.local_top} (local_words = "
                                 f"{self.cp.local_words}, {consts} taken by constants)")
 
     # --- references, tokens, messages --------------------------------------------------------

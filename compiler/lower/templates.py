@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from rdakit.compiler import intops
-from rdakit.compiler.lower.layout import INT_MIN, MASK32
+from rdakit.compiler.lower.layout import INT_MAX, INT_MIN, MASK32
 from rdakit.compiler.lower.registers import (
     COUNT,
     R0,
@@ -122,6 +122,9 @@ def matmul_nt(lw, g, op):
     ra, base_a = lw.ref(g, a)
     rb, base_b = lw.ref(g, b)
     kw = la.cw
+    if kw > g.local_top:
+        matmul_long(lw, g, op)
+        return
     lw.need_local(g, op, kw)
     asm, out = g.asm, g.out
 
@@ -159,6 +162,68 @@ def matmul_nt(lw, g, op):
         row_loop(lw, g, a, ra, [(R1, base_a, kw)], body)
     if la.dynamic:
         rows_length(g, op.out, COUNT, kw, lw.tensors[op.out].layout.cw)
+
+
+def matmul_long(lw, g, op):
+    """A row of A longer than the free local buffer (K in chunks): the output row's elements
+    are accumulated in the local buffer (``cwo`` words, zeroed by one stream), and per chunk of
+    K the chunk of A's row is staged beside them and, per column j of the product, one SUM
+    stream of ``Bᵀ[j, chunk] * chunk`` is added to element j (LGET, ADD, LSET); the row is then
+    appended from the local buffer with VSET and VAPPEND. Sums wrap like the reference's."""
+    a, b = op.ins[:2]
+    la, lb = lw.tensors[a].layout, lw.tensors[b].layout
+    ra, base_a = lw.ref(g, a)
+    rb, base_b = lw.ref(g, b)
+    asm, out = g.asm, g.out
+    kw, lanes = la.cw, lw.lanes
+    cwo = lw.tensors[op.out].layout.cw
+    lw.need_local(g, op, cwo + 1,
+                  f"a row of A of {kw} words is longer than it: the product's row of {cwo} "
+                  f"words and a word of A")
+    chunk = chunk_words(kw, g.local_top - cwo)
+    acc = chunk * lanes                       # the accumulators' first element
+    ncols = lb.rows
+
+    def columns(n):
+        # R6 = A's chunk (R1 + R4 - base_b), staged at word 0; R7 walks the rows of Bᵀ and R0
+        # the accumulators.
+        asm.alui(AluFn.ADD, R6, R4, -base_b)
+        asm.alu(AluFn.ADD, R6, R6, R1)
+        asm.stream(AluFn.PASS, a=ra, a_base=R6, n=n, d_mode=DMode.LOCAL, d_base=0)
+        asm.alui(AluFn.ADD, R7, R4, 0)
+        asm.li(R0, acc)
+
+        def col(head):
+            asm.stream(AluFn.MUL, a=rb, a_base=R7, n=n, b_mode=BMode.LOCAL, b_val=0,
+                       b_stride=1, d_mode=DMode.SUM, rd=R5)
+            asm.emit(Op.LGET, rd=R6, rb=R0, imm=0)
+            asm.alu(AluFn.ADD, R6, R6, R5)
+            asm.emit(Op.LSET, ra=R6, rb=R0, imm=0)
+            asm.alui(AluFn.ADD, R7, R7, kw)
+            asm.alui(AluFn.ADD, R0, R0, 1)
+            asm.alui(AluFn.SLT, R6, R0, acc + ncols)
+            asm.branch(Op.BNZ, head, ra=R6)
+        asm.loop(col)
+
+    def body():
+        asm.stream(AluFn.AND, a=ra, a_base=R1, a_stride=0, n=cwo, d_mode=DMode.LOCAL,
+                   d_base=chunk)
+        column_chunks(asm, kw, chunk, [(R4, base_b)], R3, columns)
+        asm.li(R7, acc)
+        asm.li(R6, cwo)
+
+        def word(head):
+            asm.emit(Op.VCLR)
+            for lane in range(lanes):
+                asm.emit(Op.LGET, rd=R5, rb=R7, imm=lane)
+                asm.emit(Op.VSET, fn=lane, ra=R5)
+            asm.emit(Op.VAPPEND, rd=SINK, ra=out)
+            asm.alui(AluFn.ADD, R7, R7, lanes)
+            asm.branch(Op.LOOP, head, ra=R6)
+        asm.loop(word)
+    row_loop(lw, g, a, ra, [(R1, base_a, kw)], body)
+    if la.dynamic:
+        rows_length(g, op.out, COUNT, kw, cwo)
 
 
 def rows_length(g, out, reg, cw_in, cw_out):
@@ -456,6 +521,9 @@ def reduce(lw, g, op):
     if rows == 1:
         asm.stream(AluFn.PASS, a=rx, a_base=base, n=cw, d_mode=DMode.APPEND, d_ref=out)
         return
+    if cw > g.local_top:
+        reduce_cols_long(lw, g, op, fn, rx, base)
+        return
     lw.need_local(g, op, cw)
     asm.stream(AluFn.PASS, a=rx, a_base=base + cw, n=cw, d_mode=DMode.LOCAL, d_base=0)
     if rows > 2:
@@ -470,6 +538,33 @@ def reduce(lw, g, op):
         asm.loop(body)
     asm.stream(fn, a=rx, a_base=base, n=cw, b_mode=BMode.LOCAL, b_val=0, b_stride=1,
                d_mode=DMode.APPEND, d_ref=out)
+
+def reduce_cols_long(lw, g, op, fn, rx, base):
+    """A reduction over rows whose rows are longer than the free local buffer: the same
+    streams as the row form, chunk of columns by chunk (R3 walks the chunks), each chunk's
+    result appended in order."""
+    lx = lw.tensors[op.ins[0]].layout
+    asm, out = g.asm, g.out
+    cw, rows = lx.cw, lx.rows
+    lw.need_local(g, op, 1)
+    chunk = chunk_words(cw, g.local_top)
+
+    def columns(n):
+        asm.alui(AluFn.ADD, R1, R3, cw)
+        asm.stream(AluFn.PASS, a=rx, a_base=R1, n=n, d_mode=DMode.LOCAL, d_base=0)
+        if rows > 2:
+            asm.li(R2, rows - 2)
+
+            def body(head):
+                asm.alui(AluFn.ADD, R1, R1, cw)
+                asm.stream(fn, a=rx, a_base=R1, n=n, b_mode=BMode.LOCAL, b_val=0,
+                           b_stride=1, d_mode=DMode.LOCAL, d_base=0)
+                asm.branch(Op.LOOP, head, ra=R2)
+            asm.loop(body)
+        asm.stream(fn, a=rx, a_base=R3, n=n, b_mode=BMode.LOCAL, b_val=0, b_stride=1,
+                   d_mode=DMode.APPEND, d_ref=out)
+    column_chunks(asm, cw, chunk, [(R3, base)], R0, columns)
+
 
 class RowTable:
     """The scalars of a small static tensor a template reads by run-time position, row by row
@@ -534,6 +629,9 @@ def topk(lw, g, op):
     k = op.attrs["k"]
     ew = lx.cw
     lanes = lw.lanes
+    if ew > g.local_top:
+        topk_long(lw, g, op, rx, bx)
+        return
     lw.need_local(g, op, ew)
     asm, out = g.asm, g.out
 
@@ -562,6 +660,180 @@ def topk(lw, g, op):
                 asm.emit(Op.LSET, ra=R6, rb=R5, imm=0)
     row_loop(lw, g, x, rx, [(R1, bx, ew)], body)
 
+def topk_long(lw, g, op, rx, bx):
+    """Top-k of rows longer than the free local buffer, with no copy of the row: each round
+    finds the next element in the reference's order (largest first, the lower index on ties)
+    after the previous one, ``(v, i)``. The candidates are the elements below ``v`` and those
+    equal to it after ``i``; an ARGMAX stream over the whole words up to ``i`` of ``x - c``
+    (``c = v XOR INT_MIN``, wrapping: every element ``>= v`` ranks below every element
+    ``< v``, which keep their order) and one over the whole words after ``i`` with ``c + 1``
+    (``<= v`` above ``> v``; the first round, ``v = INT_MAX`` and ``c + 1 = 0``: the plain
+    ARGMAX) give each part's first largest candidate, checked against ``v``; the word holding
+    ``i + 1`` (when it starts inside a word) and the last word (padding lanes) are staged in one
+    local word and scanned element by element. The rounds' indices and values are kept in the
+    local buffer (two words of it per ``lanes`` of ``k``, so a ``k`` the local buffer cannot
+    hold is refused) and appended at the end of the row."""
+    lx = lw.tensors[op.ins[0]].layout
+    asm, out = g.asm, g.out
+    k, lanes, lb, cols = op.attrs["k"], lw.lanes, lw.lb, lx.cols
+    full = cols // lanes                   # whole words (the last word has padding after)
+    first = lanes + 1                      # element of index 0 (index -1: the sentinel)
+    voff = k + 1                           # from an index to its value
+    lw.need_local(g, op, -(-(first + 2 * k + 1) // lanes),
+                  f"a row of {cols} elements is longer than it: one word and the k = {k} "
+                  f"indices and values found")
+    ok = asm.label
+
+    def prev_index(rd):
+        asm.emit(Op.LGET, rd=rd, rb=R3, imm=-1)
+
+    def prev_value(rd):
+        asm.emit(Op.LGET, rd=rd, rb=R3, imm=voff - 1)
+
+    def word(el):
+        """Scan the word whose first element is ``el`` (in R5), to its end or to ``cols``."""
+        asm.alui(AluFn.SHRU, R4, R5, lb)
+        asm.alu(AluFn.ADD, R4, R4, R1)
+        asm.stream(AluFn.PASS, a=rx, a_base=R4, n=1, d_mode=DMode.LOCAL, d_base=0)
+
+        def scan(head):
+            cand, take, nxt, end = ok(), ok(), ok(), ok()
+            asm.alui(AluFn.AND, R4, R5, lanes - 1)
+            asm.emit(Op.LGET, rd=R4, rb=R4, imm=0)
+            prev_value(R0)
+            asm.branch(Op.BLT, cand, ra=R4, rb=R0)
+            asm.alu(AluFn.XOR, R0, R4, R0)
+            asm.branch(Op.BNZ, nxt, ra=R0)
+            prev_index(R0)
+            asm.branch(Op.BLT, cand, ra=R0, rb=R5)
+            asm.branch(Op.JMP, nxt)
+            asm.place(cand)
+            asm.alui(AluFn.SLT, R0, R7, 0)
+            asm.branch(Op.BNZ, take, ra=R0)
+            asm.branch(Op.BLT, take, ra=R6, rb=R4)
+            asm.branch(Op.JMP, nxt)
+            asm.place(take)
+            asm.alui(AluFn.ADD, R6, R4, 0)
+            asm.alui(AluFn.ADD, R7, R5, 0)
+            asm.place(nxt)
+            asm.alui(AluFn.ADD, R5, R5, 1)
+            asm.alui(AluFn.AND, R0, R5, lanes - 1)
+            asm.branch(Op.BZ, end, ra=R0)
+            asm.alui(AluFn.SLT, R0, R5, cols)
+            asm.branch(Op.BNZ, head, ra=R0)
+            asm.place(end)
+        asm.loop(scan)
+
+    def rnd(head):
+        # R6, R7: the best candidate's value and index (R7 < 0: none yet).
+        asm.li(R7, -1)
+        # The whole words before the word holding i + 1: candidates below v.
+        skip = ok()
+        prev_index(R0)
+        asm.alui(AluFn.ADD, R0, R0, 1)
+        asm.alui(AluFn.SHRU, R5, R0, lb)
+        asm.branch(Op.BZ, skip, ra=R5)
+        prev_value(R0)
+        asm.alui(AluFn.XOR, R0, R0, INT_MIN)
+        asm.stream(AluFn.SUB, a=rx, a_base=R1, n=R5, b_mode=BMode.SCALAR, b_val=R0,
+                   d_mode=DMode.ARGMAX, rd=R4)
+        asm.alu(AluFn.ADD, R4, R4, R0)
+        prev_value(R0)
+        valid = ok()
+        asm.branch(Op.BLT, valid, ra=R4, rb=R0)
+        asm.branch(Op.JMP, skip)
+        asm.place(valid)
+        asm.alui(AluFn.ADD, R6, R4, 0)
+        asm.alui(AluFn.ADD, R7, R5, 0)
+        asm.place(skip)
+        if lanes > 1:
+            # The word holding i + 1 when i + 1 is not its first element.
+            skip = ok()
+            prev_index(R0)
+            asm.alui(AluFn.ADD, R0, R0, 1)
+            asm.alui(AluFn.AND, R4, R0, lanes - 1)
+            asm.branch(Op.BZ, skip, ra=R4)
+            asm.alui(AluFn.AND, R5, R0, -lanes)
+            word(R5)
+            asm.place(skip)
+        # The whole words from the first after i: candidates up to v.
+        skip = ok()
+        prev_index(R0)
+        asm.alui(AluFn.ADD, R0, R0, lanes)
+        asm.alui(AluFn.SHRU, R0, R0, lb)
+        asm.li(R5, full)
+        asm.alu(AluFn.SUB, R5, R5, R0)
+        asm.alui(AluFn.SLT, R4, R5, 1)
+        asm.branch(Op.BNZ, skip, ra=R4)
+        asm.alu(AluFn.ADD, R4, R0, R1)
+        prev_value(R0)
+        asm.alui(AluFn.XOR, R0, R0, INT_MIN)
+        asm.alui(AluFn.ADD, R0, R0, 1)
+        asm.stream(AluFn.SUB, a=rx, a_base=R4, n=R5, b_mode=BMode.SCALAR, b_val=R0,
+                   d_mode=DMode.ARGMAX, rd=R4)
+        asm.alu(AluFn.ADD, R4, R4, R0)
+        prev_value(R0)
+        asm.branch(Op.BLT, skip, ra=R0, rb=R4)
+        take = ok()
+        asm.alui(AluFn.SLT, R0, R7, 0)
+        asm.branch(Op.BNZ, take, ra=R0)
+        asm.branch(Op.BLT, take, ra=R6, rb=R4)
+        asm.branch(Op.JMP, skip)
+        asm.place(take)
+        asm.alui(AluFn.ADD, R6, R4, 0)
+        prev_index(R0)
+        asm.alui(AluFn.ADD, R0, R0, lanes)
+        asm.alui(AluFn.AND, R0, R0, -lanes)
+        asm.alu(AluFn.ADD, R7, R5, R0)
+        asm.place(skip)
+        if cols % lanes:
+            # The last word (its padding lanes left out), unless scanned above already.
+            skip = ok()
+            prev_index(R0)
+            asm.alui(AluFn.ADD, R0, R0, lanes)
+            asm.alui(AluFn.SHRU, R0, R0, lb)
+            asm.alui(AluFn.SLT, R0, R0, full + 1)
+            asm.branch(Op.BZ, skip, ra=R0)
+            asm.li(R5, full * lanes)
+            word(R5)
+            asm.place(skip)
+        asm.emit(Op.LSET, ra=R7, rb=R3, imm=0)
+        asm.emit(Op.LSET, ra=R6, rb=R3, imm=voff)
+        asm.alui(AluFn.ADD, R3, R3, 1)
+        asm.alui(AluFn.SLT, R0, R3, first + k)
+        asm.branch(Op.BNZ, head, ra=R0)
+
+    def body():
+        asm.li(R3, first)
+        asm.li(R0, -1)
+        asm.emit(Op.LSET, ra=R0, rb=R3, imm=-1)
+        asm.li(R0, INT_MAX)
+        asm.emit(Op.LSET, ra=R0, rb=R3, imm=voff - 1)
+        asm.loop(rnd)
+        # The indices out, a word of lanes at a time (R3 walks them, R4 counts).
+        asm.li(R3, first)
+        whole, rest = divmod(k, lanes)
+
+        def put(n):
+            asm.emit(Op.VCLR)
+            for lane in range(n):
+                asm.emit(Op.LGET, rd=R5, rb=R3, imm=lane)
+                asm.emit(Op.VSET, fn=lane, ra=R5)
+            asm.emit(Op.VAPPEND, rd=SINK, ra=out)
+
+        if whole:
+            asm.li(R4, whole)
+
+            def words(head):
+                put(lanes)
+                asm.alui(AluFn.ADD, R3, R3, lanes)
+                asm.branch(Op.LOOP, head, ra=R4)
+            asm.loop(words)
+        if rest:
+            put(rest)
+    row_loop(lw, g, op.ins[0], rx, [(R1, bx, lx.cw)], body)
+
+
 @template("take")
 def take(lw, g, op):
     """x[t, idx[t, j]]: the row of x is copied to the local buffer, and each element at a
@@ -572,19 +844,32 @@ def take(lw, g, op):
     k = li.cols
     lanes = lw.lanes
     asm, out = g.asm, g.out
-    (ti,) = stage(lw, g, op, lx.cw, [idx])
+    # A row longer than the free local buffer: the word of each element is copied alone.
+    long = lx.cw > g.local_top
+    (ti,) = stage(lw, g, op, 1 if long else lx.cw, [idx])
 
     def body():
-        asm.stream(AluFn.PASS, a=rx, a_base=R1, n=lx.cw, d_mode=DMode.LOCAL, d_base=0)
+        if not long:
+            asm.stream(AluFn.PASS, a=rx, a_base=R1, n=lx.cw, d_mode=DMode.LOCAL, d_base=0)
         asm.emit(Op.VCLR)
         for j in range(k):
             ti.load(asm, R5, R3, j, R4)
+            if long:
+                take_word(asm, rx, lw.lb, lanes)
             asm.emit(Op.LGET, rd=R5, rb=R5, imm=0)
             asm.emit(Op.VSET, fn=j % lanes, ra=R5)
             if j % lanes == lanes - 1 or j == k - 1:
                 asm.emit(Op.VAPPEND, rd=SINK, ra=out)
                 asm.emit(Op.VCLR)
     row_loop(lw, g, x, rx, [(R1, bx, lx.cw), ti.offsets(R3)], body)
+
+def take_word(asm, rx, lb, lanes):
+    """The word of row R1 holding element R5 copied to local word 0, R5 its lane there."""
+    asm.alui(AluFn.SHRU, R4, R5, lb)
+    asm.alu(AluFn.ADD, R4, R4, R1)
+    asm.stream(AluFn.PASS, a=rx, a_base=R4, n=1, d_mode=DMode.LOCAL, d_base=0)
+    asm.alui(AluFn.AND, R5, R5, lanes - 1)
+
 
 def route_test(asm, table, r_row, k, expert, targets):
     """Branch to ``targets[j]`` at the first slot j of the row whose index is ``expert``;
