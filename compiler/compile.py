@@ -277,7 +277,8 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
     summary = CompileSummary(
         graph=graph.name, nodes=len(wl.graph), partitioner=result.strategy,
         parts=len(job.programs), cut=int(result.cut), imbalance=float(result.imbalance),
-        estimated_cycles=int(placed.makespan), lower_bound=float(result.lower_bound),
+        estimated_cycles=schedule_cost.estimate(placed.makespan),
+        lower_bound=float(result.lower_bound),
         instructions={cu: p.instructions for cu, p in job.programs.items()},
         mu_buffers={mu: (u["host_buffers"], u["bound_words"], u["bound_slots"])
                     for mu, u in job.mu_usage.items()},

@@ -14,8 +14,9 @@ Assumptions (documented with their reasons in ``docs/compiler.md``):
   Manhattan distance between their tiles (XY routing).
 - The estimated makespan of an assignment is the length of a list schedule: ops taken in
   decreasing upward rank (ties by topological index), each started on its CU when the CU is
-  free and all its inputs have arrived; no preemption, no insertion into idle gaps. Buffers
-  occupy no CU time.
+  free and all its inputs have arrived (a :class:`TimedCostModel` lets the share ``lead`` of
+  it run before its inputs from other CUs arrive); no preemption, no insertion into idle gaps.
+  Buffers occupy no CU time.
 """
 
 import dataclasses
@@ -26,7 +27,7 @@ import numpy as np
 from rdakit.compiler.graph import OP_KINDS
 
 __all__ = [
-    "CostModel", "EventCostModel", "EVENTS", "Schedule", "list_schedule", "upward_rank",
+    "CostModel", "TimedCostModel", "Schedule", "list_schedule", "upward_rank",
     "priority_order", "lower_bound", "hop_matrix",
 ]
 
@@ -54,6 +55,10 @@ class CostModel:
         If a parameter is not a positive integer (``mean_hops``: a non-negative number).
     """
 
+    #: The share of an op's cycles a CU may spend on it before its inputs from other CUs have
+    #: arrived (:func:`list_schedule`); the work model has none.
+    lead = 0.0
+
     lanes: int = 16
     op_overhead: int = 8
     link_bytes: int = 4
@@ -78,6 +83,10 @@ class CostModel:
             return 0
         return int(math.ceil(graph.work(node) / self.lanes)) + self.op_overhead
 
+    def estimate(self, makespan):
+        """The run's estimated cycles from a list schedule's ``makespan``."""
+        return int(makespan)
+
     def edge_bytes(self, graph, u, v):
         """Bytes the edge ``u -> v`` carries (expected, for dynamic tensors)."""
         if not graph.nx.has_edge(u, v):
@@ -98,49 +107,57 @@ class CostModel:
         return np.where(hops > 0, cycles, 0)
 
 
-#: The events of a CU program an :class:`EventCostModel` counts per node: stream steps, stream
-#: starts (SRUN), blocking MU instructions and the other instructions.
-EVENTS = ("steps", "streams", "mu", "instructions")
-
-
 @dataclasses.dataclass(frozen=True)
-class EventCostModel(CostModel):
-    """A cost model built from the events of the lowering: a node costs
-    ``steps + stream_cycles * streams + mu_cycles * mu + instr_cycles * instructions`` cycles,
-    with the events counted on the node's lowered code (``rdakit.sim.runtime.events``: the
-    workload lowered onto one CU and run on the interpreter, so run-time sizes count as they
-    are) and the per-event cycles fitted to RTL runs (``docs/compiler.md``). Nodes without
-    events (none were counted) keep :class:`CostModel`'s ``ceil(work / lanes) + op_overhead``.
+class TimedCostModel(CostModel):
+    """A cost model from the lowering's code, timed: a node costs ``overlap`` times the cycles
+    its lowered code took when the workload, lowered onto one CU, ran on the performance model
+    (``rdakit.sim.runtime.events.timed_cost_model``: the RTL's timing, run-time sizes as they
+    are). Nodes without cycles (none were timed) keep :class:`CostModel`'s
+    ``ceil(work / lanes) + op_overhead``. The constants are fitted to the measured cycles of
+    every ``rdakit bench e2e`` row (``docs/compiler.md``, the timed cost model).
 
     Parameters
     ----------
-    events : tuple
-        ``(node, steps, streams, mu, instructions)`` per node (counts may be fractional: a
-        fused chain's events are shared by its nodes in proportion to their work).
-    stream_cycles, mu_cycles, instr_cycles : float
-        Cycles a stream start, a blocking MU instruction and another instruction cost beyond
-        the stream's steps.
+    cycles : tuple
+        ``(node, cycles)`` per node (a fused chain's cycles are shared by its nodes in
+        proportion to their work).
+    fixed_cycles : float
+        Cycles of the one CU outside any op (its prologue and epilogue): added once to a
+        schedule's makespan (:meth:`estimate`).
+    overlap : float
+        The share of an op's one-CU cycles it costs on the fabric: on one CU an op's time
+        includes waiting for the op before it (its last stream's tail), which on the fabric
+        is often a wait for another CU that the transfer already charges.
+    lead : float
+        The share of an op's cycles its CU may spend on it before its inputs from other CUs
+        have arrived: its output's ALLOC and the configuration of its first stream come
+        before the RECV of a remote input.
+    edge_cycles : int
+        A tensor between CUs is not copied but handed over (the producer's SENDREF after its
+        writes are acknowledged, the consumer's RECV and LEN): a fixed cost, plus
+        ``hop_cycles`` per hop.
     """
 
-    events: tuple = ()
-    # Fitted to the CUs' busy minus wait cycles of the smallest built-in workloads on 2x2
-    # (``docs/compiler.md``, the event cost model); ``mu`` counts the MU instructions that
-    # are not posted (ALLOC, READ and LEN do not block, but what follows them soon waits).
-    stream_cycles: float = 5.34
-    mu_cycles: float = 13.8
-    instr_cycles: float = 0.88
-    # A tensor between CUs is not copied but handed over (the producer's SENDREF after its
-    # writes are acknowledged, the consumer's RECV): a fixed cost, plus the hops.
-    edge_cycles: int = 20
+    cycles: tuple = ()
+    fixed_cycles: float = 0.0
+    overlap: float = 0.925
+    lead: float = 0.1
+    edge_cycles: int = 30
 
     def __post_init__(self):
         super().__post_init__()
         table = {}
-        for row in self.events:
-            if len(row) != 1 + len(EVENTS):
-                raise TypeError(f"events must hold (node, {', '.join(EVENTS)}) rows, not "
-                                f"{row!r}")
-            table[row[0]] = row[1:]
+        for row in self.cycles:
+            if len(row) != 2 or not isinstance(row[1], int | float) or row[1] < 0:
+                raise TypeError(f"cycles must hold (node, cycles) rows, not {row!r}")
+            table[row[0]] = row[1]
+        if not isinstance(self.fixed_cycles, int | float) or self.fixed_cycles < 0:
+            raise TypeError(f"fixed_cycles must be a non-negative number, not "
+                            f"{self.fixed_cycles!r}")
+        if not isinstance(self.overlap, int | float) or not 0 < self.overlap <= 1:
+            raise TypeError(f"overlap must be a number in (0, 1], not {self.overlap!r}")
+        if not isinstance(self.lead, int | float) or not 0 <= self.lead < 1:
+            raise TypeError(f"lead must be a number in [0, 1), not {self.lead!r}")
         object.__setattr__(self, "_table", table)
 
     def transfer_cycles(self, nbytes, hops):
@@ -154,12 +171,13 @@ class EventCostModel(CostModel):
         return np.where(hops > 0, cycles, 0) + np.zeros(np.shape(nbytes), dtype=np.int64)
 
     def op_cycles(self, graph, node):
-        e = self._table.get(node)
-        if e is None or OP_KINDS[graph.kind(node)].memory:
+        c = self._table.get(node)
+        if c is None or OP_KINDS[graph.kind(node)].memory:
             return super().op_cycles(graph, node)
-        steps, streams, mu, instructions = e
-        return max(1, int(round(steps + self.stream_cycles * streams + self.mu_cycles * mu
-                                + self.instr_cycles * instructions)))
+        return max(1, int(round(self.overlap * c)))
+
+    def estimate(self, makespan):
+        return int(round(makespan + self.fixed_cycles))
 
 
 def hop_matrix(k, cost, coords=None):
@@ -242,6 +260,7 @@ def list_schedule(wg, parts, k, cost, *, hops=None, loads=None, order=None):
     tc = cost.transfer_array(wg.edge_weight, hops[parts[wg.src], parts[wg.dst]]).tolist()
     ip, pn, pe = (a.tolist() for a in wg.preds)
     w = wg.node_weight.tolist()
+    lead = cost.lead
     pl = parts.tolist()
     avail = loads.astype(np.int64).tolist()
     start = [0] * wg.n
@@ -254,6 +273,8 @@ def list_schedule(wg, parts, k, cost, *, hops=None, loads=None, order=None):
                 ready = t
         if w[v]:
             p = pl[v]
+            if lead:
+                ready -= int(lead * w[v])
             s = ready if ready > avail[p] else avail[p]
             avail[p] = s + w[v]
         else:

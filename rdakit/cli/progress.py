@@ -17,7 +17,8 @@ __all__ = ["progress_bar", "UNITS"]
 #: What the counts of a stage are, by the last word of its name (the flows prefix stages with
 #: the iteration: ``iteration 2/3: running``).
 UNITS = {"running": "cycles (of the estimate)", "placing": "annealing steps",
-         "counting events": "interpreter steps (of the budget)"}
+         "counting events": "interpreter steps (of the budget)",
+         "timing ops": "performance model steps (of the budget)"}
 
 
 def _unit(stage):

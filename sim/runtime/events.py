@@ -1,20 +1,21 @@
-"""What a compiled job's CU programs do, counted by event on the functional interpreter, and the
-event cost model built from it (``docs/compiler.md``, the cost model).
+"""What a compiled job's CU programs do, counted by event on the functional interpreter and timed
+on the performance model, and the cost model built from it (``docs/compiler.md``, the timed
+cost model).
 
 A CU's time is spent on a few kinds of event, each with its own cost on the RTL: stream steps
 (one a cycle once a stream runs), stream starts (configuration and the first round trip, which
 the engine overlaps only in part), blocking MU instructions (a round trip each) and the other
 instructions (a cycle each). :func:`op_events` counts them per lowered op by running the job on
 the interpreter with the job's inputs, so run-time sizes (a token routing) count as they are;
-:func:`event_cost_model` lowers a workload onto a one-CU fabric to count every node's events
-before partitioning, and returns the :class:`~rdakit.compiler.cost.EventCostModel` the
-partitioners use.
+:func:`timed_cost_model` lowers a workload onto a one-CU fabric, runs it on the performance model
+(:mod:`rdakit.sim.models.perf`, the RTL's timing) and charges every node the cycles its code
+took: the :class:`~rdakit.compiler.cost.TimedCostModel` the estimates use.
 """
 
 import collections
 
 from rdakit.compiler.compile import compile_workload, load_workload
-from rdakit.compiler.cost import EVENTS, CostModel, EventCostModel
+from rdakit.compiler.cost import CostModel, TimedCostModel
 from rdakit.compiler.graph import MEMORY_KINDS
 from rdakit.compiler.lower import LoweringError
 from rdakit.compiler.partition import PartitionError
@@ -22,11 +23,22 @@ from rdakit.compiler.placement import PlacementError
 from rdakit.hdl.compute.sequencer import MU_INSTRUCTIONS, POSTED
 from rdakit.hdl.spec.isa import Op
 from rdakit.hdl.spec.params import fabric_params
-from rdakit.sim.models.interp import Interpreter, InterpreterError, StepLimitError
+from rdakit.sim.models.interp import (
+    DeadlockError,
+    Interpreter,
+    InterpreterError,
+    StepLimitError,
+)
+from rdakit.sim.models.perf import PerfInterpreter
 from rdakit.sim.runtime.job import prepare_interp
 
-__all__ = ["EventCounter", "op_events", "cu_events", "node_events", "event_cost_model",
-           "cost_model", "BLOCKING", "MAX_EVENT_NODES", "MAX_EVENT_STEPS"]
+__all__ = ["EVENTS", "EventCounter", "op_events", "cu_events", "node_events", "OpTimer",
+           "node_cycles", "timed_cost_model", "cost_model", "BLOCKING", "MAX_EVENT_NODES",
+           "MAX_EVENT_STEPS"]
+
+#: The events of a CU program :class:`EventCounter` counts: stream steps, stream starts (SRUN),
+#: blocking MU instructions and the other instructions.
+EVENTS = ("steps", "streams", "mu", "instructions")
 
 #: Instructions that wait for an MU response, or whose result is waited for soon after (ALLOC,
 #: READ, LEN): every MU instruction but the posted ones (RET, RETI, DECREF, VWRITE), which
@@ -99,38 +111,103 @@ def node_events(job, **run):
     """Events per graph node: a lowered op's events go to the compute nodes it implements, in
     proportion to their work (a fused chain is one lowered op). ``run``: ``max_steps`` and
     ``progress`` of :func:`op_events`."""
-    graph = job.graph
     per_op = op_events(job, **run)
     out = collections.defaultdict(collections.Counter)
-    for name, _, _, nodes in job.lowered:
-        compute = [n for n in nodes if graph.kind(n) not in MEMORY_KINDS]
-        if not compute:
-            continue
-        work = [max(1.0, float(graph.work(n))) for n in compute]
-        total = sum(work)
-        for n, w in zip(compute, work, strict=True):
-            for kind, count in per_op.get(name, {}).items():
-                out[n][kind] += count * w / total
+    for name, n, share in _node_shares(job):
+        for kind, count in per_op.get(name, {}).items():
+            out[n][kind] += count * share
     return dict(out)
 
 
-def event_cost_model(workload, *, sizes=None, params, inputs=None, max_steps=50_000_000,
+def _node_shares(job):
+    """``(lowered op, node, share)`` for every compute node of ``job``: a lowered op's share
+    of each node it implements, in proportion to their work (a fused chain is one op)."""
+    graph = job.graph
+    for name, _, _, nodes in job.lowered:
+        compute = [n for n in nodes if graph.kind(n) not in MEMORY_KINDS]
+        work = [max(1.0, float(graph.work(n))) for n in compute]
+        total = sum(work)
+        for n, w in zip(compute, work, strict=True):
+            yield name, n, w / total
+
+
+class OpTimer(PerfInterpreter):
+    """The performance model, noting the cycle each instruction of each CU starts in (a stream's
+    steps are its SRUN's), and stopping with :class:`~rdakit.sim.models.interp.StepLimitError`
+    after ``max_steps`` steps (instructions and stream steps, as the interpreter counts them),
+    calling ``progress("timing ops", done, max_steps)`` every 1/20 of them."""
+
+    def __init__(self, *args, max_steps=50_000_000, progress=None, **kw):
+        super().__init__(*args, **kw)
+        self.starts = collections.defaultdict(list)
+        self.max_steps = max_steps
+        self._chunk = max(1, max_steps // 20)
+        self._progress = progress
+
+    def _step(self, cu):
+        if cu.stream is None:
+            self.starts[cu.xy].append((cu.pc, self.now))
+        self.steps += 1
+        if self.steps % self._chunk == 0:
+            if self.steps >= self.max_steps:
+                raise StepLimitError(self.max_steps, self.result())
+            if self._progress is not None:
+                self._progress("timing ops", self.steps, self.max_steps)
+        super()._step(cu)
+
+    def run_ops(self):
+        """Run the job to its end; return each CU's halt cycle. Raises ``DeadlockError`` if a
+        CU never halts."""
+        if self.run_timed() is None:
+            blocked = {xy: f"at pc {tc.m.pc}" for xy, tc in self._timed.items()
+                       if tc.m.enabled and tc.halt_at is None}
+            raise DeadlockError(blocked, self.result())
+        return {xy: tc.halt_at for xy, tc in self._timed.items() if tc.m.enabled}
+
+
+def node_cycles(job, *, max_steps=50_000_000, progress=None):
+    """The cycles of ``job`` on the performance model, per graph node: ``(cycles, fixed)``.
+    An instruction's cycles run from its start to the next one's on its CU (the last one's to
+    the CU's halt), so an op's cycles are its own code's and what it waits for (a round trip,
+    the tail of a stream, another CU); a lowered op's cycles go to the compute nodes it
+    implements in proportion to their work. ``fixed`` are the cycles no op has (prologues and
+    epilogues), on the busiest CU. Raises ``StepLimitError`` past ``max_steps`` steps (see
+    :class:`OpTimer`) and ``DeadlockError`` if a CU never halts."""
+    timer, _ = prepare_interp(job, interpreter=OpTimer, max_steps=max_steps, progress=progress)
+    halts = timer.run_ops()
+    per_op, fixed = collections.Counter(), collections.Counter()
+    for xy, info in job.programs.items():
+        starts = timer.starts.get(xy, [])
+        halt = halts[xy]
+        op_at = {pc: name for name, _, _, a, b in info.ops for pc in range(a, b)}
+        for (pc, t), (_, t_next) in zip(starts, [*starts[1:], (None, halt)], strict=True):
+            name = op_at.get(pc)
+            if name is None:
+                fixed[xy] += t_next - t
+            else:
+                per_op[name] += t_next - t
+    cycles = collections.Counter()
+    for name, n, share in _node_shares(job):
+        cycles[n] += per_op.get(name, 0) * share
+    return dict(cycles), max(fixed.values(), default=0)
+
+
+def timed_cost_model(workload, *, sizes=None, params, inputs=None, max_steps=50_000_000,
                      progress=None, **constants):
-    """The :class:`~rdakit.compiler.cost.EventCostModel` of ``workload`` for a fabric of
+    """The :class:`~rdakit.compiler.cost.TimedCostModel` of ``workload`` for a fabric of
     ``params``: the workload lowered onto one CU (its lanes and local buffer, program and MU
-    room enough for everything) and run on the interpreter to count each node's events (in at
-    most ``max_steps`` steps, ``progress`` as :func:`_run` calls it). ``constants`` override
-    the model's per-event cycles."""
+    room enough for everything) and run on the performance model to time each node's code (in
+    at most ``max_steps`` steps, ``progress`` as :class:`OpTimer` calls it). ``constants``
+    override the model's fitted constants (``overlap``, ``edge_cycles``, ``hop_cycles``)."""
     cp, mp = params.cu, params.mu
     one = fabric_params(1, 2, layout="CM", lanes=cp.lanes, local_words=cp.local_words,
                         outstanding=cp.outstanding, prog_len=4096, mu_words=1 << 16,
                         block_words=mp.block_words, max_buffers=64)
     job, _ = compile_workload(workload, sizes=sizes, params=one, partitioner="round_robin",
                               place_steps=1, inputs=inputs)
-    events = node_events(job, max_steps=max_steps, progress=progress)
-    return EventCostModel(lanes=cp.lanes, events=tuple(
-        (n, *(round(c[k], 3) for k in EVENTS)) for n, c in sorted(events.items())),
-        **constants)
+    cycles, fixed = node_cycles(job, max_steps=max_steps, progress=progress)
+    return TimedCostModel(lanes=cp.lanes, cycles=tuple(
+        (n, round(c, 3)) for n, c in sorted(cycles.items())), fixed_cycles=fixed, **constants)
 
 
 #: Nodes beyond which a graph keeps the work model: its one-CU program could not fit the
@@ -138,21 +215,21 @@ def event_cost_model(workload, *, sizes=None, params, inputs=None, max_steps=50_
 #: would double the compile time.
 MAX_EVENT_NODES = 2048
 
-#: Interpreter steps the count may take for :func:`cost_model` (it runs about 65,000 a second:
-#: 15 s at most). A graph whose work alone takes more (its lane operations over the lanes: the
-#: stream steps of one CU) keeps the work model without being lowered; a run that takes more
-#: stops there and keeps it too. The built-in workloads at their default sizes take 11,000 to
-#: 43,000.
+#: Steps the one-CU run may take for :func:`cost_model` (instructions and stream steps; the
+#: performance model runs about 50,000 a second: 20 s at most). A graph whose work alone takes
+#: more (its lane operations over the lanes: the stream steps of one CU) keeps the work model
+#: without being lowered; a run that takes more stops there and keeps it too. The built-in
+#: workloads at their default sizes take 11,000 to 43,000.
 MAX_EVENT_STEPS = 1_000_000
 
 
 def cost_model(workload, *, sizes=None, params, inputs=None, progress=None):
-    """The cost model a workload's cycles are estimated with: its :func:`event_cost_model`, or,
+    """The cost model a workload's cycles are estimated with: its :func:`timed_cost_model`, or,
     when it cannot be lowered onto one CU (or has more than :data:`MAX_EVENT_NODES` nodes, or
-    needs more than :data:`MAX_EVENT_STEPS` steps to count),
+    needs more than :data:`MAX_EVENT_STEPS` steps to time),
     :class:`~rdakit.compiler.cost.CostModel`'s work estimate (check
-    ``isinstance(model, EventCostModel)`` to tell). ``progress("counting events", done,
-    total)`` is called as the count goes."""
+    ``isinstance(model, TimedCostModel)`` to tell). ``progress("timing ops", done, total)`` is
+    called as the run goes."""
     workload = load_workload(workload, sizes)
     work = CostModel(lanes=params.cu.lanes)
     graph = workload.graph
@@ -160,7 +237,7 @@ def cost_model(workload, *, sizes=None, params, inputs=None, progress=None):
             graph.work(n) for n in graph.order()) / params.cu.lanes > MAX_EVENT_STEPS:
         return work
     try:
-        return event_cost_model(workload, params=params, inputs=inputs,
+        return timed_cost_model(workload, params=params, inputs=inputs,
                                 max_steps=MAX_EVENT_STEPS, progress=progress)
     except (LoweringError, PlacementError, PartitionError, InterpreterError):
         return work

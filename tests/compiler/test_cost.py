@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from rdakit.compiler import workloads
 from rdakit.compiler.cost import (
     CostModel,
-    EventCostModel,
+    TimedCostModel,
     hop_matrix,
     list_schedule,
     lower_bound,
@@ -48,21 +48,58 @@ def test_transfer_cycles():
     assert hop_matrix(2, cost, [(0, 0), (2, 3)]).tolist() == [[0, 5], [5, 0]]
 
 
-def test_event_cost_model_charges_each_event():
-    # fc0: 100 steps, 3 streams, 2 blocking MU instructions, 10 other instructions.
+def test_timed_cost_model_charges_the_timed_cycles():
+    # fc0 took 200 cycles on one CU; it costs the overlap's share of them on the fabric.
     wl = workloads.mlp(batch=4, sizes=(64, 32))
-    cost = EventCostModel(lanes=4, events=(("fc0", 100, 3, 2, 10),), stream_cycles=10,
-                          mu_cycles=20, instr_cycles=0.5)
-    assert cost.op_cycles(wl.graph, "fc0") == 100 + 30 + 40 + 5
-    # A node without events keeps the work model; memory nodes cost nothing.
+    cost = TimedCostModel(lanes=4, cycles=(("fc0", 200),), overlap=0.75, fixed_cycles=40)
+    assert cost.op_cycles(wl.graph, "fc0") == 150
+    # A node without cycles keeps the work model; memory nodes cost nothing.
     assert cost.op_cycles(wl.graph, "bias0") == CostModel(lanes=4).op_cycles(wl.graph, "bias0")
     assert cost.op_cycles(wl.graph, "x") == 0
     # A tensor between CUs costs the hand-over and the hops, whatever its size.
-    assert cost.transfer_cycles(1000, 2) == cost.edge_cycles + 2
-    assert cost.transfer_array([1000, 4], [2, 0]).tolist() == [cost.edge_cycles + 2, 0]
-    with pytest.raises(TypeError, match=r"^events must hold \(node, steps, streams, mu, "
-                                        r"instructions\) rows, not \('fc0', 1\)$"):
-        EventCostModel(events=(("fc0", 1),))
+    assert cost.transfer_cycles(1000, 2) == cost.edge_cycles + 2 * cost.hop_cycles
+    assert cost.transfer_array([1000, 4], [2, 0]).tolist() == [
+        cost.edge_cycles + 2 * cost.hop_cycles, 0]
+    # The prologue and epilogue are added once to a schedule's makespan; the work model adds
+    # nothing.
+    assert cost.estimate(1000) == 1040 and CostModel().estimate(1000) == 1000
+
+
+def test_lead_starts_an_op_before_its_remote_inputs_arrive():
+    # fc0 and bias0 on unit 0, their consumer act0_shr on unit 1: it starts when bias0's tensor
+    # has been handed over, less the share `lead` of its own cycles (its ALLOC and
+    # configuration); a consumer on the producer's unit has nothing to overlap.
+    wl = workloads.mlp(batch=4, sizes=(64, 32))
+    g = wl.graph
+    timed = dict(fc0=200, bias0=20, act0_shr=100, act0=10)
+    def schedule(lead, parts):
+        cost = TimedCostModel(lanes=4, cycles=tuple(timed.items()), overlap=1, lead=lead)
+        wg = WeightedGraph.from_dataflow(g, cost)
+        order = np.arange(wg.n)
+        p = np.array([parts.get(n, 0) for n in wg.names])
+        s = list_schedule(wg, p, 2, cost, order=order)
+        at = {n: i for i, n in enumerate(wg.names)}
+        return s.start[at["act0_shr"]], s.finish[at["bias0"]], cost
+    start, ready, cost = schedule(0.0, {"act0_shr": 1, "act0": 1})
+    assert start == ready + cost.transfer_cycles(1, cost.mean_hops)
+    start_lead, _, _ = schedule(0.25, {"act0_shr": 1, "act0": 1})
+    assert start_lead == start - 25
+    assert schedule(0.25, {})[0] == schedule(0.0, {})[0] == ready
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(cycles=(("fc0", 1, 2),)), r"cycles must hold \(node, cycles\) rows, not "
+                                    r"\('fc0', 1, 2\)"),
+    (dict(cycles=(("fc0", -1),)), r"cycles must hold \(node, cycles\) rows, not \('fc0', -1\)"),
+    (dict(overlap=0), r"overlap must be a number in \(0, 1\], not 0"),
+    (dict(overlap=1.5), r"overlap must be a number in \(0, 1\], not 1.5"),
+    (dict(fixed_cycles=-3), r"fixed_cycles must be a non-negative number, not -3"),
+    (dict(lead=1), r"lead must be a number in \[0, 1\), not 1"),
+    (dict(lead=-0.5), r"lead must be a number in \[0, 1\), not -0.5"),
+])
+def test_timed_cost_model_validation(kw, message):
+    with pytest.raises(TypeError, match=f"^{message}$"):
+        TimedCostModel(**kw)
 
 
 def test_cost_model_validation():

@@ -261,18 +261,18 @@ def test_compile_reports_its_progress():
     assert steps == list(range(0, 1000, 10))
 
 
-def test_the_event_model_is_not_counted_for_more_work_than_its_step_budget(monkeypatch):
-    # mlp with batch 512: about 2.2 million interpreter steps on one CU (half a minute), which
-    # cost_model ran before every compile. Its work alone exceeds the budget: the work model
-    # stands in and nothing is lowered.
+def test_the_timed_model_is_not_run_for_more_work_than_its_step_budget(monkeypatch):
+    # mlp with batch 512: about 2.2 million steps on one CU (half a minute), which cost_model
+    # ran before every compile. Its work alone exceeds the budget: the work model stands in
+    # and nothing is lowered.
     def lowered(*args, **kwargs):
-        raise AssertionError("the workload was lowered to count its events")
-    monkeypatch.setattr(events, "event_cost_model", lowered)
+        raise AssertionError("the workload was lowered to time its ops")
+    monkeypatch.setattr(events, "timed_cost_model", lowered)
     model = events.cost_model("mlp", sizes={"batch": 512}, params=fabric_params())
     assert type(model) is events.CostModel
 
 
-def test_an_event_count_stops_at_its_step_budget_and_reports_progress(monkeypatch):
+def test_a_timed_run_stops_at_its_step_budget_and_reports_progress(monkeypatch):
     # The small moe takes about 1,500 steps; with a budget of 1,000 the count stops there
     # (after progress reports every 50 steps) and the work model stands in.
     monkeypatch.setattr(events, "MAX_EVENT_STEPS", 1000)
@@ -283,7 +283,7 @@ def test_an_event_count_stops_at_its_step_budget_and_reports_progress(monkeypatc
                               progress=lambda stage, done, total: seen.append((stage, done,
                                                                                total)))
     assert type(model) is events.CostModel
-    assert seen == [("counting events", done, 1000) for done in range(50, 1000, 50)]
+    assert seen == [("timing ops", done, 1000) for done in range(50, 1000, 50)]
 
 
 # --- graphs that compute nothing --------------------------------------------------------

@@ -1,22 +1,25 @@
-"""The event counts of compiled jobs (``rdakit.sim.runtime.events``) and the event cost model
-built from them: counts that add up to the interpreter's, per node and per CU, and estimates
-close to the RTL's cycles."""
+"""The event counts of compiled jobs (``rdakit.sim.runtime.events``) and the timed cost model:
+counts that add up to the interpreter's, per node and per CU; cycles per node that add up to
+the performance model's run; and estimates close to the RTL's cycles."""
 
 import pytest
 
 from rdakit.compiler.compile import compile_workload
-from rdakit.compiler.cost import EVENTS, CostModel, EventCostModel
+from rdakit.compiler.cost import CostModel, TimedCostModel
 from rdakit.compiler.graph import MEMORY_KINDS, DataflowGraph
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.flows.e2e import SMALLEST, RunSpec, run
+from rdakit.sim.models.perf import PerfInterpreter
 from rdakit.sim.runtime.events import (
+    EVENTS,
     MAX_EVENT_NODES,
     cost_model,
     cu_events,
+    node_cycles,
     node_events,
     op_events,
 )
-from rdakit.sim.runtime.job import run_job_interp
+from rdakit.sim.runtime.job import prepare_interp, run_job_interp
 
 P = fabric_params(2, 2, prog_len=1024)
 
@@ -54,12 +57,30 @@ def test_node_events_share_a_lowered_op_by_work(moe_job):
     assert min(steps.values()) < max(steps.values())
 
 
-def test_event_cost_model_counts_every_compute_node():
+def test_node_cycles_add_up_to_the_performance_models_run(moe_job):
+    # Every cycle of every CU from the start to its halt is an op's or fixed (prologue,
+    # epilogue); the busiest CU's sum is the run's cycles.
+    cycles, fixed = node_cycles(moe_job)
+    model, _ = prepare_interp(moe_job, interpreter=PerfInterpreter)
+    end = model.run_timed()
+    start = model.timing.run_start
+    assert 0 < fixed < end - start
+    assert sum(cycles.values()) + fixed <= len(moe_job.programs) * (end - start)
+    # Each compute node has its share; an expert no token chose costs less than one that got
+    # tokens.
+    compute = {n for n in moe_job.graph.order() if moe_job.graph.kind(n) not in MEMORY_KINDS}
+    assert set(cycles) == compute and all(c > 0 for c in cycles.values())
+    fc1 = [cycles[n] for n in cycles if n.endswith("_fc1")]
+    assert min(fc1) < max(fc1)
+
+
+def test_timed_cost_model_times_every_compute_node():
     model = cost_model("moe", sizes=SMALLEST["moe"], params=P)
-    assert isinstance(model, EventCostModel)
+    assert isinstance(model, TimedCostModel)
     job, _ = compile_workload("moe", sizes=SMALLEST["moe"], params=P)
     compute = {n for n in job.graph.order() if job.graph.kind(n) not in MEMORY_KINDS}
-    assert {row[0] for row in model.events} == compute
+    assert {row[0] for row in model.cycles} == compute
+    assert model.fixed_cycles > 0
 
 
 def test_a_workload_that_does_not_fit_one_cu_falls_back_to_the_work_model():
@@ -71,8 +92,8 @@ def test_a_workload_that_does_not_fit_one_cu_falls_back_to_the_work_model():
 
 @pytest.mark.parametrize("workload", ["mlp", "switch"])
 def test_estimates_are_close_to_the_rtl(workload):
-    # The event model's estimate (what `rdakit run` reports) against the RTL's cycles in
-    # Amaranth's simulator; measured 0.8 % (mlp) and 4.3 % (switch) when this test was written.
+    # The timed model's estimate (what `rdakit run` reports) against the RTL's cycles in
+    # Amaranth's simulator.
     (row,) = run(RunSpec(workload, sizes=dict(SMALLEST[workload]), fabric=dict(prog_len=1024),
                          place_steps=2000))
     assert row["numpy"] == "ok"
