@@ -51,6 +51,9 @@ class AtenOp:
     routing : bool
         Whether it is imported only as part of a recognised mixture-of-experts routing
         (:mod:`rdakit.compiler.frontend.moe`); elsewhere it is refused naming the node.
+    norm : bool
+        Whether it is imported only as part of a recognised hand-written RMSNorm or LayerNorm
+        (:mod:`rdakit.compiler.frontend.norms`); elsewhere it is unsupported.
     """
 
     name: str
@@ -58,6 +61,12 @@ class AtenOp:
     note: str
     layout: bool = False
     routing: bool = False
+    norm: bool = False
+
+    @property
+    def pattern(self):
+        """Whether it is supported only inside a recognised pattern (routing or norm)."""
+        return self.routing or self.norm
 
 
 def _ops(*entries):
@@ -70,6 +79,11 @@ def _layout(name, note):
 
 def _routing(name, ir, note):
     return AtenOp(name, ir, f"mixture-of-experts routing only (moe): {note}", routing=True)
+
+
+def _norm_part(name, note):
+    return AtenOp(name, ("rms_norm", "layer_norm") + REQUANT + LAYOUT_COPIES,
+                  f"hand-written RMSNorm or LayerNorm only (norms): {note}", norm=True)
 
 
 def _dropped(name):
@@ -123,6 +137,10 @@ ATEN_OPS = _ops(
     AtenOp("aten.gelu.default", ("gelu",) + REQUANT,
            "integer GELU (erf; the tanh approximation maps to it too), requantized"),
     AtenOp("aten.silu.default", ("silu",) + REQUANT, "integer SiLU, requantized"),
+    AtenOp("aten.sigmoid.default", ("sigmoid",) + REQUANT,
+           "integer sigmoid (i-exp, a polynomial reciprocal and a Newton step), requantized"),
+    AtenOp("aten.tanh.default", ("tanh",) + REQUANT,
+           "integer tanh (as 2 sigmoid(2x) - 1), requantized"),
     AtenOp("aten.exp.default", ("add", "exp") + REQUANT,
            "exp(x - M) * exp(M), M the largest calibrated input; integer exp, requantized"),
     AtenOp("aten.layer_norm.default", ("layer_norm",) + REQUANT + LAYOUT_COPIES,
@@ -197,8 +215,13 @@ ATEN_OPS = _ops(
     _dropped("aten.any.dims"),
     _dropped("aten.ge.Scalar"),
     _dropped("aten.lt.Scalar"),
+    _norm_part("aten.pow.Tensor_Scalar", "x ** 2 (or x * x) of the mean of squares"),
+    _norm_part("aten.rsqrt.default", "x * rsqrt(mean + eps): the normalisation"),
+    _norm_part("aten.sqrt.default", "x / sqrt(var + eps): the normalisation"),
+    _norm_part("aten.var.correction", "var(x, -1, unbiased=False, keepdim=True) of a LayerNorm"),
     _dropped("aten._assert_async.msg"),
     _dropped("aten._assert_scalar.default"),
+    _dropped("aten._assert_tensor_metadata.default"),
     _dropped("aten.sym_size.int"),
     _dropped("operator.ge"),
     _dropped("operator.le"),
@@ -270,8 +293,9 @@ def op_coverage(exported_program, *, decompose=True, routed=None):
         Count the graph the importer walks (:func:`prepare`), the default, or, if False, the
         program's graph as given.
     routed : set of str, optional
-        Names of the nodes of the recognised mixture-of-experts routings
-        (:func:`rdakit.compiler.frontend.moe.recognise`); default: recognised here.
+        Names of the nodes of the recognised patterns: mixture-of-experts routings
+        (:func:`rdakit.compiler.frontend.moe.recognise`) and hand-written norms
+        (:func:`rdakit.compiler.frontend.norms.recognise`); default: recognised here.
 
     Returns
     -------
@@ -280,15 +304,17 @@ def op_coverage(exported_program, *, decompose=True, routed=None):
         graph input (folded to constants at import), "supported": bool, "ir": list of IR
         kinds}``. A kind is supported if the importer handles it (:func:`supported`) or if
         every node of it is folded; a routing kind (:attr:`AtenOp.routing`) only if every node
-        of it that is not folded is part of a recognised routing. Only ``call_function``
+        of it that is not folded is part of a recognised routing, a norm kind
+        (:attr:`AtenOp.norm`) of a recognised norm. Only ``call_function``
         nodes are ops (inputs, parameters and the output are not).
     """
     program = prepare(exported_program) if decompose else exported_program
     live = live_nodes(program)
     if routed is None:
-        # moe imports this module (the registry): imported here, not at the top.
-        from rdakit.compiler.frontend import moe
-        routed = moe.routed_nodes(program, live)
+        # moe and norms import this module (the registry): imported here, not at the top.
+        from rdakit.compiler.frontend import moe, norms
+        routed = moe.routed_nodes(program, live) | norms.matched_nodes(
+            norms.recognise(program, live))
     counts, folded, stray = {}, {}, {}
     for node in program.graph.nodes:
         if node.op == "call_function":
@@ -297,7 +323,7 @@ def op_coverage(exported_program, *, decompose=True, routed=None):
             folded[name] = folded.get(name, 0) + (node.name not in live)
             op = ATEN_OPS.get(name)
             stray[name] = stray.get(name, 0) + (
-                op is not None and op.routing and node.name in live and node.name not in routed)
+                op is not None and op.pattern and node.name in live and node.name not in routed)
     return {name: {"count": counts[name], "folded": folded[name],
                    "supported": (supported(name) and not stray[name])
                    or folded[name] == counts[name],

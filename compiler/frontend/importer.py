@@ -45,7 +45,7 @@ import zipfile
 import numpy as np
 
 from rdakit.compiler import intops
-from rdakit.compiler.frontend import conv, moe
+from rdakit.compiler.frontend import conv, moe, norms
 from rdakit.compiler.frontend.aten import (
     ATEN_OPS,
     live_nodes,
@@ -946,9 +946,11 @@ class _Walker:
         return self.banded(node, [x], make, scale)
 
     def activation(self, node, x, kind):
-        """GELU or SiLU: :func:`intops.gelu_params` of the input's scale."""
+        """GELU, SiLU, sigmoid or tanh: :func:`intops.gelu_params` (...) of the input's
+        scale."""
         self._check_float(x)
-        params = {"gelu": intops.gelu_params, "silu": intops.silu_params}[kind]
+        params = {"gelu": intops.gelu_params, "silu": intops.silu_params,
+                  "sigmoid": intops.sigmoid_params, "tanh": intops.tanh_params}[kind]
         try:
             attrs = params(x.scale)
         except ValueError as e:
@@ -1048,6 +1050,13 @@ class _Walker:
         out_shape = tuple(self.cal_out(node).shape)
         out = self.banded(node, [moved], make, scale, shape=moved.shape, out_shape=moved.shape)
         return _Act(out.addr.reshape(out_shape), scale)
+
+    def hand_norm(self, node, match, env):
+        """The result of a recognised hand-written norm (:mod:`norms`) at its last node
+        ``node``: :meth:`norm` over the last dimension with the folded weight and bias."""
+        x = env[match.x.name]
+        weight, bias = (None if n is None else env[n.name] for n in (match.weight, match.bias))
+        return self.norm(node, match.kind, x, [x.shape[-1]], weight, bias, match.eps)
 
     def cal_out(self, node):
         """The calibrated value of ``node`` (the first result of a multi-result op)."""
@@ -1302,7 +1311,7 @@ class _Walker:
             if kw.get("half_to_float") or kw.get("dtype") not in (None, self.torch.float32):
                 _refuse("a softmax to another dtype is not supported")
             return self.softmax(node, x, kw["dim"])
-        if base in ("gelu", "silu"):
+        if base in ("gelu", "silu", "sigmoid", "tanh"):
             return self.activation(node, x, base)
         if base == "exp":
             return self.exp(node, x)
@@ -1437,7 +1446,10 @@ def import_program(program, example_inputs=None, *, name=None, seed=EXAMPLE_SEED
     except moe.RoutingError as e:
         raise ModelImportError(f"{_capital(what)}: node {e.node.name} ({op_name(e.node.target)})"
                                f": {e}") from None
-    coverage = op_coverage(program, decompose=False, routed=set(plan.roles))
+    hand_norms = norms.recognise(program, live)
+    inside_norms = norms.matched_nodes(hand_norms)
+    coverage = op_coverage(program, decompose=False,
+                           routed=set(plan.roles) | inside_norms)
     message = unsupported_summary(coverage, _capital(what))
     if message:
         raise ModelImportError(message)
@@ -1516,6 +1528,11 @@ def import_program(program, example_inputs=None, *, name=None, seed=EXAMPLE_SEED
             role = plan.roles.get(n.name)
             if role is not None:
                 value = walker.routed(n, role, env)
+            elif n.name in hand_norms:
+                value = walker.hand_norm(n, hand_norms[n.name], env)
+            elif n.name in inside_norms:
+                # Inside a recognised norm: read by the norm's other nodes only.
+                value = _Unused("part of a recognised norm")
             else:
                 value = conv.dispatch(walker, n, args, kw)  # convolutions, pooling; else node
         except _NodeError as e:

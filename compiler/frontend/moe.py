@@ -41,7 +41,8 @@ __all__ = ["ROUTING_OPS", "Routing", "Expert", "Plan", "RoutingError", "recognis
 #: refused naming the node).
 ROUTING_OPS = frozenset(name for name, op in ATEN_OPS.items() if op.routing)
 
-_ASSERTS = {"aten._assert_async.msg", "aten._assert_scalar.default"}
+_ASSERTS = {"aten._assert_async.msg", "aten._assert_scalar.default",
+            "aten._assert_tensor_metadata.default"}
 #: Ops that may feed an assertion only (the checks of one_hot and of the symbolic sizes).
 _CHECKS = {"aten.ge.Scalar", "aten.lt.Scalar", "aten.le.Scalar", "aten.gt.Scalar",
            "aten.logical_not.default", "aten.any.dims", "aten.any.default",
