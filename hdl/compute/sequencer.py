@@ -129,6 +129,12 @@ class Sequencer(wiring.Component):
     stream_acc, stream_index : In(32)
         The stream's reduction and ARGMAX index, written to SRUN's ``rd`` (and ``rd + 1``) when
         the stream is done.
+    stream_count : In(32)
+        The steps the stream ran, written when it is done to the register after those of its
+        reduction if it read the input queue.
+    queue_error : In(1)
+        A stream word found the input queue full, or credits passed its depth
+        (QUEUE_OVERFLOW).
     v_we : In(1), v_next : In(data_bits)
         Load ``V`` with ``v_next`` (the stream engine's PACK_SUM).
     l_addr, l_re, l_rdata, l_we, l_wdata
@@ -174,6 +180,8 @@ class Sequencer(wiring.Component):
             "posted": Out(1),
             "stream_acc": In(32),
             "stream_index": In(32),
+            "stream_count": In(32),
+            "queue_error": In(1),
             "v_we": In(1),
             "v_next": In(32 * L),
             "l_addr": Out(32),
@@ -226,7 +234,10 @@ class Sequencer(wiring.Component):
         # register(s) its reduction writes when it is done and its SRUN's pc (where a refused
         # read is reported).
         s_rd = [Signal(rbits, name=f"s{i}_rd") for i in range(2)]
-        s_writes = [Signal(2, name=f"s{i}_writes") for i in range(2)]  # bit 0: rd, 1: rd + 1
+        # bit 0: rd, 1: rd + 1 (the reduction), 2: s_cnt (the step count of a stream reading
+        # the input queue: the register after the reduction's)
+        s_writes = [Signal(3, name=f"s{i}_writes") for i in range(2)]
+        s_cnt = [Signal(rbits, name=f"s{i}_cnt") for i in range(2)]
         s_pc = [Signal(16, name=f"s{i}_pc") for i in range(2)]
         # ... and what it touches (STREAM_TOUCHES): the buffers it reads and writes, and one bit
         # per touch.
@@ -264,6 +275,7 @@ class Sequencer(wiring.Component):
         wa_en, wa_idx, wa_data = Signal(), Signal(rbits), Signal(32)
         wb_en, wb_idx, wb_data = Signal(), Signal(rbits), Signal(32)
         wc_en, wd_en = Signal(), Signal()     # the stream's reduction: rd, rd + 1
+        wf_en = Signal()                      # the step count of a stream reading the queue
         we_en, we_data = Signal(), Signal(32)  # a non-blocking MU instruction's result
         npc = Signal(33)
         adv = Signal()        # the instruction retires; fetch npc
@@ -336,9 +348,14 @@ class Sequencer(wiring.Component):
         cu_tiles = Const(p.tile_mask("C"), 1 << 2 * cb)
         ra_is_mu = mu_tiles.bit_select(ra_v[:2 * cb], 1)
         to_is_cu = cu_tiles.bit_select(to[:2 * cb], 1)
-        stream_to_mu = (mu_tiles.bit_select(sf[S.A_REF][:2 * cb], 1)
+        # A stream reads an MU or (A_REF naming this CU) the input queue; a QUEUE stream
+        # sends to a CU.
+        a_queue = sf[S.A_REF][:2 * cb] == self.cu_id
+        stream_to_mu = ((mu_tiles.bit_select(sf[S.A_REF][:2 * cb], 1) | a_queue)
                         & (~sf[S.D_MODE].matches(*D_MU_MODES)
-                           | mu_tiles.bit_select(sf[S.D_REF][:2 * cb], 1)))
+                           | mu_tiles.bit_select(sf[S.D_REF][:2 * cb], 1))
+                        & ((sf[S.D_MODE] != DMode.QUEUE.value)
+                           | cu_tiles.bit_select(sf[S.D_REF][:2 * cb], 1)))
 
         channel_ok = ir.aux < cp.channels
         slot_ok = ir.aux < cp.mailbox
@@ -348,7 +365,7 @@ class Sequencer(wiring.Component):
 
         # --- Execute --------------------------------------------------------------------------
         with m.If(self.stream_done):
-            m.d.sync += [s_rd[0].eq(s_rd[1]), s_writes[0].eq(s_writes[1]),
+            m.d.sync += [s_rd[0].eq(s_rd[1]), s_writes[0].eq(s_writes[1]), s_cnt[0].eq(s_cnt[1]),
                          s_pc[0].eq(s_pc[1]), s_writes[1].eq(0), s_aref[0].eq(s_aref[1]),
                          s_dref[0].eq(s_dref[1]), s_touch[0].eq(s_touch[1])]
         fence = op.matches(*FENCED) & self.writes_pending   # a fence waits for posted writes
@@ -361,6 +378,7 @@ class Sequencer(wiring.Component):
         reg_hazard = Cat(
             (s_writes[i][0] & Cat(r == s_rd[i] for r in names).any())
             | (s_writes[i][1] & Cat(r == s_rd1[i] for r in names).any())
+            | (s_writes[i][2] & Cat(r == s_cnt[i] for r in names).any())
             for i in range(2)).any()
         # The engine is idle, or will be at the end of this cycle.
         idle = ~self.stream_busy | (self.stream_done & ~self.stream_queued)
@@ -501,7 +519,10 @@ class Sequencer(wiring.Component):
                                 m.d.sync += [
                                     s_rd[i].eq(rd_i), s_pc[i].eq(pc),
                                     s_writes[i].eq(Cat(reduces,
-                                                       d_mode == DMode.ARGMAX.value)),
+                                                       d_mode == DMode.ARGMAX.value,
+                                                       a_queue)),
+                                    s_cnt[i].eq(rd_i + reduces
+                                                + (d_mode == DMode.ARGMAX.value)),
                                     s_aref[i].eq(sf[S.A_REF][:refw]),
                                     s_dref[i].eq(sf[S.D_REF][:refw]),
                                     s_touch[i].eq(Cat(touches[k] for k in STREAM_TOUCHES)),
@@ -576,7 +597,8 @@ class Sequencer(wiring.Component):
             fail("MU_ERROR")
         # (A stream's end comes before the execute block's SRUN, which may start the next.)
         m.d.comb += [wc_en.eq(self.stream_done & s_writes[0][0]),
-                     wd_en.eq(self.stream_done & s_writes[0][1])]
+                     wd_en.eq(self.stream_done & s_writes[0][1]),
+                     wf_en.eq(self.stream_done & s_writes[0][2])]
 
         # --- Incoming messages ----------------------------------------------------------------
         fin = self.msg_in.payload
@@ -590,6 +612,8 @@ class Sequencer(wiring.Component):
         refused = body.status != MUStatus.OK
         with m.If(is_resp & ((tag == TAG_BLOCKING) | (tag == TAG_WRITE)) & refused):
             m.d.comb += msg_err.eq(codes["MU_ERROR"])
+        with m.If(self.queue_error):
+            m.d.comb += msg_err.eq(codes["QUEUE_OVERFLOW"])
         with m.If(is_resp & (tag == TAG_BLOCKING)):
             m.d.sync += [r0_valid.eq(1), r0_data.eq(body.data), r0_ref.eq(body.ref)]
 
@@ -638,6 +662,8 @@ class Sequencer(wiring.Component):
                 m.d.sync += r.eq(self.stream_acc)
             with m.If(wd_en & (s_rd1[0] == i)):
                 m.d.sync += r.eq(self.stream_index)
+            with m.If(wf_en & (s_cnt[0] == i)):
+                m.d.sync += r.eq(self.stream_count)
             with m.If(we_en & (m_rd == i)):
                 m.d.sync += r.eq(we_data)
 

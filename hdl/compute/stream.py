@@ -23,7 +23,7 @@ their acknowledgements across streams). See :mod:`rdakit.hdl.compute.unit` for t
 timing and the readings of the spec.
 """
 
-from amaranth.hdl import Cat, Const, Module, Mux, Signal, unsigned
+from amaranth.hdl import Cat, Const, Module, Mux, ResetInserter, Signal, unsigned
 from amaranth.lib import data, fifo, memory, stream, wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
@@ -39,12 +39,20 @@ from rdakit.hdl.compute.common import (
     request,
 )
 from rdakit.hdl.spec.config import CU_MAP, config_bus_signature
-from rdakit.hdl.spec.cu import EXEC_STAGES, WQ_DEPTH
+from rdakit.hdl.spec.cu import EXEC_STAGES, WQ_DEPTH, credit_batch
 from rdakit.hdl.spec.flit import flit_layout
 from rdakit.hdl.spec.isa import INSTR_LAYOUT, BMode, DMode
-from rdakit.hdl.spec.packets import MUOp, mu_request_layout
+from rdakit.hdl.spec.packets import (
+    STREAM_CREDIT,
+    STREAM_LAST,
+    MsgKind,
+    MUOp,
+    msg_layout,
+    mu_request_layout,
+)
 
-__all__ = ["EXEC_STAGES", "StreamEngine", "WQ_DEPTH", "read_response_layout"]
+__all__ = ["EXEC_STAGES", "StreamEngine", "WQ_DEPTH", "read_response_layout",
+           "queue_word_layout"]
 
 
 
@@ -53,6 +61,13 @@ def read_response_layout(fabric_params):
     """A read response as the stream engine takes it: the vector word and whether the MU
     refused the read."""
     return data.StructLayout({"data": fabric_params.cu.data_bits, "refused": 1})
+
+
+def queue_word_layout(fabric_params):
+    """A word another CU's stream sent into the input queue (``MsgKind.STREAM``): the vector
+    word, whether it is its stream's last, and the producer's CU ID (credits go back to it)."""
+    return data.StructLayout({"data": fabric_params.cu.data_bits, "last": 1,
+                              "src": fabric_params.mu.mu_id_bits})
 
 
 class StreamEngine(wiring.Component):
@@ -113,6 +128,20 @@ class StreamEngine(wiring.Component):
         A read was refused and the steps before it have completed (MU_ERROR).
     acc, index : Out(32)
         The reduction (SUM, MAX, ARGMAX's value) and ARGMAX's index, final when ``done``.
+    count : Out(32)
+        The steps the executing stream has run (final when ``done``: what a stream reading
+        the input queue reports).
+    q_in : In(stream.Signature(queue_word_layout(fabric_params)))
+        A word for the input queue (``ready`` is constant 1: the producer held a credit for
+        it). Dropped while the CU does not run.
+    credit_in : In(1), credit_count : In(32)
+        Credits returned by the consumer of this CU's QUEUE streams.
+    q_error : Out(1)
+        A word arrived at a full input queue, or returned credits would pass ``queue_words``
+        (QUEUE_OVERFLOW; the word or the credits are dropped).
+    msg_out : Out(stream.Signature(flit_layout(coord_bits, msg_layout(mu))))
+        STREAM messages: the words of a QUEUE stream and the credits this CU returns; ``valid``
+        comes from a register. Credits go first.
     l_addr : In(32)
         The local element the sequencer's LGET or LSET names: lane ``l_addr mod lanes`` of word
         ``l_addr / lanes`` (modulo ``local_words``).
@@ -125,6 +154,14 @@ class StreamEngine(wiring.Component):
         The local buffer's part of the configuration space (``CU_MAP.LOCAL``); ``rdata`` is 0
         the cycle after a read of any other address. Writes are ignored in a cycle when the
         stream or LSET writes the local buffer.
+
+    Streams between CUs: the input queue is a FIFO of ``queue_words`` words (cleared by
+    ``clear``); a stream whose ``A_REF`` is this CU's ID pops it instead of the response FIFO
+    and issues no reads, and ends after a word marked last. A QUEUE stream's results leave
+    from the write queue through ``msg_out``, one a cycle while the engine holds a credit (it
+    starts with ``queue_words``). Credits for popped words are returned to the sender of the
+    last word received, gathered while the queue is popped every cycle (``credit_batch``) and
+    at once in a cycle without a pop.
 
     Latency: the first READ is offered the cycle after ``start``; a response popped in cycle
     ``t`` is delivered in ``t + EXEC_STAGES`` (``t + 2``); one step a cycle, but a step whose B
@@ -169,6 +206,12 @@ class StreamEngine(wiring.Component):
             "l_we": In(1),
             "l_wdata": In(32),
             "cfg": In(config_bus_signature()),
+            "count": Out(32),
+            "q_in": In(stream.Signature(queue_word_layout(p))),
+            "credit_in": In(1),
+            "credit_count": In(32),
+            "q_error": Out(1),
+            "msg_out": Out(stream.Signature(flit_layout(p.coord_bits, msg_layout(p.mu)))),
         })
 
     def elaborate(self, platform):
@@ -207,10 +250,30 @@ class StreamEngine(wiring.Component):
         # A read response and whether the MU refused it.
         m.submodules.rfifo = rfifo = fifo.SyncFIFOBuffered(width=32 * L + 1,
                                                            depth=cp.outstanding + 1)
-        wq_layout = data.StructLayout({"data": 32 * L, "index": mp.index_bits})
+        wq_layout = data.StructLayout({"data": 32 * L, "index": mp.index_bits, "last": 1})
         m.submodules.wq = wq = fifo.SyncFIFOBuffered(width=wq_layout.size, depth=WQ_DEPTH + 1)
         m.d.comb += [self.resp.ready.eq(1), rfifo.w_en.eq(self.resp.valid),
                      rfifo.w_data.eq(Cat(self.resp.payload.data, self.resp.payload.refused))]
+
+        # The input queue (streams between CUs): ``queue_words`` words, and a word of its
+        # last. One entry more than the credits allow, so that the buffered FIFO never refuses
+        # a word the credits made room for (its inner FIFO holds ``queue_words``); emptied by
+        # ``clear``. A word that finds ``queue_words`` words there broke the protocol.
+        Q = cp.queue_words
+        cb = p.coord_bits
+        qfifo = fifo.SyncFIFOBuffered(width=32 * L + 1, depth=Q + 1)
+        m.submodules.qfifo = ResetInserter(self.clear)(qfifo)
+        q_arrive = self.q_in.valid & running
+        q_full = qfifo.level >= Q
+        q_src = Signal(mp.mu_id_bits)                  # where credits go back
+        m.d.comb += [self.q_in.ready.eq(1), qfifo.w_en.eq(q_arrive & ~q_full),
+                     qfifo.w_data.eq(Cat(self.q_in.payload.data, self.q_in.payload.last))]
+        with m.If(q_arrive):
+            m.d.sync += q_src.eq(self.q_in.payload.src)
+
+        def pops_queue(f):
+            # A stream whose A_REF names this CU reads the input queue.
+            return f.a_ref[:2 * cb] == self.cu_id
 
         # --- Issue --------------------------------------------------------------------------
         # One walker issues A's reads, then B's: early (a prefetch, while A still executes) when
@@ -230,6 +293,9 @@ class StreamEngine(wiring.Component):
         n_val, outer_val = sf.n, sf.outer
         d_mode = sf.d_mode
 
+        d_queue = d_mode == DMode.QUEUE.value
+        a_queue = pops_queue(sf)
+        data_go = Signal()                             # a QUEUE result leaves the write queue
         wreq = Signal(self.mu_req.payload.shape())
         wq_head = wq_layout(wq.r_data)
         request(m, wreq, p, x=self.x, y=self.y,
@@ -239,17 +305,19 @@ class StreamEngine(wiring.Component):
         request(m, rreq, p, x=self.x, y=self.y, op=MUOp.READ, tag=TAG_READ, ref=isf.a_ref,
                 index=iss_idx)
 
-        # A queued write goes first; a read only when no write waits.
+        # A queued write goes first; a read only when no write waits. (A QUEUE stream's
+        # results leave through ``msg_out``.)
+        wq_mu = wq.r_rdy & ~d_queue
         m.d.comb += [
-            self.mu_req.valid.eq(in_stream & Mux(wq.r_rdy, wr_pending != (1 << 16) - 1,
+            self.mu_req.valid.eq(in_stream & Mux(wq_mu, wr_pending != (1 << 16) - 1,
                                               ~iss_done & (credits != cp.outstanding))),
-            self.mu_req.payload.eq(Mux(wq.r_rdy, wreq, rreq)),
+            self.mu_req.payload.eq(Mux(wq_mu, wreq, rreq)),
         ]
         go = self.mu_req.valid & self.mu_req.ready
-        wr_go = go & wq.r_rdy
-        rd_go = go & ~wq.r_rdy
+        wr_go = go & wq_mu
+        rd_go = go & ~wq_mu
         # Results queued for an MU are dropped when no stream runs (after an error).
-        m.d.comb += wq.r_en.eq(wr_go | ~in_stream)
+        m.d.comb += wq.r_en.eq(wr_go | data_go | ~in_stream)
 
         with m.If(rd_go):
             with m.If(iss_i + 1 == isf.n):
@@ -287,7 +355,7 @@ class StreamEngine(wiring.Component):
         # A refused read halts the stream in order: the steps before it complete (their
         # writes are acknowledged), then ``error`` rises.
         fault = Signal()
-        head_bad = rfifo.r_data[32 * L]
+        head_bad = ~a_queue & rfifo.r_data[32 * L]
         # Room in the write queue for every result still in the pipeline and this one.
         wq_room = wq.level + s1_valid + s2_valid <= WQ_DEPTH
         # Step k reads B in S0 while step k - 1, in S1, has not written its result yet (it
@@ -297,7 +365,8 @@ class StreamEngine(wiring.Component):
         local_dest = d_mode.matches(DMode.LOCAL.value, DMode.LOCAL_ACC.value)
         b_hazard = (s1_valid & local_dest & (sf.b_mode == BMode.LOCAL.value)
                     & (s1.didx[:wbits] == b_idx[:wbits]))
-        can_pop = in_stream & ~c_done & ~fault & rfifo.r_rdy & wq_room & ~b_hazard
+        src_rdy = Mux(a_queue, qfifo.r_rdy, rfifo.r_rdy)
+        can_pop = in_stream & ~c_done & ~fault & src_rdy & wq_room & ~b_hazard
         with m.If(can_pop & head_bad):
             m.d.sync += fault.eq(1)
         m.d.comb += self.error.eq(in_stream & fault & ~s1_valid & ~s2_valid & (wq.level == 0)
@@ -305,15 +374,22 @@ class StreamEngine(wiring.Component):
         m.d.comb += [
             pop.eq(can_pop & ~head_bad),
             self.step.eq(pop),
-            rfifo.r_en.eq(pop | ~in_stream),   # stale responses are dropped between streams
+            # stale responses are dropped between streams; the input queue keeps its words
+            rfifo.r_en.eq((pop & ~a_queue) | ~in_stream),
+            qfifo.r_en.eq(pop & a_queue),
             loc_b.addr.eq(b_idx[:wbits]), loc_b.en.eq(pop),
+            self.count.eq(c_k),
         ]
         last_inner = c_i + 1 == n_val
+        # A word marked last ends a stream reading the queue: its step ends the inner and the
+        # outer loop.
+        eos = a_queue & qfifo.r_data[32 * L]
         m.d.sync += [s1_valid.eq(pop), s2_valid.eq(s1_valid & in_stream)]
         with m.If(pop):
             m.d.sync += [
-                s1_a.eq(rfifo.r_data[:32 * L]), s1.k.eq(c_k), s1.didx.eq(d_idx),
-                s1.last_inner.eq(last_inner), s1.last.eq(last_inner & (c_o + 1 == outer_val)),
+                s1_a.eq(Mux(a_queue, qfifo.r_data[:32 * L], rfifo.r_data[:32 * L])),
+                s1.k.eq(c_k), s1.didx.eq(d_idx), s1.last_inner.eq(last_inner | eos),
+                s1.last.eq((last_inner & (c_o + 1 == outer_val)) | eos),
                 s1.lane.eq(c_o[:max(lbits, 1)] if lbits else 0),
                 c_k.eq(c_k + 1), d_idx.eq(d_idx + sf.d_stride),
             ]
@@ -326,6 +402,8 @@ class StreamEngine(wiring.Component):
                     m.d.sync += c_o.eq(c_o + 1)
             with m.Else():
                 m.d.sync += [c_i.eq(c_i + 1), b_idx.eq(b_idx + sf.b_stride)]
+            with m.If(eos):
+                m.d.sync += c_done.eq(1)
 
         # --- S1: fn(a, b) in every lane; read the LOCAL_ACC destination -----------------------
         b_mode = sf.b_mode
@@ -372,7 +450,11 @@ class StreamEngine(wiring.Component):
         with m.If(s2_go):
             with m.Switch(d_mode):
                 with m.Case(DMode.WRITE.value, DMode.APPEND.value):
-                    m.d.comb += [wq.w_en.eq(1), wq.w_data.eq(Cat(r_word, s2.didx))]
+                    m.d.comb += [wq.w_en.eq(1),
+                                 wq.w_data.eq(Cat(r_word, s2.didx[:mp.index_bits]))]
+                with m.Case(DMode.QUEUE.value):
+                    m.d.comb += [wq.w_en.eq(1),
+                                 wq.w_data.eq(Cat(r_word, Const(0, mp.index_bits), s2.last))]
                 with m.Case(DMode.LOCAL.value, DMode.LOCAL_ACC.value):
                     acc_word = Cat((r + loc_d.data.word_select(i, 32))[:32]
                                    for i, r in enumerate(r_lanes))
@@ -415,8 +497,9 @@ class StreamEngine(wiring.Component):
         m.d.comb += new_a.eq(Mux(promote, b_sf, self.fields))
 
         def begin_issue(f, for_b):
+            # (A stream reading the input queue issues no reads.)
             m.d.sync += [iss_o.eq(0), iss_i.eq(0), iss_row.eq(f.a_base), iss_idx.eq(f.a_base),
-                         iss_done.eq(0), iss_b.eq(for_b)]
+                         iss_done.eq(pops_queue(f)), iss_b.eq(for_b)]
 
         a_writes_mu = sf.d_mode.matches(*D_MU_MODES)
         b_early = (b_valid & ~iss_b & iss_done & ~promote
@@ -452,10 +535,56 @@ class StreamEngine(wiring.Component):
             m.d.sync += [a_valid.eq(0), b_valid.eq(0), iss_done.eq(1), iss_b.eq(0),
                          credits.eq(0), inflight.eq(0), s1_valid.eq(0), s2_valid.eq(0)]
 
-        # Every step ran and every write was issued; the acknowledgements are counted on
-        # across streams (posted writes) and fenced by the sequencer.
+        # --- Streams between CUs: words out, credits in and back ------------------------------
+        # One message register: the credits this CU owes go first, then a QUEUE stream's next
+        # result while the engine holds a credit for it.
+        eo_valid = Signal()
+        eo = Signal(self.msg_out.payload.shape())
+        m.d.comb += [self.msg_out.valid.eq(eo_valid), self.msg_out.payload.eq(eo)]
+        eo_free = ~eo_valid | self.msg_out.ready
+        q_credits = Signal(range(Q + 1), init=Q)       # the producer's credits
+        owed = Signal(range(Q + 1))                    # words popped, credits not yet sent
+        q_pop = pop & a_queue
+        send_credit = Signal()
+        m.d.comb += [
+            send_credit.eq(running & (owed != 0) & ((owed >= credit_batch(Q)) | ~q_pop)
+                           & eo_free),
+            data_go.eq(in_stream & d_queue & wq.r_rdy & (q_credits != 0) & eo_free
+                       & ~send_credit),
+        ]
+
+        def load(dst, tag, word):
+            m.d.sync += [
+                eo_valid.eq(1), eo.dst.x.eq(dst[:cb]), eo.dst.y.eq(dst[cb:2 * cb]),
+                eo.payload.kind.eq(MsgKind.STREAM), eo.payload.body.tag.eq(tag),
+                eo.payload.body.data.eq(word), eo.payload.body.ref.eq(self.cu_id),
+                eo.payload.body.dst.as_value().eq(dst[:mp.mu_id_bits]),
+            ]
+
+        with m.If(send_credit):
+            load(q_src, STREAM_CREDIT, owed)
+        with m.Elif(data_go):
+            load(sf.d_ref, Mux(wq_head.last, STREAM_LAST, 0), wq_head.data)
+        with m.Elif(self.msg_out.ready):
+            m.d.sync += eo_valid.eq(0)
+        m.d.sync += owed.eq(Mux(send_credit, 0, owed) + q_pop)
+        credit_new = Signal(33)
+        m.d.comb += credit_new.eq(q_credits + Mux(self.credit_in & running,
+                                                  self.credit_count, 0))
+        credit_over = credit_new > Q
+        with m.If(credit_over):
+            m.d.sync += q_credits.eq(q_credits - data_go)
+        with m.Else():
+            m.d.sync += q_credits.eq(credit_new - data_go)
+        m.d.comb += self.q_error.eq((q_arrive & q_full) | credit_over)
+        with m.If(self.clear):
+            m.d.sync += [q_credits.eq(Q), owed.eq(0)]
+
+        # Every step ran and every write was issued (a QUEUE stream's last word has left the
+        # message register); the acknowledgements are counted on across streams (posted
+        # writes) and fenced by the sequencer.
         m.d.comb += [self.done.eq(in_stream & c_done & ~s1_valid & ~s2_valid
-                                  & (wq.level == 0)),
+                                  & (wq.level == 0) & ~(d_queue & eo_valid)),
                      self.writes_pending.eq(wr_pending != 0)]
 
         # Acknowledgements of the writes.

@@ -99,7 +99,7 @@ Readings of the spec (where it leaves a choice)
   the local buffer. Start the CU only when the network holds no response to it.
 """
 
-from amaranth.hdl import Const, Module, Signal
+from amaranth.hdl import Const, Module, Mux, Signal
 from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
@@ -108,7 +108,14 @@ from rdakit.hdl.compute.sequencer import Sequencer
 from rdakit.hdl.compute.stream import StreamEngine
 from rdakit.hdl.spec.config import CU_PROFILE, TILE_COUNTERS, config_bus_signature
 from rdakit.hdl.spec.flit import flit_layout
-from rdakit.hdl.spec.packets import MsgKind, MUStatus, msg_layout, mu_request_layout
+from rdakit.hdl.spec.packets import (
+    STREAM_CREDIT,
+    STREAM_LAST,
+    MsgKind,
+    MUStatus,
+    msg_layout,
+    mu_request_layout,
+)
 
 __all__ = ["ComputeUnit", "COUNTER_WIDTH", "TAG_BLOCKING", "TAG_READ", "TAG_WRITE"]
 
@@ -197,11 +204,25 @@ class ComputeUnit(wiring.Component):
             seq.reads_issued.eq(eng.reads_issued),
             seq.writes_pending.eq(eng.writes_pending), eng.posted.eq(seq.posted),
             seq.stream_acc.eq(eng.acc), seq.stream_index.eq(eng.index),
+            seq.stream_count.eq(eng.count), seq.queue_error.eq(eng.q_error),
             seq.v_we.eq(eng.v_we), seq.v_next.eq(eng.v_next),
             eng.l_addr.eq(seq.l_addr), eng.l_re.eq(seq.l_re), seq.l_rdata.eq(eng.l_rdata),
             eng.l_we.eq(seq.l_we), eng.l_wdata.eq(seq.l_wdata),
         ]
-        wiring.connect(m, seq.msg_out, wiring.flipped(self.msg_out))
+        # The message port: the sequencer's register (SEND, SENDREF) and the stream engine's
+        # (a QUEUE stream's words, credits returned) share it. The sequencer goes first, unless
+        # the engine's flit was offered and not taken in the cycle before (an offer is held
+        # until taken).
+        eng_held = Signal()
+        eng_sel = Signal()
+        m.d.comb += [
+            eng_sel.eq(eng_held | (eng.msg_out.valid & ~seq.msg_out.valid)),
+            self.msg_out.valid.eq(seq.msg_out.valid | eng.msg_out.valid),
+            self.msg_out.payload.eq(Mux(eng_sel, eng.msg_out.payload, seq.msg_out.payload)),
+            seq.msg_out.ready.eq(self.msg_out.ready & ~eng_sel),
+            eng.msg_out.ready.eq(self.msg_out.ready & eng_sel),
+        ]
+        m.d.sync += eng_held.eq(eng_sel & eng.msg_out.valid & ~self.msg_out.ready)
 
         # The request register: valid never depends on ready. The sequencer's request wins: it
         # may be offered while a stream runs (when the stream touches nothing it names,
@@ -230,6 +251,17 @@ class ComputeUnit(wiring.Component):
             eng.resp.payload.data.eq(body.data),
             eng.resp.payload.refused.eq(body.status != MUStatus.OK),
             eng.ack.eq(is_resp & (body.tag == TAG_WRITE)),
+        ]
+        # STREAM messages: a word for the input queue, or credits for this CU's QUEUE streams.
+        is_stream = self.msg_in.valid & (self.msg_in.payload.payload.kind == MsgKind.STREAM)
+        credit = (body.tag & STREAM_CREDIT) != 0
+        m.d.comb += [
+            eng.q_in.valid.eq(is_stream & ~credit),
+            eng.q_in.payload.data.eq(body.data),
+            eng.q_in.payload.last.eq((body.tag & STREAM_LAST) != 0),
+            eng.q_in.payload.src.eq(body.ref.mu),
+            eng.credit_in.eq(is_stream & credit),
+            eng.credit_count.eq(body.data[:32]),
         ]
 
         # --- Counters -----------------------------------------------------------------------

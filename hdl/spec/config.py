@@ -107,6 +107,7 @@ CU_STATUS_BITS = {
     "TOKEN_OVERFLOW": 5,    # a token counter passed 65535
     "BAD_STREAM": 6,        # a stream configuration that cannot run (N or OUTER zero, ...)
     "BAD_DESTINATION": 7,   # a request to a tile that is not an MU, a message to one not a CU
+    "QUEUE_OVERFLOW": 8,    # a stream word found the input queue full, or credits passed its depth
 }
 
 #: A CU's STATUS word (``CU_MAP.STATUS``), first field in bit 0: ``done`` (not running:

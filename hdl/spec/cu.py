@@ -8,10 +8,18 @@ from rdakit.hdl.spec.packets import MUOp
 
 __all__ = ["MU_OP", "MU_INSTRUCTIONS", "FENCED", "POSTED", "NONBLOCKING", "STREAM_TOUCHES",
            "STREAM_TOUCH_DOC", "STREAM_HAZARDS", "AFTER_STREAM", "D_MU_MODES", "WQ_DEPTH",
-           "EXEC_STAGES"]
+           "EXEC_STAGES", "credit_batch"]
 
 #: The D_MODE values whose results go to an MU (D_REF).
 D_MU_MODES = (DMode.WRITE.value, DMode.APPEND.value, DMode.PACK_SUM.value)
+
+def credit_batch(queue_words):
+    """How many credits a consumer gathers before it returns them in one message while its
+    stream takes a word from its input queue every cycle (``DMode.QUEUE``): a quarter of the
+    queue, at least 1. In any cycle it takes no word it returns what it owes at once, so a
+    stall never keeps a credit from its producer."""
+    return max(1, queue_words // 4)
+
 
 #: Depth of the stream engine's queue of results waiting to be written to an MU.
 WQ_DEPTH = 4

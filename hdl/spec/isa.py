@@ -102,6 +102,14 @@ class StreamField(enum.Enum, shape=4):
     chosen by ``B_MODE``; the result of every lane is
     ``post(fn(a, b) >> SHIFT)`` (arithmetic shift; ``post`` is ReLU if ``POST & 1``);
     ``D_MODE`` says where results go. ``k`` counts steps over the whole stream.
+
+    An ``A_REF`` whose low ``2 * coord_bits`` bits are this CU's own ID (``SELF``) names no
+    MU buffer but the CU's *input queue*: operand A of each step is the next word another CU's
+    stream sent it (``DMode.QUEUE``), ``A_BASE``, ``A_STRIDE`` and ``A_OSTRIDE`` are unused,
+    and the stream ends early after the step that takes a word marked as its producer's last
+    (end of stream); such a stream writes the number of steps it ran to the first register
+    after those its reduction writes (``r[rd]``, or ``r[rd+1]`` for SUM and MAX, ``r[rd+2]``
+    for ARGMAX).
     """
 
     A_REF = 0
@@ -143,6 +151,8 @@ class DMode(enum.Enum, shape=4):
     ARGMAX = 7     #: rd = largest element, r[rd+1] = its index k*lanes + lane (first one)
     PACK_SUM = 8   #: per outer iteration, the sum of its results goes to the next lane of V;
     #:              a full V is appended to D_REF, and a partial one at the end (zero-padded)
+    QUEUE = 9      #: each result goes to the input queue of the CU whose ID is D_REF (as SEND
+    #:              names it), one credit a word; the stream's last result is marked last
 
 
 #: Per opcode: (assembly syntax, semantics, cycles). The docs table is generated from this.
@@ -183,7 +193,8 @@ OP_INFO = {
                               "weight; empty the slot", "1 + waiting"),
     Op.SCFG: ("SCFG fn, ra", "stream field fn = ra", "1"),
     Op.SCFGI: ("SCFGI fn, imm", "stream field fn = imm", "1"),
-    Op.SRUN: ("SRUN fn, rd", "run the configured stream with function fn (see D_MODE for rd)",
+    Op.SRUN: ("SRUN fn, rd", "run the configured stream with function fn (see D_MODE for rd; "
+                             "a stream reading the input queue writes its step count after)",
               "1; the stream then runs in the engine beside the next instructions: N*OUTER "
               "steps, 1 a cycle reading, 2 a cycle writing to an MU, + round trip"),
     Op.SELF: ("SELF rd", "rd = this CU's ID (y << coord_bits | x)", "1"),

@@ -14,7 +14,8 @@ from rdakit.hdl.spec.params import MUParams
 
 __all__ = [
     "MUOp", "MUStatus", "OP_DOC", "STATUS_DOC",
-    "MsgKind", "coord_layout", "node_layout", "ref_layout", "mu_request_layout",
+    "MsgKind", "STREAM_LAST", "STREAM_CREDIT", "coord_layout", "node_layout", "ref_layout",
+    "mu_request_layout",
     "mu_response_layout", "msg_layout", "host_tag_bit", "HostCmd", "HOST_IN_FLIGHT",
     "host_cmd_layout", "host_reply_layout", "pack", "unpack",
 ]
@@ -95,13 +96,24 @@ class MsgKind(enum.Enum, shape=2):
 
     The response network carries only messages its receiver always accepts at once: MU
     responses (to a request the receiver made, with room reserved for it), tokens (a counter
-    increment) and references (a write into a mailbox slot). So it never backs up into the
-    request network, whatever the request network holds.
+    increment), references (a write into a mailbox slot) and stream words between CUs (a word
+    into an input queue the sender holds a credit for, or credits returned: a counter
+    increment). So it never backs up into the request network, whatever the request network
+    holds.
     """
 
     RESPONSE = 0   #: an MU response: ``body`` is the response
     TOKEN = 1      #: ``body.tag`` = channel, ``body.data`` = count
     REF = 2        #: ``body.tag`` = mailbox slot, ``body.ref`` = reference, ``body.data`` = weight
+    STREAM = 3     #: between CUs' streams (``DMode.QUEUE``): ``body.ref`` = the sender's CU ID,
+    #:              ``body.tag`` = flags (:data:`STREAM_LAST`, :data:`STREAM_CREDIT`),
+    #:              ``body.data`` = the word for the input queue, or the credits returned
+
+
+#: ``body.tag`` bit of a STREAM message: the word is the last of its producer's stream.
+STREAM_LAST = 1
+#: ``body.tag`` bit of a STREAM message: no word; ``body.data`` credits go back to the producer.
+STREAM_CREDIT = 2
 
 
 def host_tag_bit(p: MUParams):

@@ -288,6 +288,9 @@ class CUParams:
         Token channels (counters) per CU (1 to 16).
     mailbox : int
         Reference mailbox slots per CU (1 to 16).
+    queue_words : int
+        Depth of the input queue another CU's stream sends words into (``DMode.QUEUE``), and
+        so the credits a producer starts with (1 to 1024).
 
     Raises
     ------
@@ -302,6 +305,7 @@ class CUParams:
     outstanding: int = 16
     channels: int = 8
     mailbox: int = 4
+    queue_words: int = 16
 
     def __post_init__(self):
         _check_pow2("lanes", self.lanes)
@@ -322,6 +326,7 @@ class CUParams:
         _check_int("outstanding", self.outstanding, maximum=256)
         _check_int("channels", self.channels, maximum=16)
         _check_int("mailbox", self.mailbox, maximum=16)
+        _check_int("queue_words", self.queue_words, maximum=1024)
 
     def replace(self, **changes):
         """Return a copy with some parameters changed (and validated again)."""

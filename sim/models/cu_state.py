@@ -2,6 +2,7 @@
 transactions between tiles, a run's result and the errors (:mod:`rdakit.sim.models.interp`
 describes the semantics)."""
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -96,13 +97,14 @@ class Message:
     src, dst : tuple of int
         ``(x, y)`` of the sender and of the receiver.
     kind : str
-        ``"token"`` or ``"ref"``.
+        ``"token"`` or ``"ref"``; ``"word"`` (a QUEUE stream's result, recorded with
+        ``trace=True`` or when dropped) or ``"credit"`` (dropped only).
     tag : int
-        The channel (token) or the mailbox slot (reference).
+        The channel (token), the mailbox slot (reference), 1 for a word marked last.
     ref : int
         The reference (0 for a token).
     data : int
-        The token count, or the weight sent with the reference.
+        The token count, the weight sent with the reference, the word, the credits.
     """
 
     step: int
@@ -301,6 +303,14 @@ class CUMachine:
         self.tokens = [0] * cp.channels
         self.mailbox = [None] * cp.mailbox
         self.stream = None                           # the running SRUN (a generator)
+        # Streams between CUs (DMode.QUEUE): the input queue of (word, last) another CU's
+        # stream sent, the CU that sent the last word (credits go back to it), the credits
+        # this CU holds as a producer, and what the running stream's next step needs:
+        # (a word from the queue, a credit) or None.
+        self.queue = collections.deque()
+        self.q_src = None
+        self.credits = cp.queue_words
+        self.stream_need = None
         self.halted = not self.enabled
         self.code = NONE
         self.instructions = self.stream_steps = self.requests = 0

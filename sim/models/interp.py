@@ -64,6 +64,18 @@ Semantics chosen where ``docs/compute-unit.md`` leaves room (the RTL must make t
   ``PACK_SUM``, which starts from ``V = 0``, clears ``V`` after every append and so always
   leaves ``V = 0``. An MU error at step ``k`` halts with ``MU_ERROR`` with the writes of the
   steps before ``k`` applied (in hardware, which of them land is timing-dependent).
+* **Streams between CUs** (``docs/compute-unit.md``, "Streams between CUs"): a step of a
+  stream whose ``D_MODE`` is ``QUEUE`` needs a credit (the producer starts with
+  ``queue_words``) and puts its result, marked last on the stream's last step, at the end of
+  the input queue of the CU ``D_REF`` names; a step of a stream whose ``A_REF`` is the CU's own
+  ID needs a word in its input queue, takes it as ``a`` and gives a credit back at once to the
+  CU that sent the last word received (the RTL batches credits: only timing differs). Such a
+  stream ends after the step that takes a word marked last and writes its step count to
+  ``r[rd + w]``, ``w`` the registers its reduction writes. A step that lacks its word or its
+  credit blocks the CU like a ``WAIT`` (it takes both before it runs: a program must not
+  depend on the RTL's pipeline taking a word before its credit is there). A word arriving at
+  a full queue, or a credit taking a producer past ``queue_words``, halts the receiver with
+  ``QUEUE_OVERFLOW`` (it is dropped); words and credits for a halted CU are dropped.
 * **Host requests** (:meth:`Interpreter.host_request`) go to the MU model of the named tile
   with ``src`` = that tile and the host bit of ``tag`` set
   (:func:`~rdakit.hdl.spec.packets.host_tag_bit`) unless the request says otherwise; they are
@@ -116,11 +128,16 @@ _MAILBOX_OVERFLOW = CU_STATUS_BITS["MAILBOX_OVERFLOW"]
 _TOKEN_OVERFLOW = CU_STATUS_BITS["TOKEN_OVERFLOW"]
 _BAD_STREAM = CU_STATUS_BITS["BAD_STREAM"]
 _BAD_DESTINATION = CU_STATUS_BITS["BAD_DESTINATION"]
+_QUEUE_OVERFLOW = CU_STATUS_BITS["QUEUE_OVERFLOW"]
 
 # Request tags (docs/compute-unit.md, Messages).
 _TAG_BLOCKING, _TAG_STREAM_READ, _TAG_STREAM_WRITE = 0, 1, 2
 
 _SF = StreamField
+
+#: The registers a stream's reduction writes from ``rd`` on (a stream reading the input queue
+#: writes its step count to the next one).
+_REDUCED_REGS = {DMode.SUM: 1, DMode.MAX: 1, DMode.ARGMAX: 2}
 
 
 def _signed(v):
@@ -445,7 +462,17 @@ class Interpreter:
 
     def _blocked(self, cu):
         """What the CU waits for, or None if its next step can run."""
-        if cu.stream is not None or cu.pc >= self._prog_len:
+        if cu.stream is not None:
+            need = cu.stream_need
+            if need is None:
+                return None
+            pops, dst = need
+            if pops and not cu.queue:
+                return "SRUN waits for a word in its input queue"
+            if dst is not None and cu.credits == 0:
+                return f"SRUN waits for a credit to send to CU {dst}"
+            return None
+        if cu.pc >= self._prog_len:
             return None
         ins = cu.program[cu.pc]
         if ins is None:
@@ -469,6 +496,7 @@ class Interpreter:
     def _halt(self, cu, code):
         cu.halted = True
         cu.code = code
+        cu.stream_need = None
         if cu.stream is not None:
             cu.stream.close()
             cu.stream = None
@@ -703,10 +731,18 @@ class Interpreter:
         b_val, b_stride, b_ostride = (f[_SF.B_VAL.value], f[_SF.B_STRIDE.value],
                                       f[_SF.B_OSTRIDE.value])
         d_ref, d_base, d_stride = f[_SF.D_REF.value], f[_SF.D_BASE.value], f[_SF.D_STRIDE.value]
-        # Like the RTL, both destinations are checked before the first request is sent.
-        if not self._names_mu(a_ref) or (dmode in (DMode.WRITE, DMode.APPEND, DMode.PACK_SUM)
-                                         and not self._names_mu(d_ref)):
+        # Like the RTL, both destinations are checked before the first request is sent. An
+        # A_REF naming this CU is its input queue; a QUEUE stream's D_REF names a CU.
+        pops = (a_ref & self._id_mask) == cu.id
+        if ((not pops and not self._names_mu(a_ref))
+                or (dmode in (DMode.WRITE, DMode.APPEND, DMode.PACK_SUM)
+                    and not self._names_mu(d_ref))):
             raise Halt(_BAD_DESTINATION)
+        q_dst = None
+        if dmode is DMode.QUEUE:
+            self._check_cu_id(d_ref)
+            q_dst = self._cus[self.params.mu_coords(d_ref & self._id_mask)]
+        need = (pops, q_dst.xy if q_dst is not None else None)
         zero = [0] * lanes
         scalar = [b_val] * lanes
         vector_alu = _VECTOR_ALU[fn]       # fn is a 4-bit field: every value is an AluFn
@@ -720,13 +756,23 @@ class Interpreter:
         if dmode is DMode.PACK_SUM:
             cu.V = [0] * lanes
         k = 0
+        ended = False                   # a word marked last was taken (A from the queue)
         for o in range(outer):
             acc = 0
             for i in range(n):
                 if k:
                     yield
-                word = self._request(cu, MUOp.READ, a_ref, tag=_TAG_STREAM_READ,
-                                     index=a_base + o * a_ostride + i * a_stride)["data"]
+                if pops or q_dst is not None:
+                    # The step needs a word from the queue and a credit before it runs.
+                    cu.stream_need = need
+                    while (pops and not cu.queue) or (q_dst is not None and cu.credits == 0):
+                        yield
+                    cu.stream_need = None
+                if pops:
+                    word, ended = self._pop_word(cu)
+                else:
+                    word = self._request(cu, MUOp.READ, a_ref, tag=_TAG_STREAM_READ,
+                                         index=a_base + o * a_ostride + i * a_stride)["data"]
                 a = unpack_lanes(word.to_bytes(nbytes, "little"))
                 if bmode is BMode.ZERO:
                     b = zero
@@ -758,14 +804,21 @@ class Interpreter:
                             best, best_index = v, k * lanes + lane
                 elif dmode is DMode.PACK_SUM:
                     acc += sum(res)
+                elif dmode is DMode.QUEUE:
+                    self._push_word(cu, q_dst, from_bytes(pack_lanes(*res), "little"),
+                                    ended or (o == outer - 1 and i == n - 1))
                 k += 1
                 cu.stream_steps += 1
+                if ended:
+                    break
             if dmode is DMode.PACK_SUM:
                 lane = o % lanes
                 cu.V[lane] = acc & MASK32
                 if lane == lanes - 1:
                     self._append_v(cu, d_ref)
-        if dmode is DMode.PACK_SUM and outer % lanes:
+            if ended:
+                break
+        if dmode is DMode.PACK_SUM and (o + 1) % lanes:
             self._append_v(cu, d_ref)
         rmask = self._regs - 1
         if dmode is DMode.SUM:
@@ -775,6 +828,38 @@ class Interpreter:
         elif dmode is DMode.ARGMAX:
             cu.regs[rd] = best & MASK32
             cu.regs[(rd + 1) & rmask] = best_index & MASK32
+        if pops:
+            cu.regs[(rd + _REDUCED_REGS.get(dmode, 0)) & rmask] = k
+
+    def _pop_word(self, cu):
+        """Take the word at the head of ``cu``'s input queue and give its producer (the CU
+        that sent the last word received) a credit; return ``(word, last)``."""
+        word, last = cu.queue.popleft()
+        src = cu.q_src
+        if src.halted:
+            self.dropped.append(Message(self.steps, cu.xy, src.xy, "credit", 0, 0, 1))
+        elif src.credits >= self.params.cu.queue_words:
+            if src is cu:
+                raise Halt(_QUEUE_OVERFLOW)
+            self._halt(src, _QUEUE_OVERFLOW)
+        else:
+            src.credits += 1
+        return word, last
+
+    def _push_word(self, cu, dst, word, last):
+        """A QUEUE stream's step: spend a credit and put ``word`` in ``dst``'s input queue."""
+        cu.credits -= 1
+        if self._trace:
+            self.messages.append(Message(self.steps, cu.xy, dst.xy, "word", int(last), 0, word))
+        if dst.halted:
+            self.dropped.append(Message(self.steps, cu.xy, dst.xy, "word", int(last), 0, word))
+        elif len(dst.queue) >= self.params.cu.queue_words:
+            if dst is cu:
+                raise Halt(_QUEUE_OVERFLOW)
+            self._halt(dst, _QUEUE_OVERFLOW)
+        else:
+            dst.queue.append((word, last))
+            dst.q_src = cu
 
     def _append_v(self, cu, d_ref):
         self._request(cu, MUOp.APPEND, d_ref, data=pack_vector(cu.V), tag=_TAG_STREAM_WRITE)

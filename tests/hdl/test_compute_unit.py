@@ -425,7 +425,7 @@ def test_errors_of_the_sequencer():
         (assemble("SCFGI N, 1\nSCFGI OUTER, 0\nSRUN ADD, r0"), "BAD_STREAM", 2),
         (assemble("SCFGI N, 1\nSCFGI B_MODE, 3\nSRUN ADD, r0"), "BAD_STREAM", 2),
         (assemble("SCFGI N, 1\nSCFGI B_MODE, -1\nSRUN ADD, r0"), "BAD_STREAM", 2),
-        (assemble("SCFGI N, 1\nSCFGI D_MODE, 9\nSRUN ADD, r0"), "BAD_STREAM", 2),
+        (assemble("SCFGI N, 1\nSCFGI D_MODE, 10\nSRUN ADD, r0"), "BAD_STREAM", 2),
         (assemble("LI r1, 3\nHALT"), "NONE", 1),
     ]
 
@@ -1080,6 +1080,7 @@ FAULTS = {
     "bad_stream": "BAD_STREAM",
     "bad_op": "BAD_INSTRUCTION",  # opcode 63
     "jump": "PC_OUT_OF_RANGE",
+    "queues": "NONE",             # no fault: streams through the CU's own input queue too
 }
 
 
@@ -1087,20 +1088,26 @@ def random_program(rng, fault=None):
     """A random program: scalar and vector instructions, MU instructions on buffer r1 (8 words,
     in MU A) and r2 (allocated in MU B), loops, self-sent tokens, and streams with random fields
     (A indices kept inside r1, at most 128 words in r2), then one of :data:`FAULTS`. Returns
-    the instructions (``Instr`` or words) and their text."""
+    the instructions (``Instr`` or words) and their text. With ``fault="queues"`` it also
+    sends streams' results to the CU's own input queue (``DMode.QUEUE``, at most
+    ``queue_words`` words queued) and runs streams reading it (``A_REF`` = ``SELF``), which end
+    at the last word of a producing stream or after N*OUTER steps."""
     lw = P.cu.local_words
     lines = [f"LI r7, {MU_B_ID}", "ALLOC r2, r7, 1"]
     out_len = 0
     labels = 0
     dst = [3, 4, 5, 6]
+    queued = []        # the words each producing stream left in the queue, oldest first
 
     def reg():
         return int(rng.integers(0, 8))
 
+    kinds = ["li", "alu", "alui", "vset", "vclr", "vappend", "vwrite", "read", "vread", "loop",
+             "tokens", "stream", "stream", "stream", "lget", "lset"]
+    if fault == "queues":
+        kinds += ["queue"] * 10
     for _ in range(int(rng.integers(6, 11))):
-        kind = rng.choice(["li", "alu", "alui", "vset", "vclr", "vappend", "vwrite", "read",
-                           "vread", "loop", "tokens", "stream", "stream", "stream", "lget",
-                           "lset"])
+        kind = rng.choice(kinds)
         d = int(rng.choice(dst))
         if kind == "li":
             lines.append(f"LI r{d}, {int(rand32(rng, ()))}")
@@ -1165,6 +1172,33 @@ def random_program(rng, fault=None):
                 B_OSTRIDE=int(rng.integers(-3, 4)), D_MODE=dmode, D_BASE=d_base,
                 D_STRIDE=d_stride, SHIFT=int(rng.choice([0, 0, rng.integers(32)])),
                 POST=int(rng.integers(4))),
+                f"SRUN {AluFn(int(rng.integers(16))).name}, r{d}"]
+        elif kind == "queue" and queued and rng.random() < 0.5:
+            # Read the queue: up to the first producing stream's last word.
+            n, outer = int(rng.integers(1, 5)), int(rng.integers(1, 4))
+            if n * outer < queued[0]:
+                queued[0] -= n * outer
+            else:
+                queued.pop(0)
+            dmode = rng.choice([DMode.DISCARD, DMode.LOCAL, DMode.LOCAL_ACC, DMode.SUM,
+                                DMode.MAX, DMode.ARGMAX])
+            bmode = BMode(int(rng.integers(3)))
+            b_val = int(rand32(rng, ())) if bmode is BMode.SCALAR else int(rng.integers(lw))
+            lines += ["SELF r7", "SCFG A_REF, r7", cfg(
+                N=n, OUTER=outer, B_MODE=bmode, B_VAL=b_val, B_STRIDE=int(rng.integers(-2, 3)),
+                B_OSTRIDE=int(rng.integers(-3, 4)), D_MODE=dmode,
+                D_BASE=int(rng.integers(0, lw * 2)), D_STRIDE=int(rng.integers(-2, 3)),
+                SHIFT=int(rng.choice([0, 0, rng.integers(32)])), POST=int(rng.integers(4))),
+                f"SRUN {AluFn(int(rng.integers(16))).name}, r{d}"]
+        elif kind == "queue" and sum(queued) < P.cu.queue_words:
+            # Send r1's words (inside it) to the CU's own queue, as much as it has room for.
+            room = P.cu.queue_words - sum(queued)
+            n = int(rng.integers(1, min(room, 8) + 1))
+            base = int(rng.integers(0, 9 - n))
+            queued.append(n)
+            lines += ["SELF r7", "SCFG D_REF, r7", "SCFG A_REF, r1", cfg(
+                A_BASE=base, A_STRIDE=1, N=n, OUTER=1, B_MODE=BMode.SCALAR,
+                B_VAL=int(rand32(rng, ())), D_MODE=DMode.QUEUE, SHIFT=0, POST=0),
                 f"SRUN {AluFn(int(rng.integers(16))).name}, r{d}"]
     if fault == "read":
         lines += ["LI r6, 8", "READ 0, r3, r1, r6"]
@@ -1251,7 +1285,7 @@ def test_streams_queued_in_the_engine_keep_program_order(stall):
 
 @pytest.mark.parametrize("seed, fault, stall", [
     (0, None, 0.0), (1, "stream", 0.0), (2, None, 0.4), (3, "stream", 0.4), (4, "read", 0.0),
-    (5, "bad_op", 0.0),
+    (5, "bad_op", 0.0), (24, "queues", 0.0), (22, "queues", 0.4), (35, "queues", 0.0),
 ])
 def test_random_programs_match_the_interpreter(seed, fault, stall):
     # With stall > 0, random back-pressure on every MU and CU input of the harness. A stream

@@ -366,7 +366,7 @@ def test_mailbox_overflow_halts_the_receiver():
 
 
 @pytest.mark.parametrize("fields", [
-    dict(N=0), dict(OUTER=0), dict(N=1, B_MODE=3), dict(N=1, D_MODE=9), dict(N=1, B_MODE=-1)])
+    dict(N=0), dict(OUTER=0), dict(N=1, B_MODE=3), dict(N=1, D_MODE=10), dict(N=1, B_MODE=-1)])
 def test_bad_stream(fields):
     _, res = run_one(f"{stream_cfg(**fields)}\nSRUN ADD, r0\nHALT")
     s = res.cu(0, 0)
