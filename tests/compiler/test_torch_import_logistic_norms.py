@@ -329,5 +329,5 @@ def test_a_gated_block_runs_bit_exact_on_the_interpreter():
     assert {"rms_norm", "layer_norm", "sigmoid", "tanh"} <= set(_kinds(model))
     assert model.accuracy.cosine >= 0.999, model.accuracy.as_dict()
     job = compile_workload(model.workload(), params=fabric_params(2, 2, prog_len=2048),
-                           place_steps=100)[0]
+                           place_steps=20)[0]
     assert_interpreter_matches(job, model.evaluate())
