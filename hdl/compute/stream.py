@@ -38,8 +38,9 @@ from rdakit.hdl.compute.common import (
     lane,
     request,
 )
+from rdakit.hdl.compute.credits import CreditCounter, CreditReturn
 from rdakit.hdl.spec.config import CU_MAP, config_bus_signature
-from rdakit.hdl.spec.cu import EXEC_STAGES, WQ_DEPTH, credit_batch
+from rdakit.hdl.spec.cu import EXEC_STAGES, WQ_DEPTH
 from rdakit.hdl.spec.flit import flit_layout
 from rdakit.hdl.spec.isa import INSTR_LAYOUT, BMode, DMode
 from rdakit.hdl.spec.packets import (
@@ -542,15 +543,17 @@ class StreamEngine(wiring.Component):
         eo = Signal(self.msg_out.payload.shape())
         m.d.comb += [self.msg_out.valid.eq(eo_valid), self.msg_out.payload.eq(eo)]
         eo_free = ~eo_valid | self.msg_out.ready
-        q_credits = Signal(range(Q + 1), init=Q)       # the producer's credits
-        owed = Signal(range(Q + 1))                    # words popped, credits not yet sent
-        q_pop = pop & a_queue
-        send_credit = Signal()
+        m.submodules.credits = credits_held = CreditCounter(Q)   # as a producer
+        m.submodules.owed = owed = CreditReturn(Q)               # as a consumer
+        send_credit = owed.send
         m.d.comb += [
-            send_credit.eq(running & (owed != 0) & ((owed >= credit_batch(Q)) | ~q_pop)
-                           & eo_free),
-            data_go.eq(in_stream & d_queue & wq.r_rdy & (q_credits != 0) & eo_free
+            owed.pop.eq(pop & a_queue), owed.free.eq(running & eo_free),
+            owed.clear.eq(self.clear),
+            data_go.eq(in_stream & d_queue & wq.r_rdy & (credits_held.credits != 0) & eo_free
                        & ~send_credit),
+            credits_held.spend.eq(data_go), credits_held.clear.eq(self.clear),
+            credits_held.back.eq(self.credit_in & running),
+            credits_held.back_count.eq(self.credit_count),
         ]
 
         def load(dst, tag, word):
@@ -562,23 +565,12 @@ class StreamEngine(wiring.Component):
             ]
 
         with m.If(send_credit):
-            load(q_src, STREAM_CREDIT, owed)
+            load(q_src, STREAM_CREDIT, owed.count)
         with m.Elif(data_go):
             load(sf.d_ref, Mux(wq_head.last, STREAM_LAST, 0), wq_head.data)
         with m.Elif(self.msg_out.ready):
             m.d.sync += eo_valid.eq(0)
-        m.d.sync += owed.eq(Mux(send_credit, 0, owed) + q_pop)
-        credit_new = Signal(33)
-        m.d.comb += credit_new.eq(q_credits + Mux(self.credit_in & running,
-                                                  self.credit_count, 0))
-        credit_over = credit_new > Q
-        with m.If(credit_over):
-            m.d.sync += q_credits.eq(q_credits - data_go)
-        with m.Else():
-            m.d.sync += q_credits.eq(credit_new - data_go)
-        m.d.comb += self.q_error.eq((q_arrive & q_full) | credit_over)
-        with m.If(self.clear):
-            m.d.sync += [q_credits.eq(Q), owed.eq(0)]
+        m.d.comb += self.q_error.eq((q_arrive & q_full) | credits_held.over)
 
         # Every step ran and every write was issued (a QUEUE stream's last word has left the
         # message register); the acknowledgements are counted on across streams (posted

@@ -69,4 +69,7 @@ EXPECTED_FAILURE = {
     "applies_twice": "the last command applied was applied again",
     "late_timeout": "a frame cut short was not ended by the timeout",
     "tx_stuck": f"a frame not answered within {ANSWER_BOUND} cycles of the line being free",
+    # Streams between CUs: a credit returned twice breaks the conservation of credits.
+    "returns_twice": "credits held + words in flight + queued + owed + credits in flight is "
+                     "the queue depth",
 }

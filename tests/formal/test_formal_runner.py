@@ -10,7 +10,14 @@ from amaranth.hdl import Assert, Fragment, Module, Signal
 
 from rdakit.sim.verify import formal_harness
 from rdakit.sim.verify.formal import run_sby, sby_available
-from rdakit.sim.verify.formal_harness import PROPERTIES, get_property, memory, prove, router
+from rdakit.sim.verify.formal_harness import (
+    PROPERTIES,
+    credits,
+    get_property,
+    memory,
+    prove,
+    router,
+)
 
 
 def _counter(limit):
@@ -63,6 +70,8 @@ def test_fault_hooks_validate():
         formal_harness.router_links("x")
     with pytest.raises(TypeError, match=r"Fault must be one of .*'pointer_follows', not 'x'"):
         formal_harness.mesh_delivery("x")
+    with pytest.raises(TypeError, match=r"Fault must be one of 'returns_twice', not 'x'"):
+        formal_harness.credits.credits_conserved("x")
 
 
 def test_refused_fault_leaves_no_unused_harness():
@@ -70,7 +79,7 @@ def test_refused_fault_leaves_no_unused_harness():
     # which failed an unrelated test later in the run.
     builders = [formal_harness.free_list_exclusive, formal_harness.mu_blocks,
                 formal_harness.router_links, formal_harness.router_delivery,
-                formal_harness.mesh_delivery]
+                formal_harness.mesh_delivery, credits.credits_conserved]
     Fragment.get(_counter(10), None)   # amaranth warns only once something was elaborated
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -83,7 +92,8 @@ def test_refused_fault_leaves_no_unused_harness():
 
 def test_every_broken_variant_is_a_subclass_of_the_design():
     # A broken variant overrides a step of the product class; the product has no fault switch.
-    for variants in (memory.FREE_LIST_VARIANTS, memory.MU_VARIANTS, router.ROUTER_VARIANTS):
+    for variants in (memory.FREE_LIST_VARIANTS, memory.MU_VARIANTS, router.ROUTER_VARIANTS,
+                     credits.CREDIT_VARIANTS):
         for fault, cls in variants.items():
             assert fault is None or (cls is not variants[None]
                                      and issubclass(cls, variants[None])), fault

@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Callable
 
 from rdakit.sim.verify.formal import run_sby
+from rdakit.sim.verify.formal_harness.credits import CREDITS_QUEUE_WORDS, credits_conserved
 from rdakit.sim.verify.formal_harness.link import (
     ANSWER_BOUND,
     FABRIC_WAIT,
@@ -242,6 +243,15 @@ PROPERTIES = [
                   "DECREF overtakes the INCREF and frees the buffer while B holds it.",
         harness=refcount_counter, params=MU_PARAMS_TEXT.replace("weighted", "counter"),
         depth=6, faults=("ungated",), fault_depth=22),
+    Property(
+        name="cu.credits",
+        statement="Credit flow control of streams between CUs: for any sends, network delays, "
+                  "pops and message-register stalls, credits held by the producer + words in "
+                  "flight + words in the consumer's input queue + credits owed + credits in "
+                  "flight = the queue depth; so no word arrives at a full queue and returned "
+                  "credits never pass the depth. The broken variant returns a credit twice.",
+        harness=credits_conserved, params=f"queue_words={CREDITS_QUEUE_WORDS}", depth=4,
+        faults=("returns_twice",), fault_depth=12),
     Property(
         name="link.checked",
         statement="The board link's frame receiver (FrameLink) under any bytes, UART errors "
