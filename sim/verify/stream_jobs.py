@@ -1,0 +1,97 @@
+"""A two-stage pipeline between two CUs, as a job for the fabric tests, co-simulation and the
+measurement of ``docs/compute-unit.md`` ("Streams between CUs"): the first CU computes
+``y = (x * 3) >> 1`` over the rows of ``x`` and the second ``z = y + w`` (``w`` in its local
+buffer), either through a stream between the CUs (``DMode.QUEUE``) or, as a lowering does
+today, through a buffer in an MU (ALLOC, a stream appending, SENDREF; RECV, LEN, a stream
+reading it, RETI)."""
+
+import numpy as np
+
+from rdakit.compiler.job import HostBuffer, Job, Ref
+from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
+from rdakit.hdl.spec.isa import BMode, DMode, assemble
+
+__all__ = ["stream_pipeline"]
+
+
+def _cfg(**fields):
+    return "\n".join(f"SCFGI {name}, {int(getattr(v, 'value', v))}" for name, v in fields.items())
+
+
+def stream_pipeline(params, *, rows=16, producer=(0, 0), consumer=(1, 0), mu=None,
+                    through_mu=False, seed=0):
+    """The job: ``x`` (``rows`` words) and the output ``z`` in the MU ``mu`` (the first MU by
+    default), ``w`` in the consumer's local buffer.
+
+    Raises
+    ------
+    ValueError
+        If ``rows`` is not between 1 and the local buffer's words.
+    """
+    if not 1 <= rows <= params.cu.local_words:
+        raise ValueError(f"rows must be between 1 and local_words ({params.cu.local_words}), "
+                         f"not {rows!r}")
+    mu = mu or params.tiles("M")[0]
+    lanes = params.cu.lanes
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-2 ** 23, 2 ** 23, size=(rows, lanes)).astype(np.int32)
+    w = rng.integers(-2 ** 31, 2 ** 31, size=(rows, lanes), dtype=np.int64).astype(np.int32)
+    to = params.mu_id(*consumer)
+    first = _cfg(A_STRIDE=1, N=rows, B_MODE=BMode.SCALAR, B_VAL=3, SHIFT=1)
+    second = _cfg(B_MODE=BMode.LOCAL, B_VAL=0, B_STRIDE=1, D_MODE=DMode.APPEND)
+    if through_mu:
+        produce = f"""
+            LI r7, {params.mu_id(*mu)}
+            ALLOC r2, r7, 1
+            SCFG A_REF, r1
+            SCFG D_REF, r2
+            {first}
+            {_cfg(D_MODE=DMode.APPEND)}
+            SRUN MUL, r0
+            LI r6, {to}
+            LI r5, 1
+            SENDREF 0, r6, r2, r5
+            HALT
+        """
+        consume = f"""
+            RECV 0, r2
+            LEN r4, r2
+            SCFG A_REF, r2
+            SCFG N, r4
+            SCFG D_REF, r1
+            {_cfg(A_STRIDE=1)}
+            {second}
+            SRUN ADD, r0
+            RETI r2, 1
+            HALT
+        """
+    else:
+        produce = f"""
+            SCFG A_REF, r1
+            LI r6, {to}
+            SCFG D_REF, r6
+            {first}
+            {_cfg(D_MODE=DMode.QUEUE)}
+            SRUN MUL, r0
+            HALT
+        """
+        consume = f"""
+            SELF r2
+            SCFG A_REF, r2
+            SCFG D_REF, r1
+            {_cfg(N=rows)}
+            {second}
+            SRUN ADD, r0
+            HALT
+        """
+    tiles = {
+        producer: TileConfig(program=assemble(produce), regs={1: Ref("x")}),
+        consumer: TileConfig(program=assemble(consume), regs={1: Ref("z")},
+                             local={i: [int(v) for v in row] for i, row in enumerate(w)}),
+    }
+    y = ((x.astype(np.int64) * 3) >> 1)
+    z = ((y + w) & 0xffff_ffff).astype(np.uint32).view(np.int32)
+    how = "an MU buffer" if through_mu else "a stream between the CUs"
+    return Job(FabricConfig(params, tiles), [HostBuffer("x", mu, x), HostBuffer("z", mu)],
+               ["z"], {"z": z}, cus_used=2,
+               description=f"two-stage pipeline of {rows} rows through {how}")
