@@ -164,66 +164,149 @@ def matmul_nt(lw, g, op):
         rows_length(g, op.out, COUNT, kw, lw.tensors[op.out].layout.cw)
 
 
+#: Up to this many lanes a long-K matmul adds up an accumulator word's lanes in straight-line
+#: code (an LGET and an ADD each), beyond it in a loop (the program stays short).
+UNROLL_LANES = 8
+
+
 def matmul_long(lw, g, op):
-    """A row of A longer than the free local buffer (K in chunks): the output row's elements
-    are accumulated in the local buffer (``cwo`` words, zeroed by one stream), and per chunk of
-    K the chunk of A's row is staged beside them and, per column j of the product, one SUM
-    stream of ``Bᵀ[j, chunk] * chunk`` is added to element j (LGET, ADD, LSET); the row is then
-    appended from the local buffer with VSET and VAPPEND. Sums wrap like the reference's."""
+    """A row of A longer than the free local buffer: K in chunks, the product's columns in
+    blocks of ``nb``: all of them when they fit half the free local buffer, else a multiple of
+    ``lanes`` (a loop of blocks), else a power of two (each word of the product is a few blocks
+    in a row). Per block, ``nb`` local words accumulate one column each, lane by lane: they are
+    zeroed by one stream, then per chunk of K the chunk of A's row is staged at word 0 and per
+    column one stream ``Bᵀ[j, chunk] * chunk`` adds into the column's word (LOCAL_ACC,
+    D_STRIDE 0: the streams follow each other with nothing between them to wait for); then
+    each word's lanes are added up (LGET) and set in ``V``, appended a word of the product at a
+    time. Sums wrap like the reference's."""
     a, b = op.ins[:2]
     la, lb = lw.tensors[a].layout, lw.tensors[b].layout
     ra, base_a = lw.ref(g, a)
     rb, base_b = lw.ref(g, b)
     asm, out = g.asm, g.out
     kw, lanes = la.cw, lw.lanes
-    cwo = lw.tensors[op.out].layout.cw
-    lw.need_local(g, op, cwo + 1,
-                  f"a row of A of {kw} words is longer than it: the product's row of {cwo} "
-                  f"words and a word of A")
-    chunk = chunk_words(kw, g.local_top - cwo)
-    acc = chunk * lanes                       # the accumulators' first element
     ncols = lb.rows
+    free = g.local_top
+    half = max(free // 2, 1)
+    if ncols <= half:
+        nb = ncols
+    elif half >= lanes:
+        nb = half // lanes * lanes
+    else:
+        nb = 1 << (half.bit_length() - 1)        # divides lanes
+    lw.need_local(g, op, nb + 1,
+                  f"a row of A of {kw} words is longer than it: a word of A and {nb} "
+                  f"accumulating columns of the product")
+    chunk = chunk_words(kw, free - nb)
+    moved = chunk * (kw // chunk if kw // chunk > 1 or kw % chunk else 0)
 
-    def columns(n):
-        # R6 = A's chunk (R1 + R4 - base_b), staged at word 0; R7 walks the rows of Bᵀ and R0
-        # the accumulators.
-        asm.alui(AluFn.ADD, R6, R4, -base_b)
-        asm.alu(AluFn.ADD, R6, R6, R1)
-        asm.stream(AluFn.PASS, a=ra, a_base=R6, n=n, d_mode=DMode.LOCAL, d_base=0)
-        asm.alui(AluFn.ADD, R7, R4, 0)
-        asm.li(R0, acc)
+    def accumulate(nbb):
+        """The block's ``nbb`` columns into local words ``chunk ..``. R7: the block's first
+        row of Bᵀ (put back after each walk); R6: A's chunk; R0: the column's accumulator
+        word; R4 counts the columns, R3 the chunks; R5 is the blocks'."""
+        asm.stream(AluFn.AND, a=ra, a_base=R1, a_stride=0, n=nbb, d_mode=DMode.LOCAL,
+                   d_base=chunk)
 
-        def col(head):
-            asm.stream(AluFn.MUL, a=rb, a_base=R7, n=n, b_mode=BMode.LOCAL, b_val=0,
-                       b_stride=1, d_mode=DMode.SUM, rd=R5)
-            asm.emit(Op.LGET, rd=R6, rb=R0, imm=0)
-            asm.alu(AluFn.ADD, R6, R6, R5)
-            asm.emit(Op.LSET, ra=R6, rb=R0, imm=0)
-            asm.alui(AluFn.ADD, R7, R7, kw)
-            asm.alui(AluFn.ADD, R0, R0, 1)
-            asm.alui(AluFn.SLT, R6, R0, acc + ncols)
-            asm.branch(Op.BNZ, head, ra=R6)
-        asm.loop(col)
+        def columns(n):
+            asm.stream(AluFn.PASS, a=ra, a_base=R6, n=n, d_mode=DMode.LOCAL, d_base=0)
+            asm.li(R0, chunk)
+
+            def col():
+                asm.stream(AluFn.MUL, a=rb, a_base=R7, n=n, b_mode=BMode.LOCAL, b_val=0,
+                           b_stride=1, d_mode=DMode.LOCAL_ACC, d_base=R0, d_stride=0)
+            if nbb == 1:
+                col()
+            else:
+                asm.li(R4, nbb)
+
+                def loop(head):
+                    col()
+                    asm.alui(AluFn.ADD, R7, R7, kw)
+                    asm.alui(AluFn.ADD, R0, R0, 1)
+                    asm.branch(Op.LOOP, head, ra=R4)
+                asm.loop(loop)
+                asm.alui(AluFn.ADD, R7, R7, -nbb * kw)
+        column_chunks(asm, kw, chunk, [(R7, R7), (R6, R1)], R3, columns)
+        asm.alui(AluFn.ADD, R7, R7, nbb * kw - moved)
+        asm.li(R6, chunk * lanes)
+
+    def put(first, n, close):
+        """Lanes ``first .. first + n`` of ``V``: the sums of the next ``n`` accumulator words
+        (R6 walks their elements, R3 sums, R4 counts the lanes); ``V`` cleared before lane 0
+        and appended if ``close``."""
+        if first == 0:
+            asm.emit(Op.VCLR)
+        for lane in range(first, first + n):
+            if lanes <= UNROLL_LANES:
+                # Unrolled: an LGET and an ADD a lane.
+                asm.emit(Op.LGET, rd=R3, rb=R6, imm=0)
+                for j in range(1, lanes):
+                    asm.emit(Op.LGET, rd=R0, rb=R6, imm=j)
+                    asm.alu(AluFn.ADD, R3, R3, R0)
+                asm.alui(AluFn.ADD, R6, R6, lanes)
+            else:
+                asm.li(R3, 0)
+                asm.li(R4, lanes)
+
+                def lane_sum(head):
+                    asm.emit(Op.LGET, rd=R0, rb=R6, imm=0)
+                    asm.alu(AluFn.ADD, R3, R3, R0)
+                    asm.alui(AluFn.ADD, R6, R6, 1)
+                    asm.branch(Op.LOOP, head, ra=R4)
+                asm.loop(lane_sum)
+            asm.emit(Op.VSET, fn=lane, ra=R3)
+        if close:
+            asm.emit(Op.VAPPEND, rd=SINK, ra=out)
+
+    def block(nbb):
+        """A block of ``nbb`` columns starting a word of the product (the last block may end
+        inside one)."""
+        accumulate(nbb)
+        words, rest = divmod(nbb, lanes)
+        if words > 1:
+            def loop(head):
+                put(0, lanes, True)
+                asm.alui(AluFn.SLT, R0, R6, (chunk + words * lanes) * lanes)
+                asm.branch(Op.BNZ, head, ra=R0)
+            asm.loop(loop)
+        elif words:
+            put(0, lanes, True)
+        if rest:
+            put(0, rest, True)
+
+    def word(ncw):
+        """A word of ``ncw`` columns in blocks of ``nb`` (``nb < lanes``)."""
+        for first in range(0, ncw, nb):
+            n = min(nb, ncw - first)
+            accumulate(n)
+            put(first, n, first + n == ncw)
+
+    def repeat(count, fn, arg):
+        if count > 1:
+            asm.li(R5, count)
+
+            def loop(head):
+                fn(arg)
+                asm.branch(Op.LOOP, head, ra=R5)
+            asm.loop(loop)
+        elif count:
+            fn(arg)
 
     def body():
-        asm.stream(AluFn.AND, a=ra, a_base=R1, a_stride=0, n=cwo, d_mode=DMode.LOCAL,
-                   d_base=chunk)
-        column_chunks(asm, kw, chunk, [(R4, base_b)], R3, columns)
-        asm.li(R7, acc)
-        asm.li(R6, cwo)
-
-        def word(head):
-            asm.emit(Op.VCLR)
-            for lane in range(lanes):
-                asm.emit(Op.LGET, rd=R5, rb=R7, imm=lane)
-                asm.emit(Op.VSET, fn=lane, ra=R5)
-            asm.emit(Op.VAPPEND, rd=SINK, ra=out)
-            asm.alui(AluFn.ADD, R7, R7, lanes)
-            asm.branch(Op.LOOP, head, ra=R6)
-        asm.loop(word)
+        asm.li(R7, base_b)
+        if nb >= lanes or nb == ncols:
+            full, tail = divmod(ncols, nb)
+            repeat(full, block, nb)
+            if tail:
+                block(tail)
+        else:
+            full, tail = divmod(ncols, lanes)
+            repeat(full, word, lanes)
+            if tail:
+                word(tail)
     row_loop(lw, g, a, ra, [(R1, base_a, kw)], body)
     if la.dynamic:
-        rows_length(g, op.out, COUNT, kw, cwo)
+        rows_length(g, op.out, COUNT, kw, lw.tensors[op.out].layout.cw)
 
 
 def rows_length(g, out, reg, cw_in, cw_out):

@@ -138,18 +138,25 @@ def compile_error(g, lanes=4, local_words=LOCAL):
 
 
 def test_what_still_does_not_fit_is_refused_by_name():
-    """top-k keeps its k indices and values in the local buffer, a long-K matmul its output
-    row: more than the local buffer holds is refused, naming the node."""
+    """top-k keeps its k indices and values in the local buffer: more than it holds is refused,
+    naming the node and k. (A long-K matmul needs two words: tests/compiler/test_lower.py.)"""
     g = DataflowGraph("big_k")
     g.output("o", g.add("topk", g.input("x", (1, 4 * 40), "int32"), name="tk", k=30))
     assert compile_error(g.validate()) == (
         "Node 'tk' (topk) needs 17 words of the local buffer (a row of 160 elements is "
         "longer than it: one word and the k = 30 indices and values found) but CU (0, 0) has "
         "16 (local_words = 16, 0 taken by constants)")
-    g = DataflowGraph("wide_out")
-    w = g.const("w", np.ones((4 * 20, 4 * 16), np.int8))
-    g.output("o", g.add("matmul", g.input("x", (1, 4 * 20), "int32"), w, name="mm"))
-    assert compile_error(g.validate()) == (
-        "Node 'mm' (matmul) needs 17 words of the local buffer (a row of A of 20 words is "
-        "longer than it: the product's row of 16 words and a word of A) but CU (0, 0) has 16 "
-        "(local_words = 16, 0 taken by constants)")
+
+
+@pytest.mark.parametrize("lanes,local_words", [(16, 2), (4, 4), (4, 2), (1, 2)])
+def test_product_columns_in_blocks_smaller_than_a_word(lanes, local_words):
+    """A tiny local buffer: the product's columns accumulate a few at a time (1 or 2 words,
+    fewer than a word of the product has lanes), still bit-exact."""
+    rng = np.random.default_rng(lanes)
+    cols = lanes * 3 - 1
+    g = DataflowGraph("mm")
+    w = g.const("w", rng.integers(-128, 128, (cols, 2 * lanes + 3)).astype(np.int8))
+    g.output("o", g.add("matmul", g.input("x", (2, cols), "int32"), w, name="mm"))
+    g.validate()
+    assert_exact(g, lanes, {"x": rng.integers(-9, 9, (2, cols)).astype(np.int32)},
+                 local_words=local_words)

@@ -531,15 +531,15 @@ def test_constant_larger_than_a_buffer():
 
 
 def test_local_buffer_too_small():
-    # A row of A longer than the local buffer is taken in chunks of K, its product's row
-    # accumulated there (tests/compiler/test_long_rows.py): a product row of 4 words and a
-    # word of A do not fit 4 words.
+    # A row of A longer than the local buffer is taken in chunks of K, columns of the product
+    # accumulated there (tests/compiler/test_long_rows.py): with one word there is no room for
+    # a word of A beside an accumulator.
     with pytest.raises(LoweringError, match=re.escape(
-            "Node 'fc0' (matmul) needs 5 words of the local buffer (a row of A of 5 words is "
-            "longer than it: the product's row of 4 words and a word of A) but CU (1, 1) has 4 "
-            "(local_words = 4, 0 taken by constants)")):
-        compile_("mlp", fabric_params(2, 2, prog_len=512, local_words=4),
-                 sizes=dict(batch=1, sizes=(17, 16)))
+            "Node 'fc0' (matmul) needs 2 words of the local buffer (a row of A of 5 words is "
+            "longer than it: a word of A and 1 accumulating columns of the product) but CU "
+            "(1, 1) has 1 (local_words = 1, 0 taken by constants)")):
+        compile_("mlp", fabric_params(2, 2, prog_len=512, local_words=1),
+                 sizes=dict(batch=1, sizes=(17, 4)))
 
 
 def test_unsupported_op_kind(monkeypatch):
