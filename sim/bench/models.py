@@ -17,9 +17,12 @@ unsupported ops is a row that lists them. Two tables (their keys in the report J
     ``unsupported_nodes`` (not folded) and ``unsupported`` (``"op xN, ..."``, most nodes first),
     ``export_seconds``, ``status`` (see :data:`STATUSES`), ``import_seconds``,
     ``compile_seconds``, ``fabric`` and ``prog_len`` (the CU program length chosen with it),
-    ``ir_nodes``, ``estimated_cycles`` (the event model's), ``interp_steps``, ``interp_seconds``
-    and ``interp_check`` (the interpreter against the graph's own evaluation), ``rtl_cycles``
-    and ``rtl_check`` (the RTL against numpy and the interpreter), ``lanes_bound``
+    ``ir_nodes``, ``estimated_cycles`` (the timed cost model's), ``interp_steps``,
+    ``interp_seconds`` and ``interp_check`` (the interpreter against the graph's own
+    evaluation), ``rtl_cycles`` and ``rtl_check`` (the RTL against numpy and the interpreter),
+    ``rtl_seconds`` (wall seconds of the RTL run, its build included) and, on Icarus and
+    Verilator, ``rtl_build_seconds`` (the Verilog and the simulator's build, seconds when
+    cached), ``lanes_bound``
     (multiply-accumulates over every lane of every CU), ``max_abs_error``, ``cosine`` and
     ``top1`` (the importer's accuracy against the float model, the worst over the outputs;
     ``top1``, the share of rows whose argmax agrees, where the last dimension has two entries or
@@ -73,7 +76,8 @@ ROW_KEYS = ("model", "params", "exported_nodes", "nodes", "op_kinds", "folded",
             "unsupported_nodes", "unsupported", "export_seconds", "status", "import_seconds",
             "compile_seconds", "fabric", "prog_len", "ir_nodes", "estimated_cycles",
             "interp_steps", "interp_seconds",
-            "interp_check", "rtl_cycles", "rtl_check", "lanes_bound", "max_abs_error",
+            "interp_check", "rtl_cycles", "rtl_check", "rtl_seconds", "rtl_build_seconds",
+            "lanes_bound", "max_abs_error",
             "cosine", "top1")
 
 #: The columns printed (the row's other keys are in the JSON).
@@ -184,6 +188,8 @@ def measure_import(row, name, program, inputs, *, choose, partitioner=DEFAULT_ST
     row["status"] = "interpreted"
     if sim is None or summary.estimated_cycles > rtl_limit:
         return
+    timings = {}
+    t0 = time.perf_counter()
     if sim == "amaranth":
         rows = e2e.run(e2e.RunSpec(workload, fabric=kw, partitioner=partitioner), sim=sim,
                        progress=progress)
@@ -196,7 +202,10 @@ def measure_import(row, name, program, inputs, *, choose, partitioner=DEFAULT_ST
             path = pathlib.Path(tmp) / f"{name}.pt2"
             torch.export.save(program, path)
             rows = e2e.run(e2e.RunSpec(str(path), fabric=kw, partitioner=partitioner),
-                           sim=sim, progress=progress)
+                           sim=sim, progress=progress, timings=timings)
+    row["rtl_seconds"] = _seconds(t0)
+    if timings:
+        row["rtl_build_seconds"] = round(timings["verilog_s"] + timings["build_s"], 2)
     row["rtl_cycles"] = rows[-1]["cycles"]
     row["rtl_check"] = e2e.failure(rows[-1]) or "ok"
     row["status"] = "ran"
