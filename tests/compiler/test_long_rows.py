@@ -92,9 +92,11 @@ def test_long_rows_are_bit_exact_against_the_reference(case):
 
 @pytest.mark.parametrize("lanes", [1, 4, 16])
 def test_ties_across_words_and_chunks_keep_the_lower_index(lanes):
-    """The largest value at the end of one chunk of the matmul's and reduction's walk and at
-    the start of the next, in the padding word's neighbour and in the word after an index
-    already chosen: top-k takes them in index order (argmax, k = 1, the first)."""
+    """Equal largest values on both sides of a word boundary (the last lane of one word, the
+    first of the next: the parts top-k searches before and after the index it found last) and
+    in the last word beside its padding lanes; a row of INT_MAX ties; a row all INT_MIN but
+    one: top-k takes them in index order (an argmax, k = 1, the first), the other kinds stay
+    exact."""
     cols = (LOCAL + 3) * lanes - (lanes > 1)
     x = np.full((3, cols), -5, np.int32)
     x[0, [LOCAL * lanes - 1, LOCAL * lanes, cols - 1]] = 7
@@ -115,9 +117,10 @@ def test_dynamic_rows():
         assert_exact(g, 4, {"x": x})
 
 
-def test_rows_that_fit_keep_their_programs():
-    """A row that fits the local buffer takes the row form: the long forms' instructions
-    (LSET of the top-k sentinels, SUM streams of a matmul) appear only for long rows."""
+def test_the_long_forms_start_past_the_local_buffer():
+    """A row of the free local buffer's length takes the row form, one word more the long
+    forms (longer programs). (That the row form's programs are unchanged was checked against
+    the lowering before the long forms, on these graphs and the built-in workloads.)"""
     g = long_graph(2, 4 * LOCAL, 2, 5)
     short, _ = compile_workload(g, params=params_of(4), partitioner="round_robin",
                                 place_steps=20)
