@@ -31,6 +31,7 @@ What the model leaves out: ``docs/performance-model.md``.
 """
 
 import bisect
+import collections
 import heapq
 import struct
 
@@ -204,9 +205,24 @@ class _Stream:
     """One stream's timing in the engine."""
 
     __slots__ = ("steps", "writes", "a_mu", "a_ref", "d_ref", "writes_mu", "reduces", "rd",
-                 "local_r", "local_w", "v",
+                 "count_reg", "local_r", "local_w", "v",
                  "pops", "issues", "resps", "write_cycles", "done", "last_ack", "last_issue",
                  "last_resp", "exec_start")
+
+
+class _QueueStream:
+    """A stream that reads the input queue or sends to another CU's (``DMode.QUEUE``), timed
+    a step at a time as the interpreter runs it (its words and credits couple it to another
+    CU's stream): the SRUN's cycle, the stream's timing so far and its :class:`_Stream`."""
+
+    __slots__ = ("t", "s", "issue_start", "exec_start", "issues", "pops", "sends", "last_ack",
+                 "cells")
+
+    def __init__(self, t, s, issue_start, exec_start):
+        self.t, self.s = t, s
+        self.issue_start, self.exec_start = issue_start, exec_start
+        self.issues, self.pops, self.sends = [], [], []
+        self.last_ack = None
 
 
 class _CU:
@@ -227,6 +243,8 @@ class _CU:
         self.pops = []             # cycles in which the engine executed a step
         self.halt_at = None
         self.sleeping = None       # (since, category) while blocked in WAIT/RECV
+        self.qs = None             # a stream between CUs under way (_QueueStream)
+        self.q_blocked = False     # ... waiting for a word or a credit
 
 
 class PerfInterpreter(Interpreter):
@@ -253,6 +271,13 @@ class PerfInterpreter(Interpreter):
         self._seq = 0
         self._timed = {cu.xy: _CU(cu) for cu in self._order}
         self._outstanding = params.cu.outstanding
+        # Streams between CUs: the arrival cycle (a cell) of every word in each CU's input
+        # queue, and the cycles from which each CU's credits may be spent (a producer starts
+        # with queue_words); what the current step popped and pushed.
+        self._q_times = {cu.xy: collections.deque() for cu in self._order}
+        self._credit_times = {cu.xy: collections.deque([0] * params.cu.queue_words)
+                              for cu in self._order}
+        self._step_pop = self._step_push = None
         #: The cycle of the instruction being executed (its MU requests are made then; a
         #: stream's are all made in its SRUN's cycle): a clock for traces of MU occupancy.
         self.now = 0
@@ -267,6 +292,21 @@ class PerfInterpreter(Interpreter):
 
     def _send(self, cu, pc, dst_id, kind, tag, ref, data):
         self._outbox.append((cu, pc, dst_id, kind, tag, ref, data))
+
+    def _push_word(self, cu, dst, word, last):
+        # The word's arrival cycle is known once its step is timed: a cell filled then.
+        n = len(dst.queue)
+        super()._push_word(cu, dst, word, last)
+        if len(dst.queue) > n:
+            cell = [0]
+            self._q_times[dst.xy].append(cell)
+            self._step_push = (cell, dst.xy)
+
+    def _pop_word(self, cu, *args):
+        src = cu.q_src
+        out = super()._pop_word(cu, *args)
+        self._step_pop = (self._q_times[cu.xy].popleft(), src.xy)
+        return out
 
     # --- the event loop ------------------------------------------------------------------------
 
@@ -319,6 +359,12 @@ class PerfInterpreter(Interpreter):
         program = cu.program
         rmask = self._regs - 1
         heap = self._heap
+        if tc.qs is not None:
+            # A stream between CUs went on waiting for a word or a credit: go on with it.
+            qs = tc.qs
+            if not self._run_queue_stream(tc):
+                return
+            t = qs.t + 1
         while True:
             if cu.halted:
                 if tc.halt_at is None:
@@ -355,6 +401,8 @@ class PerfInterpreter(Interpreter):
                         if s.reduces and (s.rd in names or (s.reduces == 2 and
                                                             (s.rd + 1) & rmask in names)):
                             e = max(e, s.done + 1)
+                        if s.count_reg is not None and s.count_reg in names:
+                            e = max(e, s.done + 1)
                 if e > t:
                     tc.intervals.append((t, e, _IDLE))
             # A non-blocking MU instruction's response.
@@ -386,6 +434,11 @@ class PerfInterpreter(Interpreter):
             # Execute (functionally) in cycle t.
             self.now = t
             self._log.clear()
+            if op is Op.SRUN and self._queue_stream(cu):
+                if not self._start_queue_stream(tc, t, ins):
+                    return
+                t += 1
+                continue
             if op is Op.SRUN:
                 self._step(cu)
                 if cu.stream is not None and not cu.halted:
@@ -488,6 +541,7 @@ class PerfInterpreter(Interpreter):
         s.local_w = d_mode in _D_LOCAL
         s.v = d_mode == DMode.PACK_SUM.value
         s.rd = ins.rd & (self._regs - 1)
+        s.count_reg = None
         prev = tc.streams[-1] if tc.streams and tc.streams[-1].done >= t else None
         tm = self.timing
         if prev is None or prev.done == t:
@@ -509,6 +563,141 @@ class PerfInterpreter(Interpreter):
         tc.last_done = s.done
         if s.last_ack is not None:
             tc.last_ack = max(tc.last_ack, s.last_ack)
+
+    # --- streams between CUs -------------------------------------------------------------------
+
+    def _queue_stream(self, cu):
+        """Whether the stream SRUN would run reads the input queue or sends to a CU's."""
+        f = cu.fields
+        return ((f[_SF.A_REF.value] & self._id_mask) == cu.id
+                or f[_SF.D_MODE.value] == DMode.QUEUE.value)
+
+    def _start_queue_stream(self, tc, t, ins):
+        """SRUN of a stream between CUs in cycle ``t``: time it a step at a time as it runs
+        (:meth:`_run_queue_stream`). Returns whether the sequencer goes on (the stream ran to
+        its end); otherwise the CU waits for a word or a credit, or halted."""
+        cu = tc.m
+        s = self._stream_info(cu, ins)
+        prev = tc.streams[-1] if tc.streams and tc.streams[-1].done >= t else None
+        tm = self.timing
+        if prev is None or prev.done == t:
+            exec_start, issue_start = t + 1, t + tm.start_issue
+        else:
+            exec_start = issue_start = prev.done + 1
+        tc.qs = _QueueStream(t, s, issue_start, exec_start)
+        return self._run_queue_stream(tc)
+
+    def _run_queue_stream(self, tc):
+        """Run the stream of ``tc.qs`` as far as its words and credits allow, timing each step;
+        returns True when it has ended (the SRUN retires in its cycle)."""
+        cu, qs = tc.m, tc.qs
+        while True:
+            if cu.stream is not None and self._blocked(cu) is not None:
+                tc.q_blocked = True
+                return False
+            steps = cu.stream_steps
+            self._log.clear()
+            self._step_pop = self._step_push = None
+            self._step(cu)
+            if cu.stream_steps > steps:
+                self._time_queue_step(tc, qs)
+            if cu.halted and cu.code:
+                tc.qs = None
+                tc.halt_at = self._idle(tc, max(qs.t, *qs.pops, *qs.sends))
+                return False
+            if cu.stream is None:
+                break
+        tc.qs = None
+        tc.q_blocked = False
+        tm = self.timing
+        s = qs.s
+        end = max([qs.exec_start, *(p + tm.exec_stages + 1 for p in qs.pops),
+                   *(w + 1 for w in qs.sends)])
+        s.issues, s.pops, s.write_cycles = qs.issues, qs.pops, qs.sends
+        s.resps = []
+        s.done = end
+        s.last_ack = qs.last_ack
+        s.last_issue = qs.issues[-1] if qs.issues else qs.exec_start
+        s.last_resp = s.last_issue
+        s.exec_start = qs.exec_start
+        tc.pops.extend(qs.pops)
+        tc.streams.append(s)
+        tc.last_done = s.done
+        if s.last_ack is not None:
+            tc.last_ack = max(tc.last_ack, s.last_ack)
+        tc.retires.append(qs.t)
+        tc.instr.append(qs.t)
+        return True
+
+    def _time_queue_step(self, tc, qs):
+        """The cycles of the step the interpreter just ran: its operand (a read, or a word of
+        the queue), its pop, its result (MU writes, or a word sent with a credit), and the
+        credit it gives back; wakes the CU a word or a credit lets go on."""
+        tm, net, xy = self.timing, self.net, tc.m.xy
+        k = len(qs.pops)
+        reads = [(mu, cycles) for mu, tag, cycles in self._log if tag == 1]
+        writes = [(mu, cycles) for mu, tag, cycles in self._log if tag != 1]
+        ready = qs.exec_start
+        if self._step_pop is not None:                 # A from the input queue
+            ready = self._step_pop[0][0] + tm.fifo
+        elif reads:
+            # One read a cycle while fewer than `outstanding` are not yet popped.
+            i = max(qs.issue_start, qs.issues[-1] + 1 if qs.issues else 0)
+            if k >= self._outstanding:
+                i = max(i, qs.pops[k - self._outstanding] + 1)
+            qs.issues.append(i)
+            ready = net.request(xy, reads[0][0], i, reads[0][1]) + tm.fifo
+        pop = max(ready, qs.exec_start, qs.pops[-1] + 1 if qs.pops else 0)
+        if len(qs.sends) >= WQ_DEPTH:                  # the write queue has room
+            pop = max(pop, qs.sends[-WQ_DEPTH] - tm.exec_stages - tm.write_queue + 1)
+        qs.pops.append(pop)
+        out = pop + tm.exec_stages + tm.write_queue    # the first cycle a result may leave
+        for mu, cycles in writes:
+            w = max(out, qs.sends[-1] + 1 if qs.sends else 0)
+            qs.sends.append(w)
+            ack = net.request(xy, mu, w, cycles)
+            qs.last_ack = ack if qs.last_ack is None else max(qs.last_ack, ack)
+        if self._step_push is not None:                # a word to a CU's queue, with a credit
+            cell, dst = self._step_push
+            w = max(out, qs.sends[-1] + 1 if qs.sends else 0,
+                    self._credit_times[xy].popleft())
+            qs.sends.append(w)
+            cell[0] = net.send("resp", xy, dst, w)
+            self._wake(dst)
+        if self._step_pop is not None:                 # its credit goes back
+            src = self._step_pop[1]
+            back = net.send("resp", xy, src, pop + 1) + tm.token
+            self._credit_times[src].append(back)
+            self._wake(src)
+
+    def _wake(self, xy):
+        """Let the CU at ``xy`` go on with its stream between CUs if a word or a credit was
+        what it waited for."""
+        tc = self._timed.get(xy)
+        if tc is not None and tc.q_blocked and not tc.m.halted and self._blocked(tc.m) is None:
+            tc.q_blocked = False
+            self._push(self.now, 1, tc)
+
+    def _stream_info(self, cu, ins):
+        """A :class:`_Stream` with what the sequencer's scoreboard keeps of the stream SRUN
+        ``ins`` is about to run (its timing is filled in later)."""
+        f = cu.fields
+        s = _Stream()
+        s.steps = 0
+        s.a_ref = f[_SF.A_REF.value] & self._ref_mask
+        s.a_mu = s.a_ref & self._mu_mask
+        s.d_ref = f[_SF.D_REF.value] & self._ref_mask
+        d_mode = f[_SF.D_MODE.value]
+        s.writes_mu = d_mode in _D_MU
+        s.reduces = _REDUCING.get(d_mode, 0)
+        s.local_r = f[_SF.B_MODE.value] == BMode.LOCAL.value or d_mode == DMode.LOCAL_ACC.value
+        s.local_w = d_mode in _D_LOCAL
+        s.v = d_mode == DMode.PACK_SUM.value
+        s.rd = ins.rd & (self._regs - 1)
+        # A stream reading the queue writes its step count after the reduction's registers.
+        s.count_reg = ((s.rd + s.reduces) & (self._regs - 1)
+                       if (f[_SF.A_REF.value] & self._id_mask) == cu.id else None)
+        return s
 
     def _sequencer_requests(self, tc, t, s):
         """The cycles in which the MU instructions right after the SRUN of stream ``s`` (SRUN

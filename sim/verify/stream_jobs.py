@@ -11,7 +11,7 @@ from rdakit.compiler.job import HostBuffer, Job, Ref
 from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
 from rdakit.hdl.spec.isa import BMode, DMode, assemble
 
-__all__ = ["stream_pipeline"]
+__all__ = ["stream_pipeline", "stream_sum", "stream_micro_jobs", "STREAM_MICRO_RTL"]
 
 
 def _cfg(**fields):
@@ -19,9 +19,10 @@ def _cfg(**fields):
 
 
 def stream_pipeline(params, *, rows=16, producer=(0, 0), consumer=(1, 0), mu=None,
-                    through_mu=False, seed=0):
+                    through_mu=False, delay=0, seed=0):
     """The job: ``x`` (``rows`` words) and the output ``z`` in the MU ``mu`` (the first MU by
-    default), ``w`` in the consumer's local buffer.
+    default), ``w`` in the consumer's local buffer; the consumer starts after a loop of
+    ``delay`` cycles (a slow consumer: the producer runs out of credits).
 
     Raises
     ------
@@ -75,7 +76,9 @@ def stream_pipeline(params, *, rows=16, producer=(0, 0), consumer=(1, 0), mu=Non
             SRUN MUL, r0
             HALT
         """
+        wait = f"LI r5, {delay}\nd: LOOP r5, d" if delay else ""
         consume = f"""
+            {wait}
             SELF r2
             SCFG A_REF, r2
             SCFG D_REF, r1
@@ -95,3 +98,60 @@ def stream_pipeline(params, *, rows=16, producer=(0, 0), consumer=(1, 0), mu=Non
     return Job(FabricConfig(params, tiles), [HostBuffer("x", mu, x), HostBuffer("z", mu)],
                ["z"], {"z": z}, cus_used=2,
                description=f"two-stage pipeline of {rows} rows through {how}")
+
+
+def stream_sum(params, *, rows=12, producer=(0, 0), consumer=(1, 0), mu=None, seed=0):
+    """End of stream with a run-time length: the producer sends ``rows`` words (a register's
+    count), the consumer's SUM stream is configured for the local buffer's words and ends at
+    the producer's last word; it appends ``[sum, count, 0, ...]`` to ``z``."""
+    mu = mu or params.tiles("M")[0]
+    lanes = params.cu.lanes
+    x = np.random.default_rng(seed).integers(-2 ** 20, 2 ** 20, size=(rows, lanes)) \
+        .astype(np.int32)
+    produce = f"""
+        SCFG A_REF, r1
+        LI r6, {params.mu_id(*consumer)}
+        SCFG D_REF, r6
+        {_cfg(A_STRIDE=1, B_MODE=BMode.ZERO, D_MODE=DMode.QUEUE)}
+        SCFG N, r3
+        SRUN PASS, r0
+        HALT
+    """
+    consume = f"""
+        SELF r2
+        SCFG A_REF, r2
+        {_cfg(N=params.cu.local_words, B_MODE=BMode.ZERO, D_MODE=DMode.SUM)}
+        SRUN PASS, r4
+        VCLR
+        VSET 0, r4
+        VSET 1, r5
+        VAPPEND r0, r1
+        HALT
+    """
+    tiles = {producer: TileConfig(program=assemble(produce), regs={1: Ref("x"), 3: rows}),
+             consumer: TileConfig(program=assemble(consume), regs={1: Ref("z")})}
+    z = np.zeros((1, lanes), np.int32)
+    z[0, 0] = np.int64(x.astype(np.int64).sum()).astype(np.int32)
+    z[0, 1] = rows
+    return Job(FabricConfig(params, tiles), [HostBuffer("x", mu, x), HostBuffer("z", mu)],
+               ["z"], {"z": z}, cus_used=2,
+               description=f"a SUM over a stream of {rows} words ending at its last word")
+
+
+def stream_micro_jobs(params):
+    """The micro-jobs of streams between CUs the performance model is checked on
+    (``docs/performance-model.md``), by name; :data:`STREAM_MICRO_RTL` holds their RTL
+    cycles on ``fabric_params(2, 2, layout="CC/CM", mu_words=4096)``."""
+    return {
+        "pipeline16": stream_pipeline(params, rows=16),
+        "pipeline32": stream_pipeline(params, rows=32),
+        "slow_consumer": stream_pipeline(params, rows=32, delay=60),
+        "through_mu16": stream_pipeline(params, rows=16, through_mu=True),
+        "sum_eos": stream_sum(params, rows=12),
+    }
+
+
+#: The RTL's cycles of :func:`stream_micro_jobs` (Amaranth's simulator, at the commit that
+#: added them).
+STREAM_MICRO_RTL = {"pipeline16": 66, "pipeline32": 98, "slow_consumer": 133,
+                    "through_mu16": 152, "sum_eos": 62}
