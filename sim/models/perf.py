@@ -666,7 +666,7 @@ class PerfInterpreter(Interpreter):
             self._wake(dst)
         if self._step_pop is not None:                 # its credit goes back
             src = self._step_pop[1]
-            back = net.send("resp", xy, src, pop + 1) + tm.token
+            back = net.send("resp", xy, src, pop + 1) + tm.credit
             self._credit_times[src].append(back)
             self._wake(src)
 

@@ -42,7 +42,8 @@ class Timing:
         is written then and read the cycle after).
     fifo : int
         From a stream read's response on ``msg_in`` to the first cycle S0 can pop it (the
-        response FIFO, ``SyncFIFOBuffered``: its memory, then its output register).
+        response FIFO, ``SyncFIFOBuffered``: its memory, then its output register); the same
+        for a word another CU's stream sent into the input queue (the same kind of FIFO).
     exec_stages : int
         Cycles from S0 popping a step to its result being delivered (the RTL's
         :data:`~rdakit.hdl.compute.stream.EXEC_STAGES`: S1 and S2); the engine is done
@@ -55,6 +56,9 @@ class Timing:
         READ.
     token : int
         From a token or reference on ``msg_in`` to the cycle WAIT or RECV can take it.
+    credit : int
+        From credits on ``msg_in`` to the cycle the producer's engine can spend them (its
+        credit counter).
     run_start : int
         From the host's START to the cycle the CUs execute their first instruction.
     run_end : int
@@ -72,6 +76,7 @@ class Timing:
     write_queue: int = 2
     start_issue: int = 1
     token: int = 1
+    credit: int = 1
     run_start: int = 1
     run_end: int = 1
 
