@@ -89,6 +89,13 @@ Readings of the spec (where it leaves a choice)
   in order: the steps before it complete, their writes acknowledged, then the CU halts with
   STATUS pc at the SRUN (as the interpreter does; the instructions after SRUN that did not wait
   for the stream have run).
+* Streams between CUs (``DMode.QUEUE``, an ``A_REF`` naming this CU): STREAM messages are
+  taken from ``msg_in`` by the stream engine (a word into the input queue, credits into the
+  credit counter), and the engine's message register (credits first, then words) shares
+  ``msg_out`` with the sequencer's, the sequencer first unless the engine's flit waits from
+  the cycle before. A word at a full queue, or credits past ``queue_words``, halt the CU with
+  QUEUE_OVERFLOW (dropped). ``start`` empties the queue and resets the credits. A QUEUE stream
+  is done once its last word has left the engine's message register.
 * HALT retires once the message register is empty and every posted write is acknowledged, so
   a CU that reports done has handed every token and reference to the network and its writes
   have landed. A refused posted write halts the CU when its acknowledgement arrives, at
