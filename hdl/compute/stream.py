@@ -556,11 +556,17 @@ class StreamEngine(wiring.Component):
             credits_held.back_count.eq(self.credit_count),
         ]
 
+        # The ID credits go back to: this CU's coordinates, with the cluster of the CU the words
+        # go to above them (a CU does not know its cluster; a stream stays in one cluster, and
+        # programs name its CUs with it, docs/clusters.md).
+        src_id = Signal(mp.mu_id_bits)
+        m.d.comb += [src_id.eq(sf.d_ref[:mp.mu_id_bits]), src_id[:2 * cb].eq(self.cu_id)]
+
         def load(dst, tag, word):
             m.d.sync += [
                 eo_valid.eq(1), eo.dst.x.eq(dst[:cb]), eo.dst.y.eq(dst[cb:2 * cb]),
                 eo.payload.kind.eq(MsgKind.STREAM), eo.payload.body.tag.eq(tag),
-                eo.payload.body.data.eq(word), eo.payload.body.ref.eq(self.cu_id),
+                eo.payload.body.data.eq(word), eo.payload.body.ref.eq(src_id),
                 eo.payload.body.dst.as_value().eq(dst[:mp.mu_id_bits]),
             ]
 
