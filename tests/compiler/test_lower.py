@@ -552,7 +552,7 @@ def test_unsupported_op_kind(monkeypatch):
             "Node 's' has op kind 'frobnicate', which the lowering does not support (it lowers "
             "add, append, clip, combine, concat, const, dispatch, embedding, exp, gelu, input, "
             "layer_norm, matmul, max, min, mul, output, reduce_max, reduce_sum, relu, rms_norm, "
-            "shl, shr, silu, slice, softmax, sub, take, topk, transpose)")):
+            "shl, shr, sigmoid, silu, slice, softmax, sub, take, tanh, topk, transpose)")):
         compile_workload(g, params=P2, place_steps=10)
 
 
