@@ -4,7 +4,8 @@ straight into a consumer CU's input queue, with credit flow control; the consume
 reads the queue (``A_REF`` = its own ID) and ends at its producer's last word.
 
 Two CUs of a 2x2 checkerboard wired to two MUs (:mod:`rdakit.sim.verify.cu_harness`), an input
-queue of 4 words (smaller than every stream here, so the producer runs out of credits). Every
+queue of 8 words (smaller than the 12-row streams here, so the producer runs out of credits;
+credits go back in pairs while the consumer pops every cycle). Every
 scenario runs in one simulation (a module fixture) and is compared with numpy and with the
 interpreter (:mod:`rdakit.sim.models.interp`).
 """
@@ -20,7 +21,7 @@ from rdakit.sim.models.interp import DeadlockError, Interpreter
 from rdakit.sim.verify.cu_harness import HarnessError, run_session
 
 LANES = 4
-Q = 4
+Q = 8
 MU_P = MUParams(words=1024, block_words=16, max_buffers=16, max_buffer_words=128,
                 buf_id_bits=6, weight_bits=4, mu_id_bits=2, index_bits=8,
                 data_bits=32 * LANES, tag_bits=4, coord_bits=1)
@@ -122,19 +123,36 @@ EOS_CONSUME = f"""
     HALT
 """
 
-#: Misuse: both CUs stream 4 words into CU1's queue (4 words), which CU1 never reads: each
-#: producer holds 4 credits, so the fifth word finds the queue full.
+#: Misuse: both CUs stream Q words into CU1's queue (Q words), which CU1 never reads: each
+#: producer holds Q credits, so a word finds the queue full.
 OVERFLOW_SELF = f"""
     SCFG A_REF, r1
     LI r6, {CU1_ID}
     SCFG D_REF, r6
-    {cfg(A_STRIDE=1, N=4, D_MODE=DMode.QUEUE)}
+    {cfg(A_STRIDE=1, N=Q, D_MODE=DMode.QUEUE)}
     SRUN PASS, r0
     WAIT 0, 1
     HALT
 """
 #: Misuse: a consumer that never reads: the producer stalls on credits, never done.
 NEVER_READS = "WAIT 0, 1\nHALT"
+
+#: Credits owed are not kept for a batch when the consumer stops popping: it takes one word
+#: (a pair is the batch), then waits for a token the producer sends only after Q + 1 words,
+#: which needs that one credit.
+FLUSH_PRODUCE = PRODUCE.replace(f"N, {ROWS}", f"N, {Q + 1}").replace(
+    "HALT", f"LI r7, {CU1_ID}\nSEND 0, r7, 1\nHALT")
+FLUSH_CONSUME = f"""
+    SELF r2
+    SCFG A_REF, r2
+    SCFG D_REF, r1
+    {cfg(N=1, B_MODE=BMode.ZERO, D_MODE=DMode.APPEND)}
+    SRUN PASS, r3
+    WAIT 0, 1
+    SCFGI N, {ROWS}
+    SRUN PASS, r3
+    HALT
+"""
 
 SCENARIOS = {
     # name: ({tile: program}, {tile: {register: buffer name or value}}, {tile: local})
@@ -152,7 +170,9 @@ SCENARIOS = {
     "bad_queue_source": ({CU0: f"LI r6, {CU1_ID}\nSCFG A_REF, r6\n"
                                f"{cfg(N=1, D_MODE=DMode.SUM)}\nSRUN PASS, r0\nHALT"},
                          {CU0: {1: 0}}, {}),
-    "overflow": ({CU0: PRODUCE.replace(f"N, {ROWS}", "N, 4"), CU1: OVERFLOW_SELF},
+    "credits_flushed": ({CU0: FLUSH_PRODUCE, CU1: FLUSH_CONSUME},
+                        {CU0: {1: "x"}, CU1: {1: "out"}}, {}),
+    "overflow": ({CU0: PRODUCE.replace(f"N, {ROWS}", f"N, {Q}"), CU1: OVERFLOW_SELF},
                  {CU0: {1: "x"}, CU1: {1: "x"}}, {}),
     # Last: it leaves the CUs running.
     "never_reads": ({CU0: PRODUCE, CU1: NEVER_READS}, {CU0: {1: "x"}}, {}),
@@ -249,7 +269,7 @@ def _pipeline(x, w):
 
 @pytest.mark.parametrize("name", ["pipeline", "slow_consumer", "through_mu"])
 def test_two_stage_pipeline_is_bit_exact(hw, name):
-    # Through the queue (Q = 4 words for 12 results: the producer waits for credits), with a
+    # Through the queue (Q = 8 words for 12 results: the producer waits for credits), with a
     # consumer that starts 80 cycles late, and through an MU buffer: the same words.
     cus, words = _same_as_interpreter(hw, name)
     np.testing.assert_array_equal(words, _pipeline(X, W))
@@ -262,8 +282,16 @@ def test_stream_between_cus_is_faster_than_through_an_mu(hw):
                                                            hw["through_mu"][2])
 
 
+def test_credits_go_back_when_the_consumer_stops_popping(hw):
+    # One word taken, then a wait: its credit is returned at once, not kept for a batch, so
+    # the producer's last word and its token come (a batch kept would never finish the run).
+    _, words = _same_as_interpreter(hw, "credits_flushed")
+    np.testing.assert_array_equal(words, wrap32((X[:Q + 1].astype(np.int64) * 3) >> 1))
+    assert hw["credits_flushed"][0][CU1].regs[3] == Q   # the second stream's count
+
+
 def test_slow_consumer_back_pressures_the_producer(hw):
-    # The producer holds 4 credits for 12 words: it waits until the consumer reads (a stall
+    # The producer holds 8 credits for 12 words: it waits until the consumer reads (a stall
     # of its stream, never a dropped word), so it runs about as long as the consumer's delay.
     fast, slow = hw["pipeline"][0][CU0], hw["slow_consumer"][0][CU0]
     assert slow.counters["busy_cycles"] > fast.counters["busy_cycles"] + 60
