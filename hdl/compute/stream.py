@@ -19,7 +19,10 @@ writes waits one cycle in S0. The write queue takes a result only when it has ro
 result in S1 and S2 too. MU writes and appends (tag 2) leave from the write queue with priority
 over reads, so a step that writes takes two request cycles; the stream is ``done`` when every
 step has been executed and every write issued (writes are posted: ``writes_pending`` counts
-their acknowledgements across streams). See :mod:`rdakit.hdl.compute.unit` for the
+their acknowledgements across streams). Streams between CUs (``docs/compute-unit.md``): a
+stream whose ``A_REF`` names this CU pops its input queue instead of the response FIFO, and a
+QUEUE stream's results leave the write queue through ``msg_out`` with a credit each
+(:mod:`rdakit.hdl.compute.credits`). See :mod:`rdakit.hdl.compute.unit` for the
 timing and the readings of the spec.
 """
 
@@ -256,10 +259,11 @@ class StreamEngine(wiring.Component):
         m.d.comb += [self.resp.ready.eq(1), rfifo.w_en.eq(self.resp.valid),
                      rfifo.w_data.eq(Cat(self.resp.payload.data, self.resp.payload.refused))]
 
-        # The input queue (streams between CUs): ``queue_words`` words, and a word of its
-        # last. One entry more than the credits allow, so that the buffered FIFO never refuses
-        # a word the credits made room for (its inner FIFO holds ``queue_words``); emptied by
-        # ``clear``. A word that finds ``queue_words`` words there broke the protocol.
+        # The input queue (streams between CUs): ``queue_words`` words, each with its mark
+        # (its stream's last). One entry more than the credits allow, so that the buffered
+        # FIFO never refuses a word the credits made room for (its inner FIFO holds
+        # ``queue_words``); emptied by ``clear``. A word that finds ``queue_words`` words there
+        # broke the protocol.
         Q = cp.queue_words
         cb = p.coord_bits
         qfifo = fifo.SyncFIFOBuffered(width=32 * L + 1, depth=Q + 1)
