@@ -52,6 +52,7 @@ from rdakit.hdl.spec.cu import (
     NONBLOCKING,
     POSTED,
     STREAM_HAZARDS,
+    credit_batch,
 )
 from rdakit.hdl.spec.isa import BMode, DMode, Op, StreamField
 from rdakit.hdl.spec.packets import (
@@ -278,6 +279,12 @@ class PerfInterpreter(Interpreter):
         self._credit_times = {cu.xy: collections.deque([0] * params.cu.queue_words)
                               for cu in self._order}
         self._step_pop = self._step_push = None
+        # What each consumer owes: the cycles of its pops whose credits are not yet sent, the
+        # producer they go to, its last pop (credits go back as the RTL batches them).
+        self._owed = {cu.xy: [] for cu in self._order}
+        self._owed_to = {}
+        self._last_pop = {}
+        self._batch = credit_batch(params.cu.queue_words)
         #: The cycle of the instruction being executed (its MU requests are made then; a
         #: stream's are all made in its SRUN's cycle): a clock for traces of MU occupancy.
         self.now = 0
@@ -659,6 +666,12 @@ class PerfInterpreter(Interpreter):
             qs.last_ack = ack if qs.last_ack is None else max(qs.last_ack, ack)
         if self._step_push is not None:                # a word to a CU's queue, with a credit
             cell, dst = self._step_push
+            if not self._credit_times[xy]:
+                # The credit is owed by a consumer that has stopped popping: it has sent it
+                # the cycle after its last pop.
+                for c, owed in self._owed.items():
+                    if owed and self._owed_to[c] == xy:
+                        self._send_credits(c, self._last_pop[c] + 1)
             w = max(out, qs.sends[-1] + 1 if qs.sends else 0,
                     self._credit_times[xy].popleft())
             qs.sends.append(w)
@@ -666,9 +679,21 @@ class PerfInterpreter(Interpreter):
             self._wake(dst)
         if self._step_pop is not None:                 # its credit goes back
             src = self._step_pop[1]
-            back = net.send("resp", xy, src, pop + 1) + tm.credit
-            self._credit_times[src].append(back)
+            owed = self._owed[xy]
+            if owed and (self._owed_to[xy] != src or pop > self._last_pop[xy] + 1):
+                self._send_credits(xy, self._last_pop[xy] + 1)    # a cycle without a pop
+            elif len(owed) >= self._batch:
+                self._send_credits(xy, pop)                       # a batch while popping
+            owed.append(pop)
+            self._owed_to[xy], self._last_pop[xy] = src, pop
             self._wake(src)
+
+    def _send_credits(self, xy, c):
+        """The consumer at ``xy`` sends what it owes in cycle ``c`` (one message)."""
+        owed, src = self._owed[xy], self._owed_to[xy]
+        back = self.net.send("resp", xy, src, c) + self.timing.credit
+        self._credit_times[src].extend([back] * len(owed))
+        owed.clear()
 
     def _wake(self, xy):
         """Let the CU at ``xy`` go on with its stream between CUs if a word or a credit was

@@ -148,10 +148,12 @@ def stream_micro_jobs(params):
         "slow_consumer": stream_pipeline(params, rows=32, delay=60),
         "through_mu16": stream_pipeline(params, rows=16, through_mu=True),
         "sum_eos": stream_sum(params, rows=12),
+        "sum48": stream_sum(params, rows=48),
+        "sum64": stream_sum(params, rows=64),
     }
 
 
 #: The RTL's cycles of :func:`stream_micro_jobs` (Amaranth's simulator, at the commit that
 #: added them).
 STREAM_MICRO_RTL = {"pipeline16": 66, "pipeline32": 98, "slow_consumer": 133,
-                    "through_mu16": 152, "sum_eos": 62}
+                    "through_mu16": 152, "sum_eos": 62, "sum48": 108, "sum64": 129}

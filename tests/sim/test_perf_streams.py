@@ -17,10 +17,10 @@ from rdakit.sim.verify.stream_jobs import STREAM_MICRO_RTL, stream_micro_jobs
 
 P = fabric_params(2, 2, layout="CC/CM", mu_words=4096)
 
-#: Cycles the model may be off by: the consumer's credits go back a message a word in the
-#: model, batched in the RTL (slow_consumer); through an MU, the existing model's error
-#: (contention of the two CUs' requests).
-TOLERANCE = {"slow_consumer": 3, "through_mu16": 5}
+#: Cycles the model may be off by: through an MU, the existing model's error (contention of
+#: the two CUs' requests); a long stream, the order in which the producer's ejection port
+#: takes read responses and credits.
+TOLERANCE = {"through_mu16": 5, "sum48": 1}
 
 
 async def _cycles(host, jobs):
