@@ -160,9 +160,16 @@ def _half(shift):
 def requant(ratio, t_max, rounding=False):
     """``(mult, shift, clip)`` with ``(min(|x|, clip) * mult) >> shift ~ |x| * ratio`` (with
     ``rounding``, ``2**(shift - 1)`` added before the shift) at most ``t_max``, nothing leaving
-    int32: the largest ``shift`` with ``(t_max + 1) << shift`` at most 2**31 (2**30 with
-    ``rounding``) and ``mult = round(ratio * 2**shift) < 2**31``; ``clip`` the largest ``|x|``
-    whose result is at most ``t_max``.
+    int32: the largest ``shift`` with ``(t_max + 1) << shift`` at most 2**31 and ``mult =
+    round(ratio * 2**shift) < 2**31``; ``clip`` the largest ``|x|`` whose result is at most
+    ``t_max`` and with ``clip * mult`` (plus the rounding term) below 2**31.
+
+    The result is off ``|x| * ratio`` by ``r |x| ratio`` (``r = |mult / (ratio 2**shift) -
+    1|``, at most ``1 / (2 mult - 1)``: the multiplier's own rounding) and the shift's
+    rounding (half a step with ``rounding``, else under one step). ``clip * mult`` stays
+    within 2**31, so ``shift`` is about ``31 - log2(t_max)``: 11 for ``gelu`` and ``silu``
+    (``t_max`` of 20 bits), 16 for ``exp`` and ``sigmoid`` (15 bits); the multiplier's part
+    of the error is at most ``|x| / 2**(shift + 1)`` steps of the working scale.
 
     Raises
     ------
@@ -174,9 +181,8 @@ def requant(ratio, t_max, rounding=False):
     if ratio > t_max:
         raise ValueError(f"scale ratio {ratio:g} is too coarse: one step of the input would be "
                          f"more than {t_max} steps of the working scale")
-    top = 1 << (30 if rounding else 31)
     shift = 0
-    while shift < 30 and (t_max + 1) << (shift + 1) <= top \
+    while shift < 30 and (t_max + 1) << (shift + 1) <= 1 << 31 \
             and round(ratio * (1 << (shift + 1))) < 1 << 31:
         shift += 1
     mult = max(1, round(ratio * (1 << shift)))
