@@ -919,14 +919,19 @@ def topk_long(lw, g, op, rx, bx):
 
 @template("take")
 def take(lw, g, op):
-    """x[t, idx[t, j]]: the row of x is copied to the local buffer, and each element at a
-    run-time position is an LGET of it (the indices staged in the local buffer too)."""
+    """x[t, idx[t, j]]. When all of x and the indices fit the free local buffer
+    (:func:`take_local`), no stream a row. Otherwise per row the row of x is copied to the
+    local buffer, and each element at a run-time position is an LGET of it (the indices staged
+    in the local buffer too)."""
     x, idx = op.ins
     lx, li = lw.tensors[x].layout, lw.tensors[idx].layout
     rx, bx = lw.ref(g, x)
     k = li.cols
     lanes = lw.lanes
     asm, out = g.asm, g.out
+    if not (lx.dynamic or li.dynamic) and lx.words + li.words <= g.local_top:
+        take_local(lw, g, op, rx, bx)
+        return
     # A row longer than the free local buffer: the word of each element is copied alone.
     long = lx.cw > g.local_top
     (ti,) = stage(lw, g, op, 1 if long else lx.cw, [idx])
@@ -945,6 +950,32 @@ def take(lw, g, op):
                 asm.emit(Op.VAPPEND, rd=SINK, ra=out)
                 asm.emit(Op.VCLR)
     row_loop(lw, g, x, rx, [(R1, bx, lx.cw), ti.offsets(R3)], body)
+
+def take_local(lw, g, op, rx, bx):
+    """Take with every row of x copied to the local buffer (words ``0 ..``) by one stream and
+    the indices staged after it: each index is replaced in place by the element it names (LGET
+    of the index, LGET of the element, LSET), so the staged table becomes the result, padding
+    lanes still 0; the output is appended as zeros and the table added to it by one stream
+    each (a stream's A comes from an MU)."""
+    x, idx = op.ins
+    lx, li = lw.tensors[x].layout, lw.tensors[idx].layout
+    asm, out = g.asm, g.out
+    lanes = lw.lanes
+    asm.stream(AluFn.PASS, a=rx, a_base=bx, n=lx.words, d_mode=DMode.LOCAL, d_base=0)
+    (ti,) = stage(lw, g, op, lx.words, [idx])
+    at = ti.start // lanes
+    asm.stream(AluFn.AND, a=rx, a_base=bx, a_stride=0, n=li.words, d_mode=DMode.APPEND,
+               d_ref=out)
+
+    def body():
+        for j in range(li.cols):
+            asm.emit(Op.LGET, rd=R5, rb=R3, imm=j)
+            asm.alu(AluFn.ADD, R5, R5, R1)
+            asm.emit(Op.LGET, rd=R5, rb=R5, imm=0)
+            asm.emit(Op.LSET, ra=R5, rb=R3, imm=j)
+    row_loop(lw, g, x, rx, [(R1, 0, lx.cw * lanes), ti.offsets(R3)], body)
+    asm.stream(AluFn.ADD, a=out, a_base=0, n=li.words, b_mode=BMode.LOCAL, b_val=at,
+               b_stride=1, d_mode=DMode.WRITE, d_ref=out, d_base=0, d_stride=1)
 
 def take_word(asm, rx, lb, lanes):
     """The word of row R1 holding element R5 copied to local word 0, R5 its lane there."""
@@ -980,15 +1011,24 @@ def dispatch(lw, g, op):
         asm.place(nxt)
     row_loop(lw, g, x, rx, [(R1, bx, lx.cw), ti.offsets(R3)], body)
 
+def routing_checked(lw, idx, experts):
+    """Whether the routing indices ``idx`` need no check at run time: a ``topk`` over
+    ``experts`` columns made them, so every row names distinct experts, all in range."""
+    p = lw.tensors[idx].producer
+    op = lw.ops.get(p) if p is not None else None
+    return (op is not None and op.kind == "topk" and op.out == idx
+            and lw.tensors[op.ins[0]].layout.cols == experts)
+
+
 @template("combine")
 def combine(lw, g, op):
-    """out = 0; then expert by expert, each token routed to it (in order, so its rows are
-    taken in order): ``(gate * y_e row) >> shift`` added to the token's output row. When the
-    whole output fits the local buffer beside the staged indices and gates, it is accumulated
-    there (one LOCAL_ACC stream a routed token) and added to the zeroed output by one stream at
-    the end; otherwise each routed token is two streams: the product into the local buffer,
-    then ``out row += local`` in place. The indices and gates are staged in the local buffer
-    when they fit."""
+    """out = sum over each token's routing slots of ``(gate * y_e row) >> shift``, ``e`` the
+    expert the slot names and the row that expert's next one (the rows are in token order).
+    When the output fits the local buffer beside the staged indices and gates and the
+    per-expert tables, the slots are walked in token order (:func:`combine_slots`: one stream a
+    slot, no scan of every expert for every token). Otherwise out = 0, then expert by expert,
+    each token routed to it is two streams: the product into the local buffer, then ``out row
+    += local`` in place (the indices and gates staged in the local buffer when they fit)."""
     idx, gate, *ys = op.ins
     li, lg, lo = (lw.tensors[t].layout for t in (idx, gate, op.out))
     asm, out = g.asm, g.out
@@ -997,14 +1037,17 @@ def combine(lw, g, op):
         for y in ys:
             lw.ref(g, y)
         return
-    local_sum = not (li.dynamic or lg.dynamic) and lo.words + li.words + lg.words <= g.local_top
-    ti, tg = stage(lw, g, op, lo.words if local_sum else dw, [idx, gate])
+    check = not routing_checked(lw, idx, len(ys))
+    # The per-expert tables: references, next rows, and the last token (duplicate slots).
+    tables = -(-len(ys) * (3 if check and k > 1 else 2) // lw.lanes)
+    if (not (li.dynamic or lg.dynamic)
+            and lo.words + tables + li.words + lg.words <= g.local_top):
+        combine_slots(lw, g, op, tables, check)
+        return
+    ti, tg = stage(lw, g, op, dw, [idx, gate])
     base_i = lw.key_of(idx, g.xy)[1]
     asm.stream(AluFn.AND, a=ti.ref, a_base=base_i, a_stride=0, n=lo.words,
                d_mode=DMode.APPEND, d_ref=out)
-    if local_sum:
-        asm.stream(AluFn.AND, a=ti.ref, a_base=base_i, a_stride=0, n=lo.words,
-                   d_mode=DMode.LOCAL, d_base=0)
     for e, y in enumerate(ys):
         ry, by = lw.ref(g, y)
         asm.li(R7, by)
@@ -1020,19 +1063,86 @@ def combine(lw, g, op):
                 if j < k - 1:
                     asm.branch(Op.JMP, do)
             asm.place(do)
-            if local_sum:
-                asm.stream(AluFn.MUL, a=ry, a_base=R7, n=dw, b_mode=BMode.SCALAR, b_val=R6,
-                           shift=op.attrs["shift"], d_mode=DMode.LOCAL_ACC, d_base=R4)
-            else:
-                asm.stream(AluFn.MUL, a=ry, a_base=R7, n=dw, b_mode=BMode.SCALAR, b_val=R6,
-                           shift=op.attrs["shift"], d_mode=DMode.LOCAL, d_base=0)
-                asm.stream(AluFn.ADD, a=out, a_base=R4, n=dw, b_mode=BMode.LOCAL, b_val=0,
-                           b_stride=1, d_mode=DMode.WRITE, d_ref=out, d_base=R4, d_stride=1)
+            asm.stream(AluFn.MUL, a=ry, a_base=R7, n=dw, b_mode=BMode.SCALAR, b_val=R6,
+                       shift=op.attrs["shift"], d_mode=DMode.LOCAL, d_base=0)
+            asm.stream(AluFn.ADD, a=out, a_base=R4, n=dw, b_mode=BMode.LOCAL, b_val=0,
+                       b_stride=1, d_mode=DMode.WRITE, d_ref=out, d_base=R4, d_stride=1)
             asm.alui(AluFn.ADD, R7, R7, dw)
             asm.place(nxt)
         row_loop(lw, g, idx, ti.ref, [ti.offsets(R1), tg.offsets(R3), (R4, 0, dw)], body)
         g.refs.unpin(lw.key_of(y, g.xy)[0])
-    if local_sum:
+
+def combine_slots(lw, g, op, tables, check):
+    """Combine walking the routing slots in token order, with the output's rows accumulated in
+    the local buffer (words ``0 ..``), then the per-expert tables (``tables`` words: each
+    expert's reference, the word of its next row, and with ``check`` the last token that named
+    it), then the staged indices and gates. The output is zeroed by one stream; a token's slot
+    0 is written straight into its row (no local write, so the next slot's LGETs need not wait
+    for the stream), the others accumulated into its local row (LOCAL_ACC), and one stream at
+    the end adds the local rows to the output. With ``check``, a slot whose index is out of
+    range or names an expert an earlier slot of the token named is skipped, as the reference
+    does."""
+    idx, gate, *ys = op.ins
+    li, lo = lw.tensors[idx].layout, lw.tensors[op.out].layout
+    asm, out = g.asm, g.out
+    dw, k, lanes, experts = lo.cw, li.cols, lw.lanes, len(ys)
+    ti, tg = stage(lw, g, op, lo.words + tables, [idx, gate])
+    refs = lo.words * lanes                # element offsets of the tables
+    rows = refs + experts
+    last = rows + experts
+    base_i = lw.key_of(idx, g.xy)[1]
+    asm.stream(AluFn.AND, a=ti.ref, a_base=base_i, a_stride=0, n=lo.words,
+               d_mode=DMode.APPEND, d_ref=out)
+    if k > 1:
+        asm.stream(AluFn.AND, a=ti.ref, a_base=base_i, a_stride=0, n=lo.words,
+                   d_mode=DMode.LOCAL, d_base=0)
+    for e, y in enumerate(ys):
+        ry, by = lw.ref(g, y)
+        asm.li(R1, 0)
+        asm.emit(Op.LSET, ra=ry, rb=R1, imm=refs + e)
+        asm.li(R0, by)
+        asm.emit(Op.LSET, ra=R0, rb=R1, imm=rows + e)
+        g.refs.unpin(lw.key_of(y, g.xy)[0])
+    if check and k > 1:
+        asm.li(R1, 0)
+        asm.li(R0, -1)
+        for e in range(experts):
+            asm.emit(Op.LSET, ra=R0, rb=R1, imm=last + e)
+    gd = tg.start - ti.start
+
+    def body():
+        # R1: the token's first index (element of the local buffer, unique to the token),
+        # R3: its output row; R4 the expert, R5 its reference, R6 its row, R7 the gate.
+        for j in range(k):
+            skip = asm.label()
+            asm.emit(Op.LGET, rd=R4, rb=R1, imm=j)
+            if check:
+                asm.alui(AluFn.SLT, R0, R4, 0)
+                asm.branch(Op.BNZ, skip, ra=R0)
+                asm.alui(AluFn.SLT, R0, R4, experts)
+                asm.branch(Op.BZ, skip, ra=R0)
+                if j:
+                    asm.emit(Op.LGET, rd=R0, rb=R4, imm=last)
+                    asm.alu(AluFn.XOR, R0, R0, R1)
+                    asm.branch(Op.BZ, skip, ra=R0)
+                if k > 1 and j < k - 1:
+                    asm.emit(Op.LSET, ra=R1, rb=R4, imm=last)
+            asm.emit(Op.LGET, rd=R5, rb=R4, imm=refs)
+            asm.emit(Op.LGET, rd=R6, rb=R4, imm=rows)
+            asm.emit(Op.LGET, rd=R7, rb=R1, imm=j + gd)
+            asm.alui(AluFn.ADD, R0, R6, dw)
+            asm.emit(Op.LSET, ra=R0, rb=R4, imm=rows)
+            if j == 0:
+                asm.stream(AluFn.MUL, a=R5, a_base=R6, n=dw, b_mode=BMode.SCALAR, b_val=R7,
+                           shift=op.attrs["shift"], d_mode=DMode.WRITE, d_ref=out,
+                           d_base=R3, d_stride=1)
+            else:
+                asm.stream(AluFn.MUL, a=R5, a_base=R6, n=dw, b_mode=BMode.SCALAR, b_val=R7,
+                           shift=op.attrs["shift"], d_mode=DMode.LOCAL_ACC, d_base=R3,
+                           d_stride=1)
+            asm.place(skip)
+    row_loop(lw, g, idx, ti.ref, [ti.offsets(R1), (R3, 0, dw)], body)
+    if k > 1:
         asm.stream(AluFn.ADD, a=out, a_base=0, n=lo.words, b_mode=BMode.LOCAL, b_val=0,
                    b_stride=1, d_mode=DMode.WRITE, d_ref=out, d_base=0, d_stride=1)
 
