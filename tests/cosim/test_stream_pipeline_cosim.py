@@ -15,6 +15,7 @@ pytestmark = pytest.mark.cosim
 HERE = pathlib.Path(__file__).parent
 
 
+@pytest.mark.slow   # 44 s with the build cached on a loaded 2-core machine (52 s building)
 def test_stream_pipeline_on_icarus():
     require_simulator("icarus")
     fabric, _ = FABRICS["2x2"]
