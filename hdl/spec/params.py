@@ -479,7 +479,7 @@ CLUSTERS = range(1, (1 << 8) + 1)
 def fabric_params(rows=2, cols=2, *, layout=None, lanes=4, prog_len=64, local_words=64,
                   outstanding=16, mu_words=1024, block_words=16, max_buffers=16,
                   weight_bits=8, alloc_mode="virtual", refcount="weighted", noc_depth=2,
-                  noc_queues="voq", cluster_bits=0, coord_bits=None):
+                  noc_queues="voq", cluster_bits=0, coord_bits=None, queue_words=16):
     """A consistent :class:`FabricParams` from the few numbers people choose: the MU word is
     ``32 * lanes`` bits, MU IDs are ``2 * coord_bits + cluster_bits`` bits, coordinates hold
     the grid (``cluster_bits`` > 0 for a cluster of a system, ``docs/clusters.md``);
@@ -492,6 +492,6 @@ def fabric_params(rows=2, cols=2, *, layout=None, lanes=4, prog_len=64, local_wo
                   coord_bits=coord_bits, index_bits=16, alloc_mode=alloc_mode, refcount=refcount,
                   cluster_bits=cluster_bits)
     cu = CUParams(lanes=lanes, prog_len=prog_len, local_words=local_words,
-                  outstanding=outstanding)
+                  outstanding=outstanding, queue_words=queue_words)
     return FabricParams(rows=rows, cols=cols, layout=layout, cu=cu, mu=mu,
                         noc_depth=noc_depth, noc_queues=noc_queues)

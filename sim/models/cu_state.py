@@ -45,7 +45,8 @@ class HostError(InterpreterError):
 
 
 class DeadlockError(InterpreterError):
-    """Every CU still running is blocked in ``WAIT`` or ``RECV``.
+    """Every CU still running is blocked in ``WAIT`` or ``RECV``, or in a stream between CUs
+    (``SRUN`` waiting for a word or a credit).
 
     Members
     -------

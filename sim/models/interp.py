@@ -14,8 +14,9 @@ Scheduling
 ----------
 A *step* is one instruction of one CU, or one step ``(o, i)`` of a running stream (``SRUN``
 is executed a stream step at a time, so the MU requests of concurrent streams interleave). A CU
-whose current instruction is a ``WAIT`` or ``RECV`` that cannot complete is *blocked* and
-skipped (a blocked instruction is not counted until it completes). ``round_robin`` runs the next
+whose current instruction is a ``WAIT`` or ``RECV`` that cannot complete, or whose stream's
+next step lacks a word of its input queue or a credit, is *blocked* and skipped (a blocked
+instruction is not counted until it completes). ``round_robin`` runs the next
 unblocked CU after the last one that ran, in row-major tile order; ``random`` picks an unblocked
 CU uniformly with ``random.Random(seed)``. :meth:`Interpreter.run` returns when every enabled CU
 has halted (``HALT`` or an error), raises :class:`DeadlockError` when every CU still running is
@@ -424,7 +425,8 @@ class Interpreter:
         Raises
         ------
         DeadlockError
-            If every CU still running is blocked in ``WAIT`` or ``RECV``.
+            If every CU still running is blocked in ``WAIT`` or ``RECV``, or in a stream
+            waiting for a word of its input queue or for a credit.
         StepLimitError
             If ``max_steps`` steps did not finish the run (``run`` may be called again).
         """

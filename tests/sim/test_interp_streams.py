@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
 from rdakit.hdl.spec.isa import BMode, DMode, assemble
-from rdakit.hdl.spec.params import CUParams, FabricParams, MUParams
+from rdakit.hdl.spec.params import CUParams, FabricParams, MUParams, fabric_params
 from rdakit.sim.models.interp import DeadlockError, Interpreter
 
 LANES = 2
@@ -172,6 +172,15 @@ def test_credits_returned_to_the_wrong_producer_overflow_it():
                    np.ones((2, LANES)))
     assert list(res.errors.values()) == ["QUEUE_OVERFLOW"]
     assert len(out) == 4
+
+
+def test_queue_words_parameter():
+    # The input queue's depth: fabric_params passes it on; CUParams checks it like the rest.
+    assert fabric_params(2, 2, queue_words=2).cu.queue_words == 2
+    assert fabric_params(2, 2).cu.queue_words == 16
+    for bad in (0, 1025, True, "4"):
+        with pytest.raises(TypeError, match=r"^queue_words must be an integer"):
+            CUParams(queue_words=bad)
 
 
 @pytest.mark.parametrize("text, pc", [
