@@ -185,7 +185,7 @@ def load_workload(workload, sizes=None):
 
 def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", seed=0,
                      place_steps=20000, inputs=None, cost=None, schedule_cost=None,
-                     order="graph", progress=None, split=None):
+                     order="graph", progress=None, split=None, streams=True):
     """Compile a workload for a fabric.
 
     Parameters
@@ -224,6 +224,10 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
         1: none), or ``"auto"``: compiled both unsplit and split over the fabric's CUs, keeping
         the job with fewer estimated cycles (the unsplit one on ties). Default: ``"auto"``
         with ``partitioner="fastest"``, else 1.
+    streams : bool
+        Lower the edges between CUs that qualify as streams between CUs (a producer's words
+        straight into the consumer's input queue; :mod:`rdakit.compiler.lower.streams`);
+        ``False``: every edge through an MU buffer.
 
     Returns
     -------
@@ -247,7 +251,7 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
                         place_steps=place_steps, inputs=inputs, cost=cost,
                         schedule_cost=schedule_cost, order=order, progress=progress,
                         strategies=FASTEST if partitioner == "fastest" else (partitioner,),
-                        split=split)
+                        split=split, streams=streams)
     check_strategy(partitioner)
     check_steps("place_steps", place_steps)
     if not isinstance(seed, int) or isinstance(seed, bool):
@@ -273,7 +277,7 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
                      strategy=result.strategy, hops=placement.hops(len(cus)),
                      order=np.arange(wg.n) if order == "graph" else None)
     job = lower(graph, placed if order == "schedule" else result.parts, placement, params,
-                inputs=wl.inputs if inputs is None else inputs)
+                inputs=wl.inputs if inputs is None else inputs, streams=streams)
     summary = CompileSummary(
         graph=graph.name, nodes=len(wl.graph), partitioner=result.strategy,
         parts=len(job.programs), cut=int(result.cut), imbalance=float(result.imbalance),

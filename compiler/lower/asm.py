@@ -59,6 +59,9 @@ class Assembler:
         # Tensor -> the register holding its length in words, put there by this program's own
         # code and not written since (straight-line code only: a label or a loop forgets).
         self.lengths = {}
+        # Registers known to hold this CU's own ID (SELF, not written since): a stream whose
+        # A_REF is one of them reads the CU's input queue and writes its step count to its rd.
+        self.self_regs = set()
         self._next = 0
 
     def __len__(self):
@@ -68,6 +71,9 @@ class Assembler:
         fields = {k: int(v) for k, v in fields.items()}
         self.code.append((op, fields, label))
         regs = written_registers(op, fields) if regs is None else regs
+        self.self_regs -= regs
+        if op is Op.SELF:
+            self.self_regs.add(fields["rd"])
         if regs:
             self.regs_written |= regs
             gone = {_reg_value(r) for r in regs}
@@ -226,7 +232,7 @@ class Assembler:
         elif b_mode is BMode.SCALAR:
             self.field(F.B_VAL, b_val)
         self.field(F.D_MODE, d_mode.value)
-        if d_mode in (DMode.WRITE, DMode.APPEND, DMode.PACK_SUM):
+        if d_mode in (DMode.WRITE, DMode.APPEND, DMode.PACK_SUM, DMode.QUEUE):
             self.field(F.D_REF, d_ref)
         if d_mode in (DMode.WRITE, DMode.LOCAL, DMode.LOCAL_ACC):
             self.field(F.D_BASE, d_base)
@@ -235,7 +241,11 @@ class Assembler:
         self.field(F.POST, int(relu))
         rd = int(rd)
         reduces = {DMode.SUM: {rd}, DMode.MAX: {rd}, DMode.ARGMAX: {rd, rd + 1}}
-        self._append(Op.SRUN, {"fn": fn.value, "rd": rd}, None, regs=reduces.get(d_mode, set()))
+        regs = reduces.get(d_mode, set())
+        if isinstance(a, Reg) and int(a) in self.self_regs:
+            # A stream over the input queue writes the steps it ran after its reduction's.
+            regs = regs | {(rd + len(regs)) % 16}
+        self._append(Op.SRUN, {"fn": fn.value, "rd": rd}, None, regs=regs)
 
     def assemble(self, offset):
         """The instructions, with branch targets resolved for a program where this code

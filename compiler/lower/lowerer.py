@@ -19,12 +19,25 @@ from rdakit.compiler.lower.chains import chain_zero
 from rdakit.compiler.lower.layout import INT_MAX, LoweringError, layout_of
 from rdakit.compiler.lower.registers import ARG, PEER, REF_REGS, TABLE, TEMPS, RefFile
 from rdakit.compiler.lower.result import CompiledJob, ProgramInfo
+from rdakit.compiler.lower.streams import stream_edges
 from rdakit.compiler.lower.templates import TEMPLATES, lrow_fits
 from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
-from rdakit.hdl.spec.isa import AluFn, Instr, Op
+from rdakit.hdl.spec.isa import AluFn, DMode, Instr, Op
 from rdakit.hdl.spec.params import RefcountMode
 
-__all__ = ["CUGen", "Lowerer", "ProgramTooLong"]
+__all__ = ["CUGen", "Lowerer", "ProgramTooLong", "StreamsRefused"]
+
+
+class StreamsRefused(Exception):
+    """Edges the walk cannot lower as streams (``edges``, tensor names): instructions were
+    added to a producer's program between its stream and the end of the consumer's op
+    (``docs/compiler.md``, Streams between CUs), or an ALLOC found no room once streams took
+    the place of the RECVs that told its CU what the producers freed. :func:`lower` lowers
+    again without them."""
+
+    def __init__(self, edges):
+        super().__init__(f"streams refused by the walk: {sorted(edges)}")
+        self.edges = frozenset(edges)
 
 
 class ProgramTooLong(LoweringError):
@@ -102,10 +115,18 @@ class Lowerer:
         weights from its own MU), or ``"placement"``, the MU where the placement put most of
         its constants (pools pile up there, leaving other MUs free for large run-time
         buffers); else the nearest MU with room.
+    streams : bool
+        Lower the edges :func:`~rdakit.compiler.lower.streams.stream_edges` accepts as
+        streams between CUs (else every edge goes through an MU buffer).
+    refused : frozenset
+        Tensors not to stream (refused by an earlier walk: :class:`StreamsRefused`).
     """
 
-    def __init__(self, plan, params, tables=None, pools="home"):
+    def __init__(self, plan, params, tables=None, pools="home", streams=False,
+                 refused=frozenset()):
         self.plan = plan
+        self.streams = streams
+        self.refused = frozenset(refused)
         self.tables = tables or {}
         self.pools_at = pools
         self.params = params
@@ -264,6 +285,10 @@ class Lowerer:
             if t.kind == "runtime":
                 p = self.prod_cu(t)
                 remote = sorted(c for c in self.readers[name] if c != p)
+                if name in self.streamed:
+                    # Its buffer is the producer's own: the stream sends it, then it is freed.
+                    remote = []
+                    self.share[(p, name)] = 1
                 self.remote[name] = remote
                 if self.uses[(p, name)]:
                     self.share[(p, name)] = 1
@@ -283,7 +308,7 @@ class Lowerer:
             for i in dict.fromkeys(op.ins):
                 t = self.tensors[i]
                 if t.kind == "runtime" and self.prod_cu(t) != op.cu \
-                        and i not in self.inbox[op.cu]:
+                        and i not in self.inbox[op.cu] and i not in self.streamed:
                     self.inbox[op.cu].append(i)
         mb = self.cp.mailbox
         self.slot = {}
@@ -381,6 +406,18 @@ class Lowerer:
             return [self._mask_row(self.tensors[op.out].layout.cols)]
         return []
 
+    def local_free(self):
+        """``(x, y)`` of each CU -> the local words its constants leave free (what
+        :meth:`prepare_local` will leave in ``local_top``)."""
+        free, seen = {}, collections.defaultdict(set)
+        for op in self.lops:
+            free.setdefault(op.cu, self.cp.local_words)
+            for key, words in self.local_needs(op):
+                if key not in seen[op.cu]:
+                    seen[op.cu].add(key)
+                    free[op.cu] -= len(words)
+        return free
+
     def _mask_row(self, cols):
         cw = -(-cols // self.lanes)
         row = np.zeros(cw * self.lanes, dtype=np.int64)
@@ -427,6 +464,14 @@ class Lowerer:
         offset in it, receiving the reference or waiting for the data first if needed."""
         t = self.tensors[name]
         key, base = self.key_of(name, g.xy)
+        if name in self.streamed and self.prod_cu(t) != g.xy:
+            # A stream from its producer: operand A from this CU's own input queue.
+            q = ("queue", name)
+            if q in g.refs.reg:  # pragma: no cover - the predicate admits one read
+                raise AssertionError(f"CU {g.xy} reads stream {name!r} twice")
+            r = g.refs.new(q)
+            g.asm.emit(Op.SELF, rd=r)
+            return r, 0
         if t.kind == "runtime":
             if self.prod_cu(t) != g.xy and key not in g.received:
                 self.receive(g, key)
@@ -526,7 +571,8 @@ class Lowerer:
         for name in names:
             t = self.tensors[name]
             if t.kind == "runtime" and self.prod_cu(t) != g.xy \
-                    and self.key_of(name, g.xy)[0] not in g.received:
+                    and self.key_of(name, g.xy)[0] not in g.received \
+                    and name not in self.streamed:
                 fresh.append(name)
             elif t.kind == "output" and t.producer is not None \
                     and self.prod_cu(t) != g.xy and name not in g.waited:
@@ -567,6 +613,11 @@ class Lowerer:
             if self.acct.fits(m, units, stamp):
                 break
         else:
+            if self.streamed:
+                # A stream gives its consumer no RECV to learn what its producer freed: lower
+                # again without the streams into this CU (without any, if none comes here).
+                into = {n for n in self.streamed if self.readers[n] == [g.xy]}
+                raise StreamsRefused(into or self.streamed)
             words_left, slots_left = self.acct.room(stamp)
             raise LoweringError(f"Tensor {t.name!r} ({words} words, allocated by CU {g.xy}) "
                                 f"fits in no MU: the buffers that may still be live there leave "
@@ -592,6 +643,8 @@ class Lowerer:
         self.sent = set()
         self.produced = set()
         self.inbox_pos = collections.Counter()
+        self.stream_end = {}
+        self.walk_refused = set()
         for op in self.lops:
             g = self.gens[op.cu]
             start = len(g.asm)
@@ -608,7 +661,18 @@ class Lowerer:
             TEMPLATES[op.kind](self, g, op)
             for i in op.ins:
                 ti = self.tensors[i]
-                if ti.kind == "runtime" and self.prod_cu(ti) != g.xy \
+                if i in self.streamed:
+                    if ("queue", i) not in g.refs.reg:  # pragma: no cover
+                        raise AssertionError(f"template {op.kind} did not read stream {i!r}")
+                    g.refs.drop(("queue", i))
+                    # Its stream has ended: the producer had done all it did before sending.
+                    self.acct.merge(g.xy, self.stamps[("stream", i)])
+                    # The walk's condition: nothing added to the producer's program since its
+                    # stream (else what this CU waited for may come after it: refused).
+                    p = self.gens[self.prod_cu(ti)]
+                    if len(p.asm) != self.stream_end[i]:
+                        self.walk_refused.add(i)
+                elif ti.kind == "runtime" and self.prod_cu(ti) != g.xy \
                         and ti.buffer not in g.received:  # pragma: no cover
                     raise AssertionError(f"template {op.kind} did not take input {i!r}")
             g.op_ranges.append((op.name, start, len(g.asm)))
@@ -622,12 +686,16 @@ class Lowerer:
                 self.check_release(g, key)
             if any(self.share.get((g.xy, k), 0) for k in g.held):  # pragma: no cover
                 raise AssertionError(f"CU {g.xy} still holds shares of {sorted(g.held)}")
+        if self.walk_refused:
+            raise StreamsRefused(self.walk_refused)
 
     def after_production(self, g, op):
         t = self.tensors[op.out]
         key = t.buffer
         if t.kind == "runtime":
             self.produced.add(key)
+            if key in self.streamed:
+                self.send_stream(g, t)
             for c in self.remote[key]:
                 if self.pred[(c, key)] is None or (c, key) in self.credits:
                     self.send_ref(g, key, c)
@@ -637,11 +705,23 @@ class Lowerer:
                     self.data_tok[(t.name, c)] = self.send_token(g, c)
         g.refs.unpin()
         self.check_release(g, key)
+        if key in self.streamed:
+            self.stream_end[key] = len(g.asm)
 
+    def send_stream(self, g, t):
+        """The producer's last pass: the words of ``t`` (its own buffer) in order to the input
+        queue of the CU reading it (``D_MODE QUEUE``; the last word is marked)."""
+        (c,) = self.readers[t.name]
+        g.asm.li(PEER, self.params.mu_id(*c))
+        g.asm.stream(AluFn.PASS, a=g.refs.get(t.buffer), n=t.layout.words,
+                     d_mode=DMode.QUEUE, d_ref=PEER)
+        self.stamps[("stream", t.name)] = self.acct.tick(g.xy)
 
     # --- assembling the job ------------------------------------------------------------------
 
     def run(self, inputs, graph):
+        self.streamed = set(stream_edges(self.plan, self.local_free(), self.refused)) \
+            if self.streams else set()
         self.place_host()
         self.plan_uses()
         self.register_host()

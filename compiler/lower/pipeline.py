@@ -4,7 +4,7 @@ import numpy as np
 
 from rdakit.compiler.graph import GraphError
 from rdakit.compiler.lower.layout import LoweringError
-from rdakit.compiler.lower.lowerer import Lowerer, ProgramTooLong
+from rdakit.compiler.lower.lowerer import Lowerer, ProgramTooLong, StreamsRefused
 from rdakit.compiler.lower.passes import PIPELINE
 from rdakit.compiler.lower.plan import Plan
 
@@ -35,7 +35,7 @@ def _parts_by_name(graph, parts):
     return {n: int(p) for n, p in zip(order, parts.tolist(), strict=True)}
 
 
-def lower(graph, parts, placement, params, *, inputs=None):
+def lower(graph, parts, placement, params, *, inputs=None, streams=False):
     """Lower a placed dataflow graph to a job for the fabric ``params`` describes.
 
     Parameters
@@ -51,6 +51,9 @@ def lower(graph, parts, placement, params, *, inputs=None):
     inputs : dict, optional
         Values of the graph inputs (default :func:`sample_inputs`): written into the host
         buffers, and evaluated in numpy for the job's expected outputs.
+    streams : bool
+        Lower the edges that qualify (:mod:`rdakit.compiler.lower.streams`) as streams
+        between CUs instead of buffers in MUs.
 
     Returns
     -------
@@ -86,15 +89,36 @@ def lower(graph, parts, placement, params, *, inputs=None):
     # buffer, where the placement put the constants (they pile up in fewer MUs).
     for pools in ("home", "placement"):
         try:
-            job = Lowerer(plan, params, pools=pools).run(inputs, graph)
-            if isinstance(job, dict):
-                # Some CUs need a reference table: lower again with room reserved for them.
-                job = Lowerer(plan, params, tables=job, pools=pools).run(inputs, graph)
-                if isinstance(job, dict):  # pragma: no cover - the tables do not depend on MUs
-                    raise AssertionError(f"reference tables changed between passes: {job}")
-            return job
+            return _lower_streams(plan, params, pools, streams, inputs, graph)
         except ProgramTooLong:
             raise
         except LoweringError:
             if pools == "placement":
                 raise
+
+
+def _lower_streams(plan, params, pools, streams, inputs, graph):
+    """Lower ``plan``; the edges between CUs the walk refuses as streams (:class:`StreamsRefused`)
+    go through MUs in the next try, until the walk refuses none (each try refuses at least one
+    edge more, so there are at most as many tries as edges); a program too long with streams
+    is lowered again without any."""
+    refused = frozenset()
+    while True:
+        try:
+            job = Lowerer(plan, params, pools=pools, streams=streams,
+                          refused=refused).run(inputs, graph)
+            if isinstance(job, dict):
+                # Some CUs need a reference table: lower again with room reserved for them.
+                job = Lowerer(plan, params, tables=job, pools=pools, streams=streams,
+                              refused=refused).run(inputs, graph)
+                if isinstance(job, dict):  # pragma: no cover - the tables do not depend on MUs
+                    raise AssertionError(f"reference tables changed between passes: {job}")
+            return job
+        except StreamsRefused as e:
+            refused |= e.edges
+        except ProgramTooLong:
+            if not streams:
+                raise
+            # A stream's pass can lengthen a program past prog_len: without streams then (and
+            # the error, if it comes, is the one without them).
+            streams = False

@@ -61,7 +61,8 @@ def _grid(kw):
     return f"{kw['rows']}x{kw['cols']} with {kw['mu_words']}-word MUs"
 
 
-def choose_fabric(workload, candidates, *, name, partitioner, seed, place_steps, split=None):
+def choose_fabric(workload, candidates, *, name, partitioner, seed, place_steps, split=None,
+                  streams=True):
     """The first fabric of ``candidates`` (keyword dicts of :func:`fabric_params`, from
     :func:`~rdakit.cli.options.fabric_candidates`) on which the compiler fits ``workload``
     (called ``name``, as the user typed it), and a sentence saying so (``None`` if there was
@@ -88,7 +89,7 @@ def choose_fabric(workload, candidates, *, name, partitioner, seed, place_steps,
             continue
         try:
             compile_workload(workload, params=fabric_params(**kw), partitioner=partitioner,
-                             seed=seed, place_steps=place_steps, split=split)
+                             seed=seed, place_steps=place_steps, split=split, streams=streams)
         except FIT_ERRORS as e:
             last = tried[same] = e
             continue
@@ -137,13 +138,15 @@ def _compile(args):
     workload = load_or_explain(args)
     kw, chosen = choose_fabric(workload, fabric_candidates(args), name=args.workload,
                                partitioner=args.partitioner, seed=args.seed,
-                               place_steps=args.place_steps, split=args.split)
+                               place_steps=args.place_steps, split=args.split,
+                               streams=args.streams)
     params = fabric_params(**kw)
     try:
         with progress_bar(sys.stderr.isatty()) as progress:
             job, summary = compile_workload(
                 workload, params=params, partitioner=args.partitioner, seed=args.seed,
                 place_steps=args.place_steps, progress=progress, split=args.split,
+                streams=args.streams,
                 schedule_cost=cost_model(workload, params=params, progress=progress))
     except FIT_ERRORS as e:
         raise UserError(f"{e}{_hint(e)}") from None
@@ -181,6 +184,9 @@ def add_workload_arguments(p):
                         "them row by row), spread over the CUs: N blocks, 1 for none, or auto "
                         "(the default with --partitioner fastest, else 1): compiled both "
                         "ways, keeping the faster estimate (docs/compiler.md)")
+    p.add_argument("--no-streams", dest="streams", action="store_false",
+                   help="lower every edge between CUs through an MU buffer, none as a stream "
+                        "between CUs (docs/compiler.md, Streams between CUs)")
     add_number(p, "--seed", low=0, default=0, help="seed of the placement (default 0)")
     add_number(p, "--place-steps", low=0, high=MAX_PLACE_STEPS,
                reason="about 10 us a step: a million take tens of seconds", default=20000,

@@ -48,7 +48,8 @@ def spec_from_args(args, *, iterations=1, fabric=None):
     return e2e.RunSpec(workload=args.workload, sizes=parse_sizes(args.size),
                        fabric=fabric or fabric_dict(args), partitioner=args.partitioner,
                        seed=args.seed, iterations=iterations, place_steps=args.place_steps,
-                       split=getattr(args, "split", None))
+                       split=getattr(args, "split", None),
+                       streams=getattr(args, "streams", True))
 
 
 def compile_or_explain(spec, cost=None):
@@ -103,7 +104,8 @@ def _run(args):
     workload = load_or_explain(args)
     kw, chosen = choose_fabric(workload, fabric_candidates(args), name=args.workload,
                                partitioner=args.partitioner, seed=args.seed,
-                               place_steps=args.place_steps, split=args.split)
+                               place_steps=args.place_steps, split=args.split,
+                               streams=args.streams)
     spec = spec_from_args(args, iterations=args.adapt or 1, fabric=kw)
     params = spec.params
     _, summary = compile_or_explain(spec)

@@ -122,6 +122,9 @@ class RunSpec:
     split : int, "auto" or None
         Row blocks of the graph's row-wise chains (``compile_workload``'s ``split``; ``None``:
         its default).
+    streams : bool
+        Edges between CUs that qualify lowered as streams between CUs (``compile_workload``'s
+        ``streams``).
     """
 
     workload: str
@@ -133,6 +136,7 @@ class RunSpec:
     place_steps: int = 20000
     max_cycles: int | None = None
     split: int | str | None = None
+    streams: bool = True
 
     def __post_init__(self):
         if not isinstance(self.iterations, int) or self.iterations < 1:
@@ -178,7 +182,7 @@ class RunSpec:
         return compile_workload(workload, params=params, partitioner=self.partitioner,
                                 seed=self.seed, place_steps=self.place_steps, cost=cost,
                                 schedule_cost=schedule_cost, progress=progress,
-                                split=self.split)
+                                split=self.split, streams=self.streams)
 
 
 #: The MU counters an iteration's row reports (``allocs``, ``frees``, ``leaked_buffers``,

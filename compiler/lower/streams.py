@@ -1,0 +1,86 @@
+"""Streams between CUs (issue 18): which edges of a plan the lowering sends through a CU's input
+queue instead of an MU buffer.
+
+An edge ``P -> C`` (tensor ``t`` produced by op ``p`` on CU ``P``, read by op ``c`` on CU
+``C``) becomes a stream when :func:`stream_refusal` finds nothing against it; the producer then
+ends ``p`` with one pass that sends ``t``'s words in order to ``C``'s queue (``D_MODE QUEUE``,
+the last word marked), and ``c`` reads ``t`` with ``A_REF`` = its own ID (``SELF``) where it
+would have streamed the buffer. ``docs/compiler.md`` ("Streams between CUs") says why each
+condition is needed; in short:
+
+* ``t`` is a run-time tensor (not an input, constant or output: those are kept, or the host
+  reads them) with a static, non-empty layout (a dynamic tensor may be empty, and an empty
+  producer sends no word marked last for the consumer's stream to end at).
+* ``t`` has exactly one reading op, on another CU, which names it once (a queue is read once:
+  a second reader, a second use, or a reader on the producer's CU needs the stored words).
+* ``c`` reads ``t`` by streams only, once, in order, as their ``A`` operand: ``ew``'s ``x``,
+  ``copy``, ``concat_rows`` and ``concat_cols`` (any input: each is read whole, in order, by one
+  stream or one a row), ``matmul_nt``'s ``A``
+  when a row fits the consumer's free local buffer (else the long form reads words out of
+  order).
+* ``C`` receives no other stream (one producer per queue: two producers hold the queue's
+  credits each and would overflow it).
+* No CU is in a cluster of a system (one fabric: :func:`compile_workload` lowers one).
+
+The last condition, that no instruction is added to ``P``'s program between the end of ``p``
+and the end of ``c`` in the event walk, depends on the walk itself; the
+:class:`~rdakit.compiler.lower.lowerer.Lowerer` checks it as it goes and
+:func:`~rdakit.compiler.lower.lower` lowers again without the edges that fail it.
+"""
+
+__all__ = ["QUEUE_READERS", "stream_refusal", "stream_edges"]
+
+#: Op kinds whose template reads the input at these positions (``None``: any) by streams only,
+#: once, in order, as the A operand, so the input may come from the CU's queue.
+QUEUE_READERS = {"ew": (0,), "copy": (0,), "concat_rows": None, "concat_cols": None,
+                 "matmul_nt": (0,)}
+
+
+def stream_refusal(plan, name, readers, local_free=None):
+    """Why tensor ``name`` of ``plan`` cannot be a stream between CUs (a short reason), or
+    ``None`` when it can (the walk's own condition aside; see the module's docstring).
+
+    ``readers`` is :meth:`Plan.readers`; ``local_free``, if given, maps a CU to its local
+    words left after its constants (a ``matmul_nt`` whose row does not fit reads ``A`` by
+    words, not in one pass)."""
+    t = plan.tensors[name]
+    if t.kind != "runtime" or t.producer is None:
+        return f"in a host buffer ({t.kind})"
+    if t.layout.dynamic:
+        return "dynamic (may be empty: no last word to end the consumer's stream)"
+    if t.layout.words == 0:
+        return "empty"
+    ops = readers.get(name, [])
+    if len(ops) != 1:
+        return f"read by {len(ops)} ops"
+    (c,) = ops
+    p = plan.lop_of(name)
+    if c.cu == p.cu:
+        return "read on its producer's CU"
+    if c.ins.count(name) != 1:
+        return "read twice by its op"
+    where = QUEUE_READERS.get(c.kind, ())
+    if where is not None and c.ins.index(name) not in where:
+        return f"not the streamed operand of {c.kind}"
+    if c.kind == "matmul_nt" and local_free is not None \
+            and t.layout.cw > local_free.get(c.cu, 0):
+        return "a row longer than the consumer's local buffer"
+    return None
+
+
+def stream_edges(plan, local_free=None, exclude=()):
+    """The tensors of ``plan`` to lower as streams between CUs, in the plan's order: every
+    one :func:`stream_refusal` accepts, but only the first into each consumer CU, and none in
+    ``exclude`` (edges the walk refused)."""
+    readers = plan.readers()
+    out, into = [], set()
+    for op in plan.lops:
+        name = op.out
+        if name in exclude or stream_refusal(plan, name, readers, local_free) is not None:
+            continue
+        c = readers[name][0].cu
+        if c in into:
+            continue
+        into.add(c)
+        out.append(name)
+    return out

@@ -1,0 +1,201 @@
+"""Streams between CUs in the lowering (issue 18): which edges qualify
+(:func:`~rdakit.compiler.lower.streams.stream_refusal`, each refusal), that the programs with
+streams are bit-exact and finish under random interleavings with queues smaller than the
+tensors (credits exercised), that the walk refuses a stream its producer would hold up, and
+that ``streams=False`` lowers every edge through an MU."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from rdakit.compiler.compile import compile_workload, placement_fabric
+from rdakit.compiler.graph import DataflowGraph
+from rdakit.compiler.lower import lower
+from rdakit.compiler.lower.passes import PIPELINE
+from rdakit.compiler.lower.plan import Plan
+from rdakit.compiler.lower.streams import stream_edges, stream_refusal
+from rdakit.compiler.placement import place
+from rdakit.hdl.spec.isa import DMode, Op, StreamField
+from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.flows.e2e import SMALLEST
+from rdakit.sim.runtime.job import run_job_interp
+
+X = {"x": np.arange(-16, 16, dtype=np.int32).reshape(4, 8)}
+
+
+def with_queue(params, words):
+    return dataclasses.replace(params, cu=dataclasses.replace(params.cu, queue_words=words))
+
+
+def chain(n=4):
+    """x + c on CU 0, >> 1 on CU 1, alternating: each op reads the one before from the other
+    CU (every edge qualifies; the second into a CU is refused: one producer per queue)."""
+    g = DataflowGraph("chain")
+    x = g.input("x", (4, 8), "int32")
+    c = g.const("c", np.arange(8, dtype=np.int32))
+    parts = {"x": 0, "c": 0}
+    for i in range(n):
+        x = g.add("add", x, c, name=f"r{i}") if i % 2 == 0 else \
+            g.add("shr", x, name=f"r{i}", shift=1)
+        parts[f"r{i}"] = i % 2
+    g.output("y", x)
+    parts["y"] = (n - 1) % 2
+    return g.validate(), parts
+
+
+def lowered(g, parts, params, streams=True):
+    return lower(g, parts, place(g, parts, placement_fabric(params), steps=0), params,
+                 inputs=X, streams=streams)
+
+
+def plan_of(g, parts, params):
+    placement = place(g, parts, placement_fabric(params), steps=0)
+    plan = Plan(g, parts, placement, params)
+    for p in PIPELINE:
+        p.apply(plan)
+    return plan
+
+
+def queue_streams(job):
+    """``(producer CU, consumer CU)`` of every SRUN with D_MODE QUEUE, and the CUs whose
+    programs read their own queue (a SELF)."""
+    sends, reads = [], set()
+    for cu, tile in job.config.tiles.items():
+        mode, dst = None, {}
+        for ins in tile.program:
+            if ins.op is Op.LI:
+                dst[ins.rd] = ins.imm
+            if ins.op is Op.SCFGI and ins.fn == StreamField.D_MODE.value:
+                mode = ins.imm
+            if ins.op is Op.SCFG and ins.fn == StreamField.D_REF.value:
+                dst["d_ref"] = dst.get(ins.ra)
+            if ins.op is Op.SRUN and mode == DMode.QUEUE.value:
+                sends.append((cu, dst["d_ref"]))
+            if ins.op is Op.SELF:
+                reads.add(cu)
+    return sends, reads
+
+
+def check_runs(job, inputs, seeds=3):
+    """Bit-exact against the graph under the round-robin and ``seeds`` random interleavings
+    (a deadlock raises), every buffer but the outputs freed, no queue overflow."""
+    want = job.graph.evaluate(inputs)
+    for schedule, seed in [("round_robin", 0)] + [("random", s) for s in range(seeds)]:
+        outputs, result, interp = run_job_interp(job, schedule=schedule, seed=seed)
+        assert result.ok, result.errors
+        got = job.decode(outputs, check_padding=True)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+        live = sum(len(interp.mu(*m).live_buffers()) for m in job.params.tiles("M"))
+        assert live == len(job.outputs)
+
+
+@pytest.mark.parametrize("queue_words", [2, 3, 4])
+def test_chain_streams_with_queues_smaller_than_the_tensor(queue_words):
+    # 8 words a tensor through queues of 2-4: the producer runs out of credits and waits.
+    g, parts = chain()
+    params = with_queue(fabric_params(2, 2, prog_len=512), queue_words)
+    job = lowered(g, parts, params)
+    sends, reads = queue_streams(job)
+    # r0 into CU 1 and r1 into CU 0 stream; r2 would be CU 1's second producer: an MU.
+    assert len(sends) == 2 and len(reads) == 2
+    check_runs(job, X, seeds=4)
+
+
+def test_streams_off_lowers_every_edge_through_an_mu():
+    g, parts = chain()
+    params = fabric_params(2, 2, prog_len=512)
+    off = lowered(g, parts, params, streams=False)
+    assert queue_streams(off) == ([], set())
+    on = lowered(g, parts, params)
+    off_refs, on_refs = (sum(ins.op is Op.SENDREF for t in job.config.tiles.values()
+                             for ins in t.program) for job in (off, on))
+    assert (off_refs, on_refs) == (3, 1)
+    check_runs(off, X, seeds=1)
+
+
+def held_up():
+    """t = x + c and u = x >> 1 on CU 0, y = t + u on CU 1: t would stream, but u's reference
+    is sent after t's stream, and CU 1 receives u before it reads t."""
+    g = DataflowGraph("held")
+    x = g.input("x", (4, 8), "int32")
+    c = g.const("c", np.arange(8, dtype=np.int32))
+    t = g.add("add", x, c, name="t")
+    u = g.add("shr", x, name="u", shift=1)
+    g.output("y", g.add("add", t, u, name="s"))
+    return g.validate(), {"x": 0, "c": 0, "t": 0, "u": 0, "s": 1, "y": 1}
+
+
+def test_walk_refuses_a_stream_its_producer_holds_up():
+    # t qualifies by itself (one reader on another CU, its streamed operand), but CU 0 adds
+    # u's SENDREF after t's stream and CU 1 RECVs u before its stream reads t: with 2 credits
+    # the 8 words of t would wait for CU 1 and CU 1 for u's reference (a deadlock).
+    g, parts = held_up()
+    params = with_queue(fabric_params(2, 2, prog_len=512), 2)
+    plan = plan_of(g, parts, params)
+    assert stream_edges(plan) == ["t"]
+    job = lowered(g, parts, params)
+    assert queue_streams(job) == ([], set())
+    check_runs(job, X, seeds=4)
+
+
+def refusals(g, parts, params=None):
+    plan = plan_of(g, parts, params or fabric_params(2, 2, prog_len=512))
+    readers = plan.readers()
+    return {op.out: stream_refusal(plan, op.out, readers) for op in plan.lops}
+
+
+def test_refusals():
+    g = DataflowGraph("refusals")
+    x = g.input("x", (4, 8), "int32")
+    d = g.input("d", (4, 8), "int32", dynamic=True)
+    c = g.const("c", np.arange(8, dtype=np.int32))
+    twice = g.add("add", x, c, name="twice")           # read by two ops
+    g.add("relu", twice, name="t1")
+    g.add("shr", twice, name="t2", shift=1)
+    self_ = g.add("add", x, c, name="self")            # read twice by one op
+    g.add("add", self_, self_, name="sq")
+    out = g.add("shr", x, name="out", shift=2)         # a graph output
+    dyn = g.add("relu", d, name="dyn")                 # dynamic
+    g.add("shr", dyn, name="d1", shift=1)
+    local = g.add("shr", x, name="local", shift=3)     # read on its producer's CU
+    g.add("add", local, c, name="l1")
+    ok = g.add("shr", x, name="ok", shift=4)           # qualifies
+    g.add("add", ok, c, name="o1")
+    for n in ("t1", "t2", "sq", "d1", "l1", "o1"):
+        g.output(f"y_{n}", n)
+    g.output("y_out", out)
+    g.validate()
+    parts = {n: 0 for n in g.order()}
+    parts.update({n: 1 for n in ("t1", "t2", "sq", "d1", "o1", "y_t1", "y_t2", "y_sq",
+                                 "y_d1", "y_o1")})
+    got = refusals(g, parts)
+    assert got["twice"] == "read by 2 ops"
+    assert got["self"] == "read twice by its op"
+    assert got["out"] == "in a host buffer (output)"
+    assert got["dyn"].startswith("dynamic")
+    assert got["local"] == "read on its producer's CU"
+    assert got["ok"] is None
+
+
+def test_refusal_of_an_operand_that_is_not_streamed():
+    # b of x + b (same shape) is staged in the local buffer, not read as the A stream.
+    g = DataflowGraph("operand")
+    x = g.input("x", (4, 8), "int32")
+    b = g.add("shr", x, name="b", shift=1)
+    g.output("y", g.add("add", x, b, name="s"))
+    g.validate()
+    got = refusals(g, {"x": 0, "b": 0, "s": 1, "y": 1})
+    assert got["b"] == "not the streamed operand of ew"
+
+
+WORKLOADS = [(name, grid) for name in SMALLEST for grid in ((2, 2), (4, 4))]
+
+
+@pytest.mark.parametrize("name,grid", WORKLOADS, ids=[f"{n}-{g[0]}x{g[1]}" for n, g in WORKLOADS])
+def test_workloads_bit_exact_with_streams(name, grid):
+    params = with_queue(fabric_params(*grid, prog_len=2048), 4)
+    job, _ = compile_workload(name, sizes=SMALLEST[name], params=params,
+                              partitioner="fastest", place_steps=300)
+    check_runs(job, job.workload.inputs, seeds=2)
