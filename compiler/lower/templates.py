@@ -27,7 +27,7 @@ from rdakit.compiler.lower.registers import (
     SINK,
     Reg,
 )
-from rdakit.hdl.spec.isa import AluFn, BMode, DMode, Op
+from rdakit.hdl.spec.isa import AluFn, BMode, DMode, Op, StreamField
 
 __all__ = ["TEMPLATES", "template", "words_of", "rows_of", "row_loop"]
 
@@ -715,6 +715,10 @@ def topk(lw, g, op):
     if ew > g.local_top:
         topk_long(lw, g, op, rx, bx)
         return
+    lo = lw.tensors[op.out].layout
+    if not lx.dynamic and 2 * ew + lo.words <= g.local_top:
+        topk_pairs(lw, g, op, rx, bx)
+        return
     lw.need_local(g, op, ew)
     asm, out = g.asm, g.out
 
@@ -742,6 +746,81 @@ def topk(lw, g, op):
                 asm.li(R6, INT_MIN)
                 asm.emit(Op.LSET, ra=R6, rb=R5, imm=0)
     row_loop(lw, g, x, rx, [(R1, bx, ew)], body)
+
+def topk_pairs(lw, g, op, rx, bx):
+    """Top-k of a static tensor whose rows' two ``L`` rows and the whole result fit the free
+    local buffer: the rows two at a time, so that the second row's ARGMAX stream runs while
+    the first's result comes back (the engine holds two streams). ``L`` rows at local words
+    ``0`` and ``ew``, copied once (an element chosen is set back to INT_MAX after its row),
+    the result built in the local buffer after them (LSET of each index; zeroed first, so its
+    padding lanes stay 0) and appended by one stream at the end (``min(INT_MAX, local)``)."""
+    x, lrow, maxw = op.ins
+    lx, lo = lw.tensors[x].layout, lw.tensors[op.out].layout
+    rp, b_l = lw.ref(g, lrow)
+    rm, b_m = lw.ref(g, maxw)
+    k, ew, lanes, ow = op.attrs["k"], lx.cw, lw.lanes, lo.cw
+    asm, out = g.asm, g.out
+    table = 2 * ew
+    for at in (0, ew):
+        asm.stream(AluFn.PASS, a=rp, a_base=b_l, n=ew, d_mode=DMode.LOCAL, d_base=at)
+    asm.stream(AluFn.AND, a=rm, a_base=b_m, a_stride=0, n=lo.words, d_mode=DMode.LOCAL,
+               d_base=table)
+    F = StreamField
+    res = [(R4, R5), (R6, R7)]       # each row's ARGMAX: its value and index
+
+    def rows(n):
+        """The k rounds of rows R1 (and R1 + ew when ``n`` is 2); results at element R3."""
+        for j in range(k):
+            for r in range(n):
+                base = R1
+                if r:
+                    asm.alui(AluFn.ADD, R0, R1, ew)
+                    base = R0
+                asm.stream(AluFn.MIN, a=rx, a_base=base, n=ew, b_mode=BMode.LOCAL,
+                           b_val=r * ew, b_stride=1, d_mode=DMode.ARGMAX, rd=res[r][0])
+            for r in range(n):
+                val, ix = res[r]
+                if j:
+                    # Every element left is INT_MIN: the first one not chosen.
+                    ok = asm.label()
+                    asm.alui(AluFn.XOR, R0, val, INT_MIN)
+                    saved = {f: asm.known.get(f) for f in (F.A_REF, F.A_BASE, F.A_STRIDE,
+                                                           F.B_VAL)}
+                    asm.branch(Op.BNZ, ok, ra=R0)
+                    asm.stream(AluFn.MIN, a=rm, a_base=b_m, a_stride=0, n=ew,
+                               b_mode=BMode.LOCAL, b_val=r * ew, b_stride=1,
+                               d_mode=DMode.ARGMAX, rd=val)
+                    for f, v in saved.items():
+                        if v is not None:
+                            asm.field(f, Reg(v[1]) if isinstance(v, tuple) else v)
+                    asm.place(ok)
+                asm.emit(Op.LSET, ra=ix, rb=R3, imm=r * ow * lanes + j)
+                if j < k - 1:
+                    asm.li(R0, INT_MIN)
+                    asm.emit(Op.LSET, ra=R0, rb=ix, imm=r * ew * lanes)
+        if k > 1:
+            asm.li(R4, INT_MAX)
+            for r in range(n):
+                for j in range(k - 1):
+                    asm.emit(Op.LGET, rd=R0, rb=R3, imm=r * ow * lanes + j)
+                    asm.emit(Op.LSET, ra=R4, rb=R0, imm=r * ew * lanes)
+
+    pairs, odd = divmod(lx.rows, 2)
+    asm.li(R1, bx)
+    asm.li(R3, table * lanes)
+    if pairs:
+        asm.li(COUNT, pairs)
+
+        def loop(head):
+            rows(2)
+            asm.alui(AluFn.ADD, R1, R1, 2 * ew)
+            asm.alui(AluFn.ADD, R3, R3, 2 * ow * lanes)
+            asm.branch(Op.LOOP, head, ra=COUNT)
+        asm.loop(loop)
+    if odd:
+        rows(1)
+    asm.stream(AluFn.MIN, a=rm, a_base=b_m, a_stride=0, n=lo.words, b_mode=BMode.LOCAL,
+               b_val=table, b_stride=1, d_mode=DMode.APPEND, d_ref=out)
 
 def topk_long(lw, g, op, rx, bx):
     """Top-k of rows longer than the free local buffer, with no copy of the row: each round
