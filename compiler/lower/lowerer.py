@@ -20,7 +20,7 @@ from rdakit.compiler.lower.layout import INT_MAX, LoweringError, layout_of
 from rdakit.compiler.lower.registers import ARG, PEER, REF_REGS, TABLE, TEMPS, RefFile
 from rdakit.compiler.lower.result import CompiledJob, ProgramInfo
 from rdakit.compiler.lower.streams import stream_edges
-from rdakit.compiler.lower.templates import TEMPLATES, lrow_fits
+from rdakit.compiler.lower.templates import TEMPLATES, ew_one_pass, lrow_fits
 from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
 from rdakit.hdl.spec.isa import AluFn, DMode, Instr, Op
 from rdakit.hdl.spec.params import RefcountMode
@@ -286,9 +286,11 @@ class Lowerer:
                 p = self.prod_cu(t)
                 remote = sorted(c for c in self.readers[name] if c != p)
                 if name in self.streamed:
-                    # Its buffer is the producer's own: the stream sends it, then it is freed.
+                    # Its buffer (if any) is the producer's own: the stream sends it, then it
+                    # is freed.
                     remote = []
-                    self.share[(p, name)] = 1
+                    if name not in self.bufferless:
+                        self.share[(p, name)] = 1
                 self.remote[name] = remote
                 if self.uses[(p, name)]:
                     self.share[(p, name)] = 1
@@ -645,11 +647,14 @@ class Lowerer:
         self.inbox_pos = collections.Counter()
         self.stream_end = {}
         self.walk_refused = set()
+        self.sent_direct = set()
         for op in self.lops:
             g = self.gens[op.cu]
             start = len(g.asm)
             t = self.tensors[op.out]
-            if t.kind == "runtime":
+            if op.out in self.bufferless:
+                g.out = None
+            elif t.kind == "runtime":
                 # ALLOC first when the MU of choice has room for the output even counting
                 # what the producers of the op's inputs may not have freed yet (its answer
                 # then comes while the CU waits for them); else receive the inputs first.
@@ -659,6 +664,8 @@ class Lowerer:
             else:
                 g.out = g.refs.get(t.buffer)
             TEMPLATES[op.kind](self, g, op)
+            if op.out in self.direct and op.out not in self.sent_direct:  # pragma: no cover
+                raise AssertionError(f"template {op.kind} did not send stream {op.out!r}")
             for i in op.ins:
                 ti = self.tensors[i]
                 if i in self.streamed:
@@ -694,7 +701,7 @@ class Lowerer:
         key = t.buffer
         if t.kind == "runtime":
             self.produced.add(key)
-            if key in self.streamed:
+            if key in self.streamed and key not in self.direct:
                 self.send_stream(g, t)
             for c in self.remote[key]:
                 if self.pred[(c, key)] is None or (c, key) in self.credits:
@@ -708,6 +715,19 @@ class Lowerer:
         if key in self.streamed:
             self.stream_end[key] = len(g.asm)
 
+    def queue_dst(self, g, op):
+        """For the template of ``op`` about to emit its last pass: if its output streams to
+        another CU from that pass, the destination fields of a pass into that CU's queue
+        (its ID put in PEER); else None."""
+        name = op.out
+        if name not in self.direct:
+            return None
+        (c,) = self.readers[name]
+        g.asm.li(PEER, self.params.mu_id(*c))
+        self.sent_direct.add(name)
+        self.stamps[("stream", name)] = self.acct.tick(g.xy)
+        return dict(d_mode=DMode.QUEUE, d_ref=PEER)
+
     def send_stream(self, g, t):
         """The producer's last pass: the words of ``t`` (its own buffer) in order to the input
         queue of the CU reading it (``D_MODE QUEUE``; the last word is marked)."""
@@ -720,8 +740,25 @@ class Lowerer:
     # --- assembling the job ------------------------------------------------------------------
 
     def run(self, inputs, graph):
-        self.streamed = set(stream_edges(self.plan, self.local_free(), self.refused)) \
+        free = self.local_free()
+        self.streamed = set(stream_edges(self.plan, free, self.refused)) \
             if self.streams else set()
+        # Streams an elementwise chain sends from its last pass (no copy pass), and those it
+        # sends from its only pass (no buffer at all).
+        self.direct, self.bufferless = set(), set()
+        for name in self.streamed:
+            op = self.ops[self.tensors[name].producer]
+            if op.kind != "ew":
+                continue
+            # One pass that reads a stream and sends one would wait for credits from its
+            # consumer while its own producer waits for it (a cycle of CUs deadlocks): a pass
+            # sends only once the stream it reads has ended.
+            one = ew_one_pass(self, op, free[op.cu]) and not any(
+                i in self.streamed for i in op.ins)
+            if one or len(op.attrs["stages"]) > 1 or self.ew_needs_mask(op):
+                self.direct.add(name)
+            if one:
+                self.bufferless.add(name)
         self.place_host()
         self.plan_uses()
         self.register_host()

@@ -373,14 +373,26 @@ def copy(lw, g, op):
     asm.stream(AluFn.PASS, a=rx, a_base=base, n=n, d_mode=DMode.APPEND, d_ref=g.out)
     asm.place(end)
 
+def ew_one_pass(lw, op, free):
+    """Whether elementwise chain ``op`` is one stream from its input to its output (one stage,
+    no padding mask, the second operand staged whole or none), with ``free`` local words."""
+    lo = lw.tensors[op.out].layout
+    if len(op.attrs["stages"]) != 1 or lw.ew_needs_mask(op) or lo.dynamic:
+        return False
+    mode = op.attrs["mode"]
+    return mode in (None, "scalar") or (mode == "row" and lo.cw <= free) or (
+        mode == "same" and lo.words <= free)
+
+
 @template("ew")
 def ew(lw, g, op):
     """An elementwise chain: the first stage streams the input (and its second operand:
     local buffer, scalar or per-row scalar) into the output, later stages rewrite the
     output in place, and a last pass masks padding lanes if the chain makes them
-    nonzero."""
+    nonzero. An output streamed to another CU (``lw.queue_dst``) leaves by the last pass."""
     asm, out = g.asm, g.out
     stages, mode = op.attrs["stages"], op.attrs["mode"]
+    masked = lw.ew_needs_mask(op)
     x = op.ins[0]
     lo = lw.tensors[op.out].layout
     rx, bx = lw.ref(g, x)
@@ -400,6 +412,8 @@ def ew(lw, g, op):
         return lo.rows if not lo.dynamic else rows_of(g, R2, cw, R3, R4)
 
     kw = dict(shift=s0.shift, relu=s0.relu, d_mode=DMode.APPEND, d_ref=out)
+    if ew_one_pass(lw, op, g.local_top):
+        kw.update(lw.queue_dst(g, op) or {})
     if mode is None:
         bm = BMode.ZERO if s0.imm is None else BMode.SCALAR
         asm.stream(s0.fn, a=rx, a_base=bx, n=n, b_mode=bm, b_val=s0.imm or 0, **kw)
@@ -473,15 +487,19 @@ def ew(lw, g, op):
             asm.loop(body)
             if not isinstance(n, Reg):
                 n = lo.words
-    for s in stages[1:]:
+    for i, s in enumerate(stages[1:], 2):
         bm = BMode.ZERO if s.imm is None else BMode.SCALAR
+        dst = dict(d_mode=DMode.WRITE, d_ref=out, d_base=0, d_stride=1)
+        if i == len(stages) and not masked:
+            dst.update(lw.queue_dst(g, op) or {})
         asm.stream(s.fn, a=out, a_base=0, n=n, b_mode=bm, b_val=s.imm or 0, shift=s.shift,
-                   relu=s.relu, d_mode=DMode.WRITE, d_ref=out, d_base=0, d_stride=1)
-    if lw.ew_needs_mask(op):
+                   relu=s.relu, **dst)
+    if masked:
         mask = g.local[f"mask{lo.cols}"]
+        dst = dict(d_mode=DMode.WRITE, d_ref=out, d_base=0, d_stride=1)
+        dst.update(lw.queue_dst(g, op) or {})
         asm.stream(AluFn.AND, a=out, a_base=0, n=cw, outer=rows(), a_ostride=cw,
-                   b_mode=BMode.LOCAL, b_val=mask, b_stride=1, b_ostride=0,
-                   d_mode=DMode.WRITE, d_ref=out, d_base=0, d_stride=1)
+                   b_mode=BMode.LOCAL, b_val=mask, b_stride=1, b_ostride=0, **dst)
     asm.place(end)
     if isinstance(n, Reg):
         asm.set_length(op.out, R2)      # the output has the input's words

@@ -109,9 +109,13 @@ def test_streams_off_lowers_every_edge_through_an_mu():
     off = lowered(g, parts, params, streams=False)
     assert queue_streams(off) == ([], set())
     on = lowered(g, parts, params)
-    off_refs, on_refs = (sum(ins.op is Op.SENDREF for t in job.config.tiles.values()
-                             for ins in t.program) for job in (off, on))
-    assert (off_refs, on_refs) == (3, 1)
+    def count(job, op):
+        return sum(ins.op is op for t in job.config.tiles.values() for ins in t.program)
+    assert (count(off, Op.SENDREF), count(on, Op.SENDREF)) == (3, 1)
+    # r0 (x + c, one pass) goes to the queue from that pass and needs no buffer; r1 (read
+    # from CU 1's queue) is sent by a pass of its own after the pass reading r0 has ended.
+    assert (count(off, Op.ALLOC), count(on, Op.ALLOC)) == (3, 2)
+    assert count(on, Op.SRUN) == count(off, Op.SRUN) + 1
     check_runs(off, X, seeds=1)
 
 
