@@ -246,6 +246,8 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
     if split is None:
         split = "auto" if partitioner == "fastest" else 1
     check_split(split)
+    if not isinstance(streams, bool):
+        raise ValueError(f"streams must be True or False, not {streams!r}")
     if partitioner == "fastest" or split == "auto":
         return _fastest(workload, sizes=sizes, params=params, seed=seed,
                         place_steps=place_steps, inputs=inputs, cost=cost,

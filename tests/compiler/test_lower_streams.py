@@ -203,3 +203,21 @@ def test_workloads_bit_exact_with_streams(name, grid):
     job, _ = compile_workload(name, sizes=SMALLEST[name], params=params,
                               partitioner="fastest", place_steps=300)
     check_runs(job, job.workload.inputs, seeds=2)
+
+
+def test_split_graph_streams_its_row_blocks():
+    # mlp split into 2 row blocks on 2x2: a block's last elementwise chain streams into the
+    # concatenation on the other CU.
+    params = with_queue(fabric_params(2, 2, prog_len=2048), 2)
+    job, summary = compile_workload("mlp", sizes=SMALLEST["mlp"], params=params,
+                                    partitioner="greedy", split=2, place_steps=300)
+    assert summary.split == 2
+    sends, reads = queue_streams(job)
+    assert sends and len(reads) == len(sends)
+    check_runs(job, job.workload.inputs, seeds=3)
+
+
+@pytest.mark.parametrize("bad", ["no", 0, None])
+def test_streams_option_must_be_a_bool(bad):
+    with pytest.raises(ValueError, match=f"streams must be True or False, not {bad!r}"):
+        compile_workload("mlp", params=fabric_params(2, 2), streams=bad)
