@@ -1082,6 +1082,10 @@ def take_word(asm, rx, lb, lanes):
     asm.alui(AluFn.AND, R5, R5, lanes - 1)
 
 
+#: Tokens up to which a dispatch's scan is unrolled (each is about ``2 k + 3`` instructions).
+UNROLL_TOKENS = 8
+
+
 def route_test(asm, table, r_row, k, expert, targets):
     """Branch to ``targets[j]`` at the first slot j of the row whose index is ``expert``;
     fall through if none is."""
@@ -1092,11 +1096,39 @@ def route_test(asm, table, r_row, k, expert, targets):
 
 @template("dispatch")
 def dispatch(lw, g, op):
-    """Rows routed to the expert are appended, in token order (a run-time count)."""
+    """Rows routed to the expert are appended, in token order (a run-time count). When the
+    indices fit the local buffer they are staged XORed with the expert (one stream), so a slot
+    naming it is one LGET and a BZ, and up to :data:`UNROLL_TOKENS` tokens are unrolled (no
+    loop counter, the row's word offset an immediate)."""
     x, idx = op.ins
     lx, li = lw.tensors[x].layout, lw.tensors[idx].layout
     rx, bx = lw.ref(g, x)
     asm, out = g.asm, g.out
+    expert, lanes = op.attrs["expert"], lw.lanes
+    if not li.dynamic and li.words <= g.local_top:
+        ri, base = lw.ref(g, idx)
+        asm.stream(AluFn.XOR, a=ri, a_base=base, n=li.words, b_mode=BMode.SCALAR,
+                   b_val=expert, d_mode=DMode.LOCAL, d_base=0)
+
+        def token(row, el, word):
+            """The token whose indices start at element ``row + el``, its row at ``word``."""
+            hit, nxt = asm.label(), asm.label()
+            for j in range(li.cols):
+                asm.emit(Op.LGET, rd=R5, rb=row, imm=el + j)
+                asm.branch(Op.BZ, hit, ra=R5)
+            asm.branch(Op.JMP, nxt)
+            asm.place(hit)
+            asm.stream(AluFn.PASS, a=rx, a_base=word, n=lx.cw, d_mode=DMode.APPEND, d_ref=out)
+            asm.place(nxt)
+
+        if lx.rows <= UNROLL_TOKENS:
+            asm.li(R3, 0)
+            for t in range(lx.rows):
+                token(R3, t * li.cw * lanes, bx + t * lx.cw)
+        else:
+            row_loop(lw, g, x, rx, [(R1, bx, lx.cw), (R3, 0, li.cw * lanes)],
+                     lambda: token(R3, 0, R1))
+        return
     (ti,) = stage(lw, g, op, 0, [idx])
 
     def body():

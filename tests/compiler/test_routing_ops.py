@@ -59,7 +59,7 @@ def assert_exact(g, inputs, lanes, local_words, seed=0):
 @st.composite
 def routings(draw):
     lanes = draw(st.sampled_from([1, 4]))
-    tokens = draw(st.integers(1, 7))
+    tokens = draw(st.integers(1, 11))     # dispatch unrolls up to 8
     experts = draw(st.integers(1, 6))
     k = draw(st.integers(1, experts))
     d = draw(st.integers(1, 9))
@@ -144,3 +144,10 @@ def test_combine_walks_the_slots_not_every_token_for_every_expert(main_events):
     """combine's instructions grow with the routing slots (tokens x k = 8), not with tokens x
     experts (262 before)."""
     assert main_events["combine"]["instructions"] <= 160
+
+
+def test_dispatch_tests_a_slot_with_one_lget_and_a_branch(main_events):
+    """Each dispatch stages the indices XORed with its expert and unrolls the 4 tokens: 4
+    experts x 4 tokens x 2 slots at 2 instructions, where the XOR, the loop and the row
+    pointers took 207 instructions before."""
+    assert main_events["dispatch"]["instructions"] <= 160
