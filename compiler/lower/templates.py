@@ -1153,9 +1153,10 @@ def routing_checked(lw, idx, experts):
 def combine(lw, g, op):
     """out = sum over each token's routing slots of ``(gate * y_e row) >> shift``, ``e`` the
     expert the slot names and the row that expert's next one (the rows are in token order).
-    When the output fits the local buffer beside the staged indices and gates and the
-    per-expert tables, the slots are walked in token order (:func:`combine_slots`: one stream a
-    slot, no scan of every expert for every token). Otherwise out = 0, then expert by expert,
+    When the staged indices and gates and the per-expert tables fit the local buffer (with the
+    whole output or one row of it), the slots are walked in token order
+    (:func:`combine_slots`: one or two streams a slot, no scan of every expert for every
+    token). Otherwise out = 0, then expert by expert,
     each token routed to it is two streams: the product into the local buffer, then ``out row
     += local`` in place (the indices and gates staged in the local buffer when they fit)."""
     idx, gate, *ys = op.ins
@@ -1169,10 +1170,14 @@ def combine(lw, g, op):
     check = not routing_checked(lw, idx, len(ys))
     # The per-expert tables: references, next rows, and the last token (duplicate slots).
     tables = -(-len(ys) * (3 if check and k > 1 else 2) // lw.lanes)
-    if (not (li.dynamic or lg.dynamic)
-            and lo.words + tables + li.words + lg.words <= g.local_top):
-        combine_slots(lw, g, op, tables, check)
-        return
+    fixed = tables + li.words + lg.words
+    if not (li.dynamic or lg.dynamic):
+        if lo.words + fixed <= g.local_top:
+            combine_slots(lw, g, op, tables, check, acc=True)
+            return
+        if (dw if k > 1 else 0) + fixed <= g.local_top:
+            combine_slots(lw, g, op, tables, check, acc=False)
+            return
     ti, tg = stage(lw, g, op, dw, [idx, gate])
     base_i = lw.key_of(idx, g.xy)[1]
     asm.stream(AluFn.AND, a=ti.ref, a_base=base_i, a_stride=0, n=lo.words,
@@ -1201,28 +1206,30 @@ def combine(lw, g, op):
         row_loop(lw, g, idx, ti.ref, [ti.offsets(R1), tg.offsets(R3), (R4, 0, dw)], body)
         g.refs.unpin(lw.key_of(y, g.xy)[0])
 
-def combine_slots(lw, g, op, tables, check):
-    """Combine walking the routing slots in token order, with the output's rows accumulated in
-    the local buffer (words ``0 ..``), then the per-expert tables (``tables`` words: each
-    expert's reference, the word of its next row, and with ``check`` the last token that named
-    it), then the staged indices and gates. The output is zeroed by one stream; a token's slot
-    0 is written straight into its row (no local write, so the next slot's LGETs need not wait
-    for the stream), the others accumulated into its local row (LOCAL_ACC), and one stream at
-    the end adds the local rows to the output. With ``check``, a slot whose index is out of
-    range or names an expert an earlier slot of the token named is skipped, as the reference
-    does."""
+def combine_slots(lw, g, op, tables, check, acc):
+    """Combine walking the routing slots in token order. The local buffer holds, with ``acc``,
+    the output's rows (words ``0 ..``), else one row; then the per-expert tables (``tables``
+    words: each expert's reference, the word of its next row, and with ``check`` the last
+    token that named it), then the staged indices and gates. The output is zeroed by one
+    stream; a token's slot 0 is written straight into its row (no local write, so the next
+    slot's LGETs need not wait for the stream). With ``acc`` the other slots are accumulated
+    into the token's local row (LOCAL_ACC) and one stream at the end adds the local rows to the
+    output; without, each is two streams: the product into the local row, then ``out row +=
+    local`` in place. With ``check``, a slot whose index is out of range or names an expert an
+    earlier slot of the token named is skipped, as the reference does."""
     idx, gate, *ys = op.ins
     li, lo = lw.tensors[idx].layout, lw.tensors[op.out].layout
     asm, out = g.asm, g.out
     dw, k, lanes, experts = lo.cw, li.cols, lw.lanes, len(ys)
-    ti, tg = stage(lw, g, op, lo.words + tables, [idx, gate])
-    refs = lo.words * lanes                # element offsets of the tables
+    scratch = lo.words if acc else dw if k > 1 else 0
+    ti, tg = stage(lw, g, op, scratch + tables, [idx, gate])
+    refs = scratch * lanes                 # element offsets of the tables
     rows = refs + experts
     last = rows + experts
     base_i = lw.key_of(idx, g.xy)[1]
     asm.stream(AluFn.AND, a=ti.ref, a_base=base_i, a_stride=0, n=lo.words,
                d_mode=DMode.APPEND, d_ref=out)
-    if k > 1:
+    if acc and k > 1:
         asm.stream(AluFn.AND, a=ti.ref, a_base=base_i, a_stride=0, n=lo.words,
                    d_mode=DMode.LOCAL, d_base=0)
     for e, y in enumerate(ys):
@@ -1265,13 +1272,20 @@ def combine_slots(lw, g, op, tables, check):
                 asm.stream(AluFn.MUL, a=R5, a_base=R6, n=dw, b_mode=BMode.SCALAR, b_val=R7,
                            shift=op.attrs["shift"], d_mode=DMode.WRITE, d_ref=out,
                            d_base=R3, d_stride=1)
-            else:
+            elif acc:
                 asm.stream(AluFn.MUL, a=R5, a_base=R6, n=dw, b_mode=BMode.SCALAR, b_val=R7,
                            shift=op.attrs["shift"], d_mode=DMode.LOCAL_ACC, d_base=R3,
                            d_stride=1)
+            else:
+                asm.stream(AluFn.MUL, a=R5, a_base=R6, n=dw, b_mode=BMode.SCALAR, b_val=R7,
+                           shift=op.attrs["shift"], d_mode=DMode.LOCAL, d_base=0,
+                           d_stride=1)
+                asm.stream(AluFn.ADD, a=out, a_base=R3, n=dw, b_mode=BMode.LOCAL, b_val=0,
+                           b_stride=1, d_mode=DMode.WRITE, d_ref=out, d_base=R3,
+                           d_stride=1)
             asm.place(skip)
     row_loop(lw, g, idx, ti.ref, [ti.offsets(R1), (R3, 0, dw)], body)
-    if k > 1:
+    if acc and k > 1:
         asm.stream(AluFn.ADD, a=out, a_base=0, n=lo.words, b_mode=BMode.LOCAL, b_val=0,
                    b_stride=1, d_mode=DMode.WRITE, d_ref=out, d_base=0, d_stride=1)
 

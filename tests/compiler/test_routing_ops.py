@@ -151,3 +151,25 @@ def test_dispatch_tests_a_slot_with_one_lget_and_a_branch(main_events):
     experts x 4 tokens x 2 slots at 2 instructions, where the XOR, the loop and the row
     pointers took 207 instructions before."""
     assert main_events["dispatch"]["instructions"] <= 160
+
+
+@pytest.mark.parametrize("local_words, streams, most", [(64, 13, 160), (16, 15, 200),
+                                                       (8, 17, None)])
+def test_combine_forms_by_what_the_local_buffer_holds(local_words, streams, most):
+    """The main job's combine: with 64 local words the output is accumulated there (the zeroed
+    output and accumulators, two staged tables, a stream a slot, the final sum: 13 streams);
+    with 16 only a row of it fits beside the tables, so each slot but a token's first is two
+    streams (15), and still no scan of every expert for every token; with 8 the tables do not
+    fit and the expert-by-expert form reads them (two streams a routed slot and the zeroed
+    output: 17). All bit-exact; the two slot forms run at most ``most`` instructions (the scan
+    of every expert for every token: 262)."""
+    params = fabric_params(2, 2, prog_len=2048, mu_words=1024, local_words=local_words)
+    job, _ = compile_workload("moe", sizes=MAIN, params=params, partitioner="greedy")
+    outputs, result, _ = run_job_interp(job)
+    assert result.ok
+    for name, want in job.expected.items():
+        assert (outputs[name] == want).all(), name
+    combine = op_events(job)["combine"]
+    assert combine["streams"] == streams
+    if most is not None:
+        assert combine["instructions"] <= most
