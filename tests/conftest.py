@@ -167,6 +167,10 @@ LONG = {
     # Issue 18's second round and issue 20's biases (a loaded machine).
     "hdl/test_stream_hazards.py": "32 s (16 CU harness runs)",
     "compiler/test_import_bias.py": "3.3 s (a torch export)",
+    # Issue 18's streams between CUs: the CU pair's shared simulation and the whole 2x2
+    # fabric's (the stream engine's queue tests and the interpreter's stay in the loop).
+    "hdl/test_cu_streams.py": "7 s idle (one shared simulation), 10-16 s loaded",
+    "hdl/test_cu_streams_fabric.py": "15-20 s (the 2x2 fabric on Amaranth)",
 }
 
 
