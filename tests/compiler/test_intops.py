@@ -260,7 +260,8 @@ def test_elementwise_ops_saturate_and_never_wrap(x, scale, kind):
                                                                     st.integers(0, 3)))
 def test_softmax_never_wraps(x, scale, out_bits, causal):
     """Softmax of any logits (int32 extremes included, saturated to +-2**30): probabilities
-    within the bound of the float softmax of the saturated logits; masked ones are 0."""
+    within :func:`softmax_bound` of the float softmax of the saturated logits; masked ones
+    are 0."""
     p = dict(intops.softmax_params(scale, out_bits), causal=causal)
     y = intops.softmax_ref(x, p)
     v = np.clip(x.astype(np.float64), -(1 << 30), (1 << 30) - 1) * scale
@@ -269,7 +270,43 @@ def test_softmax_never_wraps(x, scale, out_bits, causal):
         keep = np.arange(x.shape[1])[None, :] <= np.arange(x.shape[0])[:, None] + causal
         assert not np.any(y[~keep])
     err = np.abs(y * 2.0 ** -out_bits - float_softmax(v, keep)).max()
-    assert err <= {7: 0.0079, 8: 0.004, 15: 0.001, 16: 0.001}[out_bits]
+    assert err <= softmax_bound(out_bits, x.shape[1])
+
+
+#: Softmax's error without the truncation of long rows' terms, per ``out_bits``: a probability
+#: of 1 saturates at ``1 - 2**-out_bits`` (7 and 8 bits); at 15 and 16 bits i-exp's relative
+#: error (-0.30 % to +0.26 %, so up to a quarter of 0.56 % where two terms share the mass) and
+#: the reciprocal's floor (``sum / 2**30``), measured over every pair of logits at 300 scales
+#: from 1e-4 to 4 and rows of one large and many equal small terms.
+SOFTMAX_BOUND = {7: 0.0079, 8: 0.004, 15: 0.00107, 16: 0.00107}
+
+
+def softmax_bound(out_bits, cols):
+    """The error bound of softmax over rows of ``cols``: :data:`SOFTMAX_BOUND` and the
+    truncation of the terms (``e >> s``, :func:`intops.softmax_sum_shift`): each of the other
+    ``cols - 1`` terms loses under one unit of a sum of at least ``L_max >> s``."""
+    lmax = intops.exp_consts()[2]
+    return SOFTMAX_BOUND[out_bits] + (cols - 1) / (lmax >> intops.softmax_sum_shift(cols))
+
+
+@pytest.mark.parametrize("out_bits", [7, 8, 15])
+def test_softmax_of_one_large_and_many_small_terms(out_bits):
+    """Rows ``(0, d, ..., d)`` for every ``d`` from ``-clip`` to 0: within
+    :func:`softmax_bound`. Two terms at the scale where the error of 15 bits is largest
+    (0.00106: above the 0.001 once asserted); 40 and 300 terms at 0.05, where the small terms,
+    each truncated to whole units of ``L_max >> s``, lose most of their mass when they are
+    just under one unit (15 bits: 0.0016 at 40 terms, 0.091 at 300)."""
+    worst = {}
+    for scale, cols in [(0.00020315620885124437, 2), (0.05, 40), (0.05, 300)]:
+        p = intops.softmax_params(scale, out_bits)
+        d = np.arange(-p["clip"], 1)
+        x = np.zeros((d.size, cols), np.int64)
+        x[:, 1:] = d[:, None]
+        y = intops.softmax_ref(x, p)
+        worst[cols] = np.abs(y * 2.0 ** -out_bits - float_softmax(x * scale)).max()
+        assert worst[cols] <= softmax_bound(out_bits, cols), cols
+    assert worst[300] > 0.08
+    assert worst[2] > 0.001 or out_bits != 15
 
 
 @hostile(60)
