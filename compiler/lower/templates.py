@@ -1175,8 +1175,11 @@ def combine(lw, g, op):
         if lo.words + fixed <= g.local_top:
             combine_slots(lw, g, op, tables, check, acc=True)
             return
-        if (dw if k > 1 else 0) + fixed <= g.local_top:
-            combine_slots(lw, g, op, tables, check, acc=False)
+        if lo.words + li.words + lg.words <= g.local_top:
+            combine_experts(lw, g, op, acc=True)
+            return
+        if dw + li.words + lg.words <= g.local_top:
+            combine_experts(lw, g, op, acc=False)
             return
     ti, tg = stage(lw, g, op, dw, [idx, gate])
     base_i = lw.key_of(idx, g.xy)[1]
@@ -1205,6 +1208,66 @@ def combine(lw, g, op):
             asm.place(nxt)
         row_loop(lw, g, idx, ti.ref, [ti.offsets(R1), tg.offsets(R3), (R4, 0, dw)], body)
         g.refs.unpin(lw.key_of(y, g.xy)[0])
+
+def combine_experts(lw, g, op, acc):
+    """Combine expert by expert (each expert's rows as soon as they arrive, while the other
+    experts may still be computing), when the slot walk's tables do not fit: local words
+    ``0 ..`` the output's rows (``acc``) or one row of products, then the indices XORed with
+    the expert (restaged by one stream for each expert, so a slot naming it is an LGET and a
+    BZ), then the gates. The output is zeroed by one stream; per token routed to the expert
+    (its first slot naming it, as the reference takes): with ``acc`` one stream accumulating
+    the product into the token's local row (LOCAL_ACC; one stream at the end adds them to the
+    output), else the product into the local row, then ``out row += local`` in place."""
+    idx, gate, *ys = op.ins
+    li, lo = lw.tensors[idx].layout, lw.tensors[op.out].layout
+    asm, out = g.asm, g.out
+    dw, k, lanes = lo.cw, li.cols, lw.lanes
+    rows = lo.words if acc else dw
+    lw.need_local(g, op, rows + 2 * li.words)
+    ri, base_i = lw.ref(g, idx)
+    asm.stream(AluFn.AND, a=ri, a_base=base_i, a_stride=0, n=lo.words,
+               d_mode=DMode.APPEND, d_ref=out)
+    if acc:
+        asm.stream(AluFn.AND, a=ri, a_base=base_i, a_stride=0, n=lo.words,
+                   d_mode=DMode.LOCAL, d_base=0)
+    tg = RowTable(lw, g, gate, rows + li.words)
+    gd = li.words * lanes                  # from an index's element to its gate's
+    for e, y in enumerate(ys):
+        ri, base_i = lw.ref(g, idx)
+        asm.stream(AluFn.XOR, a=ri, a_base=base_i, n=li.words, b_mode=BMode.SCALAR, b_val=e,
+                   d_mode=DMode.LOCAL, d_base=rows)
+        ry, by = lw.ref(g, y)
+        asm.li(R7, by)
+
+        def body(ry=ry):
+            hits = [asm.label() for _ in range(k)]
+            do, nxt = asm.label(), asm.label()
+            for j in range(k):
+                asm.emit(Op.LGET, rd=R5, rb=R1, imm=j)
+                asm.branch(Op.BZ, hits[j], ra=R5)
+            asm.branch(Op.JMP, nxt)
+            for j in range(k):
+                asm.place(hits[j])
+                asm.emit(Op.LGET, rd=R6, rb=R1, imm=j + gd)
+                if j < k - 1:
+                    asm.branch(Op.JMP, do)
+            asm.place(do)
+            if acc:
+                asm.stream(AluFn.MUL, a=ry, a_base=R7, n=dw, b_mode=BMode.SCALAR, b_val=R6,
+                           shift=op.attrs["shift"], d_mode=DMode.LOCAL_ACC, d_base=R4)
+            else:
+                asm.stream(AluFn.MUL, a=ry, a_base=R7, n=dw, b_mode=BMode.SCALAR, b_val=R6,
+                           shift=op.attrs["shift"], d_mode=DMode.LOCAL, d_base=0)
+                asm.stream(AluFn.ADD, a=out, a_base=R4, n=dw, b_mode=BMode.LOCAL, b_val=0,
+                           b_stride=1, d_mode=DMode.WRITE, d_ref=out, d_base=R4, d_stride=1)
+            asm.alui(AluFn.ADD, R7, R7, dw)
+            asm.place(nxt)
+        row_loop(lw, g, idx, ri, [(R1, rows * lanes, li.cw * lanes), (R4, 0, dw)], body)
+        g.refs.unpin(lw.key_of(y, g.xy)[0])
+    del tg
+    if acc:
+        asm.stream(AluFn.ADD, a=out, a_base=0, n=lo.words, b_mode=BMode.LOCAL, b_val=0,
+                   b_stride=1, d_mode=DMode.WRITE, d_ref=out, d_base=0, d_stride=1)
 
 def combine_slots(lw, g, op, tables, check, acc):
     """Combine walking the routing slots in token order. The local buffer holds, with ``acc``,

@@ -153,18 +153,20 @@ def test_dispatch_tests_a_slot_with_one_lget_and_a_branch(main_events):
     assert main_events["dispatch"]["instructions"] <= 160
 
 
-@pytest.mark.parametrize("local_words, streams, most", [(64, 13, 160), (16, 15, 200),
-                                                       (8, 17, None)])
-def test_combine_forms_by_what_the_local_buffer_holds(local_words, streams, most):
-    """The main job's combine: with 64 local words the output is accumulated there (the zeroed
-    output and accumulators, two staged tables, a stream a slot, the final sum: 13 streams);
-    with 16 only a row of it fits beside the tables, so each slot but a token's first is two
-    streams (15), and still no scan of every expert for every token; with 8 the tables do not
-    fit and the expert-by-expert form reads them (two streams a routed slot and the zeroed
-    output: 17). All bit-exact; the two slot forms run at most ``most`` instructions (the scan
-    of every expert for every token: 262)."""
+@pytest.mark.parametrize("d_model, local_words, streams, most", [
+    (8, 64, 13, 160), (8, 16, 16, 250), (16, 16, 22, 310), (8, 8, 17, None)])
+def test_combine_forms_by_what_the_local_buffer_holds(d_model, local_words, streams, most):
+    """The main job's combine (and with d_model 16). With 64 local words the slot walk: the
+    zeroed output and accumulators, two staged tables, a stream a slot, the final sum (13
+    streams). With 16 its tables do not fit beside the output: expert by expert, the indices
+    restaged XORed with each expert (4 streams), a LOCAL_ACC stream a routed slot (16); at
+    d_model 16 only a row of the output fits: two streams a routed slot (22). With 8 nothing
+    is staged: the tables are read with READ (two streams a routed slot and the zeroed output:
+    17). All bit-exact; the three new forms run at most ``most`` instructions (the scan of
+    every token's slots with XORs for every expert before: 262, 262, 333)."""
     params = fabric_params(2, 2, prog_len=2048, mu_words=1024, local_words=local_words)
-    job, _ = compile_workload("moe", sizes=MAIN, params=params, partitioner="greedy")
+    job, _ = compile_workload("moe", sizes=dict(MAIN, d_model=d_model), params=params,
+                              partitioner="greedy")
     outputs, result, _ = run_job_interp(job)
     assert result.ok
     for name, want in job.expected.items():
