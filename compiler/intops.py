@@ -69,9 +69,9 @@ EXP_SCALE = EXP_A * EXP_SW ** 2
 
 #: The reciprocal of a row's sum is ``2**RECIP_BITS // sum``.
 RECIP_BITS = 30
-#: A row's terms are shifted right so that their sum is at most ``2**SUM_BITS`` (the
-#: reciprocal keeps ``RECIP_BITS - SUM_BITS`` bits or more).
-SUM_BITS = 20
+#: A row's terms are shifted right (:func:`softmax_sum_shift`) so that their sum is at most
+#: ``2**SUM_BITS`` (the reciprocal is at least 1, and ``e * f`` at most ``2**30``).
+SUM_BITS = RECIP_BITS
 #: Longest row of softmax, layer_norm and rms_norm.
 MAX_LENGTH = 1 << 16
 
@@ -264,12 +264,18 @@ def softmax_dtype(out_bits):
 
 
 def softmax_sum_shift(length):
-    """Right shift of a softmax row's exp terms: the least ``s`` with ``length * (L_max >> s)
-    <= 2**SUM_BITS``."""
-    s = 0
-    while length * (EXP_LMAX >> s) > 1 << SUM_BITS:
-        s += 1
-    return s
+    """Right shift of a softmax row's exp terms, ``s``: each term loses under one unit of
+    ``M = L_max >> s`` (the largest term), so the other ``length - 1`` move a probability by
+    up to ``(length - 1) / M``, and the reciprocal's floor by up to ``M / 2**30``: the ``s``
+    with the least sum of the two, among those with ``length * M <= 2**SUM_BITS`` (about
+    ``M = sqrt(length 2**30)``: 3 for rows of 300, whose bound is then 0.0011)."""
+    def cost(s):
+        m = EXP_LMAX >> s
+        return m / (1 << RECIP_BITS) + (length - 1) / m
+
+    fits = [s for s in range(EXP_LMAX.bit_length())
+            if length * (EXP_LMAX >> s) <= 1 << SUM_BITS]
+    return min(fits, key=cost)
 
 
 def check_softmax(attrs, shape):
