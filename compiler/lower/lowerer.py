@@ -331,6 +331,23 @@ class Lowerer:
             for i, key in enumerate(keys):
                 if i >= mb:
                     senders[self.prod_cu(self.tensors[key])].add(c)
+        # A second stream into a CU waits for the consumer's token that it has read the first.
+        self.gate, last = {}, {}
+        for op in self.lops:
+            for i in dict.fromkeys(op.ins):
+                if i in self.streamed:
+                    if op.cu in last:
+                        self.gate[i] = last[op.cu]
+                    last[op.cu] = i
+        gated = collections.defaultdict(set)
+        for i in self.gate:
+            p = self.prod_cu(self.tensors[i])
+            if self.readers[i][0] not in senders[p]:
+                gated[p].add(i)
+            senders[p].add(self.readers[i][0])
+        over = {i for r, ss in senders.items() if len(ss) > self.cp.channels for i in gated[r]}
+        if over:
+            raise StreamsRefused(over)
         self.chan = {}
         for r, ss in senders.items():
             if len(ss) > self.cp.channels:
@@ -648,6 +665,7 @@ class Lowerer:
         self.stream_end = {}
         self.walk_refused = set()
         self.sent_direct = set()
+        self.gate_tok = {}
         for op in self.lops:
             g = self.gens[op.cu]
             start = len(g.asm)
@@ -674,6 +692,9 @@ class Lowerer:
                     g.refs.drop(("queue", i))
                     # Its stream has ended: the producer had done all it did before sending.
                     self.acct.merge(g.xy, self.stamps[("stream", i)])
+                    for e, before in self.gate.items():
+                        if before == i:     # the next producer into this CU may send now
+                            self.gate_tok[e] = self.send_token(g, self.prod_cu(self.tensors[e]))
                     # The walk's condition: nothing added to the producer's program since its
                     # stream (else what this CU waited for may come after it: refused).
                     p = self.gens[self.prod_cu(ti)]
@@ -723,15 +744,29 @@ class Lowerer:
         if name not in self.direct:
             return None
         (c,) = self.readers[name]
+        self.wait_gate(g, name)
         g.asm.li(PEER, self.params.mu_id(*c))
         self.sent_direct.add(name)
         self.stamps[("stream", name)] = self.acct.tick(g.xy)
         return dict(d_mode=DMode.QUEUE, d_ref=PEER)
 
+    def wait_gate(self, g, name):
+        """Before the stream of ``name``: WAIT for its consumer's token that it has read the
+        stream before it (one producer per queue), which the walk must have emitted already
+        (else the edge is refused: the WAIT would wait for a later event)."""
+        if name not in self.gate:
+            return
+        c = self.readers[name][0]
+        if name not in self.gate_tok:
+            self.walk_refused.add(name)
+            return
+        self.wait_token(g, c, self.gate_tok[name])
+
     def send_stream(self, g, t):
         """The producer's last pass: the words of ``t`` (its own buffer) in order to the input
         queue of the CU reading it (``D_MODE QUEUE``; the last word is marked)."""
         (c,) = self.readers[t.name]
+        self.wait_gate(g, t.name)
         g.asm.li(PEER, self.params.mu_id(*c))
         g.asm.stream(AluFn.PASS, a=g.refs.get(t.buffer), n=t.layout.words,
                      d_mode=DMode.QUEUE, d_ref=PEER)

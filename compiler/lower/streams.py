@@ -69,18 +69,23 @@ def stream_refusal(plan, name, readers, local_free=None):
 
 
 def stream_edges(plan, local_free=None, exclude=()):
-    """The tensors of ``plan`` to lower as streams between CUs, in the plan's order: every
-    one :func:`stream_refusal` accepts, but only the first into each consumer CU, and none in
-    ``exclude`` (edges the walk refused)."""
+    """The tensors of ``plan`` to lower as streams between CUs, in the order their consumers
+    read them: every one :func:`stream_refusal` accepts, none in ``exclude`` (edges the walk
+    refused), at most one into each op, and into an op that writes no stream itself when
+    another stream into the same CU follows (its consumer gates the next producer with a
+    token sent after the op, and a token after a stream would wait for that stream's
+    consumer)."""
     readers = plan.readers()
-    out, into = [], set()
+    ok = {op.out for op in plan.lops if op.out not in exclude
+          and stream_refusal(plan, op.out, readers, local_free) is None}
+    out, last = [], {}
     for op in plan.lops:
-        name = op.out
-        if name in exclude or stream_refusal(plan, name, readers, local_free) is not None:
+        ins = [i for i in dict.fromkeys(op.ins) if i in ok]
+        if not ins:
             continue
-        c = readers[name][0].cu
-        if c in into:
+        prev = last.get(op.cu)
+        if prev is not None and prev[1].out in ok:
             continue
-        into.add(c)
-        out.append(name)
+        out.append(ins[0])
+        last[op.cu] = (ins[0], op)
     return out

@@ -197,6 +197,7 @@ def test_refusal_of_an_operand_that_is_not_streamed():
 WORKLOADS = [(name, grid) for name in SMALLEST for grid in ((2, 2), (4, 4))]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("name,grid", WORKLOADS, ids=[f"{n}-{g[0]}x{g[1]}" for n, g in WORKLOADS])
 def test_workloads_bit_exact_with_streams(name, grid):
     params = with_queue(fabric_params(*grid, prog_len=2048), 4)
@@ -221,3 +222,46 @@ def test_split_graph_streams_its_row_blocks():
 def test_streams_option_must_be_a_bool(bad):
     with pytest.raises(ValueError, match=f"streams must be True or False, not {bad!r}"):
         compile_workload("mlp", params=fabric_params(2, 2), streams=bad)
+
+
+def two_producers(interleaved):
+    """a = x + c on CU 0 and b = x >> 1 on CU 2, both read on CU 1 by ops writing outputs; with
+    ``interleaved`` the graph's order is a, relu(a), b, b >> 2 (b's producer comes after the
+    consumer of a), else a, b, relu(a), b >> 2."""
+    g = DataflowGraph("two")
+    x = g.input("x", (4, 8), "int32")
+    c = g.const("c", np.arange(8, dtype=np.int32))
+    a = g.add("add", x, c, name="a")
+    if interleaved:
+        g.output("ya", g.add("relu", a, name="ra"))
+        b = g.add("shr", x, name="b", shift=1)
+    else:
+        b = g.add("shr", x, name="b", shift=1)
+        g.output("ya", g.add("relu", a, name="ra"))
+    g.output("yb", g.add("shr", b, name="rb", shift=2))
+    parts = {"x": 0, "c": 0, "a": 0, "b": 2, "ra": 1, "ya": 1, "rb": 1, "yb": 1}
+    return g.validate(), parts
+
+
+@pytest.mark.parametrize("queue_words", [2, 4])
+def test_second_producer_into_a_cu_waits_for_the_consumers_token(queue_words):
+    # b's producer WAITs for CU 1's token, sent once CU 1's stream has read all of a (its SEND
+    # waits for the stream): one producer per queue at a time, so two streams into CU 1.
+    g, parts = two_producers(interleaved=True)
+    params = with_queue(fabric_params(2, 2, layout="CC/CM", prog_len=512), queue_words)
+    job = lowered(g, parts, params)
+    sends, reads = queue_streams(job)
+    assert len(sends) == 2 and len({dst for _, dst in sends}) == 1 and len(reads) == 1
+    b_cu = next(cu for cu, p in job.programs.items() if any(o[0] == "b" for o in p.ops))
+    assert [ins.op for ins in job.config.tiles[b_cu].program].count(Op.WAIT) == 1
+    check_runs(job, X, seeds=4)
+
+
+def test_second_producer_before_the_first_consumer_is_refused():
+    # b's stream would come before CU 1 has read a (its token later in the walk): an MU.
+    g, parts = two_producers(interleaved=False)
+    params = with_queue(fabric_params(2, 2, layout="CC/CM", prog_len=512), 2)
+    job = lowered(g, parts, params)
+    sends, _ = queue_streams(job)
+    assert len(sends) == 1
+    check_runs(job, X, seeds=4)

@@ -1,24 +1,36 @@
-"""A compiled job with streams between CUs (issue 18) on the RTL fabric in Amaranth's simulator
-(2x2, two CUs, queues of 4 words for tensors of 8: the producers wait for credits), one shared
-run: every output bit-exact against the graph's reference and the functional interpreter,
-every buffer but the outputs freed."""
+"""Compiled jobs with streams between CUs (issue 18) on the RTL fabric in Amaranth's simulator,
+queues of 4 words for tensors of 8 (the producers wait for credits), one shared run each: a
+chain over two CUs streaming to each other, and two producers streaming into one CU in turn
+(the second waits for the consumer's token, sent once its stream has read the first). Every
+output bit-exact against the graph's reference and the functional interpreter."""
 
 import numpy as np
 import pytest
 
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.runtime.job import run_job_interp
-from tests.compiler.test_lower_streams import X, chain, lowered, queue_streams, with_queue
+from tests.compiler.test_lower_streams import (
+    X,
+    chain,
+    lowered,
+    queue_streams,
+    two_producers,
+    with_queue,
+)
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def shared_run():
+@pytest.fixture(scope="module", params=["chain", "two_producers"])
+def shared_run(request):
     from rdakit.sim.bench.calibrate import rtl_cycles
 
-    g, parts = chain()
-    params = with_queue(fabric_params(2, 2, prog_len=512), 4)
+    if request.param == "chain":
+        g, parts = chain()
+        params = with_queue(fabric_params(2, 2, prog_len=512), 4)
+    else:
+        g, parts = two_producers(interleaved=True)
+        params = with_queue(fabric_params(2, 2, layout="CC/CM", prog_len=512), 4)
     job = lowered(g, parts, params)
     return g, job, rtl_cycles(job)             # checks every output against numpy
 
@@ -26,7 +38,8 @@ def shared_run():
 def test_the_job_streams(shared_run):
     _, job, _ = shared_run
     sends, reads = queue_streams(job)
-    assert len(sends) == 2 and len(reads) == 2
+    # the chain: each CU into the other; two producers: both into one CU
+    assert len(sends) == 2 and len(reads) == {"chain": 2, "two": 1}[job.graph.name]
 
 
 def test_streams_are_bit_exact_on_the_rtl(shared_run):
