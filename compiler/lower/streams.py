@@ -18,14 +18,17 @@ condition is needed; in short:
   stream or one a row), ``matmul_nt``'s ``A``
   when a row fits the consumer's free local buffer (else the long form reads words out of
   order).
-* ``C`` receives no other stream (one producer per queue: two producers hold the queue's
-  credits each and would overflow it).
-* No CU is in a cluster of a system (one fabric: :func:`compile_workload` lowers one).
+* One stream into ``c`` at most, and when another stream into ``C`` follows, ``c`` writes no
+  stream itself: one producer per queue at a time (each holds the queue's depth in credits, two
+  at once overflow it), so the next producer into ``C`` WAITs for a token ``C`` sends after
+  ``c`` (a fenced SEND: after ``c``'s streams, so after a stream ``c`` writes, which would wait
+  for its own consumer).
 
-The last condition, that no instruction is added to ``P``'s program between the end of ``p``
-and the end of ``c`` in the event walk, depends on the walk itself; the
-:class:`~rdakit.compiler.lower.lowerer.Lowerer` checks it as it goes and
-:func:`~rdakit.compiler.lower.lower` lowers again without the edges that fail it.
+The conditions on the walk itself (no instruction added to ``P``'s program between its stream
+and the end of ``c``; a gating token emitted before the next producer's stream) are checked by
+the :class:`~rdakit.compiler.lower.lowerer.Lowerer` as it goes, and
+:func:`~rdakit.compiler.lower.lower` lowers again without the edges that fail them. Systems of
+clusters do not stream.
 """
 
 __all__ = ["QUEUE_READERS", "stream_refusal", "stream_edges"]
