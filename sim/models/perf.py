@@ -810,9 +810,10 @@ class PerfInterpreter(Interpreter):
                     took = True
             # S0: pop the next response.
             popped_now = False
-            # S0 pops while fewer than WQ_DEPTH results are popped and not yet written (one
-            # whose write leaves the queue this cycle still counts).
-            if k_pop < n and c >= exec_start and len(wq) + wrote < WQ_DEPTH \
+            # S0 pops while at most WQ_DEPTH results are popped and not yet written (the RTL's
+            # room: the queue's level, S1 and S2; one whose write leaves the queue this cycle
+            # still counts), the queue holding WQ_DEPTH + 1.
+            if k_pop < n and c >= exec_start and len(wq) + wrote <= WQ_DEPTH \
                     and len(resps) > k_pop and resps[k_pop] + tm.fifo <= c:
                 pops.append(c)
                 last_s1 = c + tm.exec_stages

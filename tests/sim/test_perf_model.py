@@ -97,17 +97,19 @@ def _assert_peak_close(m, r):
 
 
 #: Cycles of each micro-job (``sim/verify/micro_jobs.py``) on the RTL, measured with Amaranth's
-#: simulator at commit f415721 (``test_micro_jobs_against_the_rtl`` measures them again). The
-#: model is exact on every one but ``two_cus``: two CUs streaming from one MU, where the RTL's
-#: routers back-pressure the request registers (they alternate) and the model, which does not
-#: model back-pressure, lets the first CU's reads take the MU first.
-MICRO_RTL = {"local1": 29, "local4": 32, "local16": 44, "append1": 42, "append8": 50,
-             "append8_far": 50, "write8": 50, "pack_sum": 57, "sum8": 38, "len_after": 37,
-             "len_waits": 53, "vread_after": 38, "addw_after": 53, "two_prefetch": 49,
-             "two_dependent": 63, "two_cus": 70, "token": 10}
+#: simulator at commit a0cf01f (``test_micro_jobs_against_the_rtl`` measures them again; the
+#: write queue's room made exact by 3e6ea4e took a cycle off append8, append8_far, write8,
+#: len_waits and two_dependent). The model is exact on every one but ``two_cus``: two CUs
+#: streaming from one MU, where the RTL's routers back-pressure the request registers (they
+#: alternate) and the model, which does not model back-pressure, lets the first CU's reads
+#: take the MU first.
+MICRO_RTL = {"local1": 29, "local4": 32, "local16": 44, "append1": 42, "append8": 49,
+             "append8_far": 49, "write8": 49, "pack_sum": 57, "sum8": 38, "len_after": 37,
+             "len_waits": 52, "vread_after": 38, "addw_after": 53, "two_prefetch": 49,
+             "two_dependent": 62, "two_cus": 70, "token": 10}
 
 #: How far the model may be from the RTL on each micro-job (cycles).
-MICRO_TOLERANCE = {"two_cus": 4}
+MICRO_TOLERANCE = {"two_cus": 2}
 
 
 async def _cycles(host, jobs):
@@ -132,7 +134,7 @@ def test_the_model_is_exact_on_micro_jobs(micro_model):
 
 @pytest.mark.slow
 def test_micro_jobs_against_the_rtl(micro_model):
-    """The micro-jobs on Amaranth's RTL (one fabric, every job in turn; ~30 s): the recorded
+    """The micro-jobs on Amaranth's RTL (one fabric, every job in turn; ~70 s): the recorded
     cycles are the RTL's."""
     jobs = micro_jobs()
     fabric = Fabric(MICRO_PARAMS)
