@@ -1173,7 +1173,7 @@ def combine(lw, g, op):
     fixed = tables + li.words + lg.words
     if not (li.dynamic or lg.dynamic):
         if lo.words + fixed <= g.local_top:
-            combine_slots(lw, g, op, tables, check, acc=True)
+            combine_slots(lw, g, op, tables, check)
             return
         if lo.words + li.words + lg.words <= g.local_top:
             combine_experts(lw, g, op, acc=True)
@@ -1269,30 +1269,30 @@ def combine_experts(lw, g, op, acc):
         asm.stream(AluFn.ADD, a=out, a_base=0, n=lo.words, b_mode=BMode.LOCAL, b_val=0,
                    b_stride=1, d_mode=DMode.WRITE, d_ref=out, d_base=0, d_stride=1)
 
-def combine_slots(lw, g, op, tables, check, acc):
-    """Combine walking the routing slots in token order. The local buffer holds, with ``acc``,
-    the output's rows (words ``0 ..``), else one row; then the per-expert tables (``tables``
-    words: each expert's reference, the word of its next row, and with ``check`` the last
-    token that named it), then the staged indices and gates. The output is zeroed by one
-    stream; a token's slot 0 is written straight into its row (no local write, so the next
-    slot's LGETs need not wait for the stream). With ``acc`` the other slots are accumulated
-    into the token's local row (LOCAL_ACC) and one stream at the end adds the local rows to the
-    output; without, each is two streams: the product into the local row, then ``out row +=
-    local`` in place. With ``check``, a slot whose index is out of range or names an expert an
-    earlier slot of the token named is skipped, as the reference does."""
+def combine_slots(lw, g, op, tables, check):
+    """Combine walking the routing slots in token order. The local buffer holds the output's
+    rows (words ``0 ..``), then the per-expert tables (``tables`` words: each expert's
+    reference, the word of its next row, and with ``check`` the last token that named it),
+    then the staged indices and gates. The output is zeroed by one stream; a token's slot 0 is
+    written straight into its row (no local write, so the next slot's LGETs need not wait for
+    the stream), the other slots accumulated into the token's local row (LOCAL_ACC), and one
+    stream at the end adds the local rows to the output. An LGET waits for a stream writing
+    the local buffer, so without ``check`` the next token's slot 0 is read before the last
+    slot's stream is started (its fields configured first), and that stream runs while the
+    next token's slot 0 starts. With ``check``, a slot whose index is out of range or names an
+    expert an earlier slot of the token named is skipped, as the reference does."""
     idx, gate, *ys = op.ins
     li, lo = lw.tensors[idx].layout, lw.tensors[op.out].layout
     asm, out = g.asm, g.out
     dw, k, lanes, experts = lo.cw, li.cols, lw.lanes, len(ys)
-    scratch = lo.words if acc else dw if k > 1 else 0
-    ti, tg = stage(lw, g, op, scratch + tables, [idx, gate])
-    refs = scratch * lanes                 # element offsets of the tables
+    ti, tg = stage(lw, g, op, lo.words + tables, [idx, gate])
+    refs = lo.words * lanes                # element offsets of the tables
     rows = refs + experts
     last = rows + experts
     base_i = lw.key_of(idx, g.xy)[1]
     asm.stream(AluFn.AND, a=ti.ref, a_base=base_i, a_stride=0, n=lo.words,
                d_mode=DMode.APPEND, d_ref=out)
-    if acc and k > 1:
+    if k > 1:
         asm.stream(AluFn.AND, a=ti.ref, a_base=base_i, a_stride=0, n=lo.words,
                    d_mode=DMode.LOCAL, d_base=0)
     for e, y in enumerate(ys):
@@ -1308,47 +1308,93 @@ def combine_slots(lw, g, op, tables, check, acc):
         for e in range(experts):
             asm.emit(Op.LSET, ra=R0, rb=R1, imm=last + e)
     gd = tg.start - ti.start
+    step = li.cw * lanes
+    shift = op.attrs["shift"]
+
+    def scalars(j, at=0):
+        """Slot ``j`` of the token at element R1 + ``at``: R4 the expert, R5 its reference,
+        R6 its row, R7 the gate; its next row counted. With ``check``, branches to the label
+        returned when the slot is skipped."""
+        skip = asm.label()
+        asm.emit(Op.LGET, rd=R4, rb=R1, imm=at + j)
+        if check:
+            asm.alui(AluFn.SLT, R0, R4, 0)
+            asm.branch(Op.BNZ, skip, ra=R0)
+            asm.alui(AluFn.SLT, R0, R4, experts)
+            asm.branch(Op.BZ, skip, ra=R0)
+            if j:
+                asm.emit(Op.LGET, rd=R0, rb=R4, imm=last)
+                asm.alu(AluFn.XOR, R0, R0, R1)
+                asm.branch(Op.BZ, skip, ra=R0)
+            if k > 1 and j < k - 1:
+                asm.emit(Op.LSET, ra=R1, rb=R4, imm=last)
+        asm.emit(Op.LGET, rd=R5, rb=R4, imm=refs)
+        asm.emit(Op.LGET, rd=R6, rb=R4, imm=rows)
+        asm.emit(Op.LGET, rd=R7, rb=R1, imm=at + j + gd)
+        asm.alui(AluFn.ADD, R0, R6, dw)
+        asm.emit(Op.LSET, ra=R0, rb=R4, imm=rows)
+        return skip
+
+    def fields(j):
+        dst = (dict(d_mode=DMode.WRITE, d_ref=out) if j == 0
+               else dict(d_mode=DMode.LOCAL_ACC))
+        return dict(a=R5, a_base=R6, n=dw, b_mode=BMode.SCALAR, b_val=R7, shift=shift,
+                    d_base=R3, d_stride=1, **dst)
+
+    def run(j):
+        asm.stream(AluFn.MUL, **fields(j))
 
     def body():
         # R1: the token's first index (element of the local buffer, unique to the token),
-        # R3: its output row; R4 the expert, R5 its reference, R6 its row, R7 the gate.
+        # R3: its output row.
         for j in range(k):
-            skip = asm.label()
-            asm.emit(Op.LGET, rd=R4, rb=R1, imm=j)
-            if check:
-                asm.alui(AluFn.SLT, R0, R4, 0)
-                asm.branch(Op.BNZ, skip, ra=R0)
-                asm.alui(AluFn.SLT, R0, R4, experts)
-                asm.branch(Op.BZ, skip, ra=R0)
-                if j:
-                    asm.emit(Op.LGET, rd=R0, rb=R4, imm=last)
-                    asm.alu(AluFn.XOR, R0, R0, R1)
-                    asm.branch(Op.BZ, skip, ra=R0)
-                if k > 1 and j < k - 1:
-                    asm.emit(Op.LSET, ra=R1, rb=R4, imm=last)
-            asm.emit(Op.LGET, rd=R5, rb=R4, imm=refs)
-            asm.emit(Op.LGET, rd=R6, rb=R4, imm=rows)
-            asm.emit(Op.LGET, rd=R7, rb=R1, imm=j + gd)
-            asm.alui(AluFn.ADD, R0, R6, dw)
-            asm.emit(Op.LSET, ra=R0, rb=R4, imm=rows)
-            if j == 0:
-                asm.stream(AluFn.MUL, a=R5, a_base=R6, n=dw, b_mode=BMode.SCALAR, b_val=R7,
-                           shift=op.attrs["shift"], d_mode=DMode.WRITE, d_ref=out,
-                           d_base=R3, d_stride=1)
-            elif acc:
-                asm.stream(AluFn.MUL, a=R5, a_base=R6, n=dw, b_mode=BMode.SCALAR, b_val=R7,
-                           shift=op.attrs["shift"], d_mode=DMode.LOCAL_ACC, d_base=R3,
-                           d_stride=1)
-            else:
-                asm.stream(AluFn.MUL, a=R5, a_base=R6, n=dw, b_mode=BMode.SCALAR, b_val=R7,
-                           shift=op.attrs["shift"], d_mode=DMode.LOCAL, d_base=0,
-                           d_stride=1)
-                asm.stream(AluFn.ADD, a=out, a_base=R3, n=dw, b_mode=BMode.LOCAL, b_val=0,
-                           b_stride=1, d_mode=DMode.WRITE, d_ref=out, d_base=R3,
-                           d_stride=1)
+            skip = scalars(j)
+            run(j)
             asm.place(skip)
-    row_loop(lw, g, idx, ti.ref, [ti.offsets(R1), (R3, 0, dw)], body)
-    if acc and k > 1:
+
+    if check or k == 1 or lo.rows == 1:
+        row_loop(lw, g, idx, ti.ref, [ti.offsets(R1), (R3, 0, dw)], body)
+    else:
+        def token(last):
+            """A token whose slot 0 is in R4..R7; unless ``last``, the next one's read before
+            the last slot's stream starts."""
+            run(0)
+            for j in range(1, k):
+                scalars(j)
+                if j < k - 1 or last:
+                    run(j)
+                    continue
+                F, f = StreamField, fields(j)
+                for field, v in ((F.A_REF, R5), (F.A_BASE, R6), (F.A_STRIDE, 1), (F.N, dw),
+                                 (F.OUTER, 1), (F.B_MODE, BMode.SCALAR.value),
+                                 (F.B_VAL, R7), (F.D_MODE, f["d_mode"].value),
+                                 (F.D_BASE, R3), (F.D_STRIDE, 1), (F.SHIFT, shift),
+                                 (F.POST, 0)):
+                    asm.field(field, v)
+                scalars(0, step)
+                # The stream configured above (its registers are read again from here).
+                asm.emit(Op.SRUN, fn=AluFn.MUL.value, rd=SINK)
+
+        def advance():
+            asm.alui(AluFn.ADD, R1, R1, step)
+            asm.alui(AluFn.ADD, R3, R3, dw)
+
+        asm.li(R1, ti.start)
+        asm.li(R3, 0)
+        scalars(0)
+        if lo.rows > 2:
+            asm.li(COUNT, lo.rows - 1)
+
+            def loop(head):
+                token(False)
+                advance()
+                asm.branch(Op.LOOP, head, ra=COUNT)
+            asm.loop(loop)
+        else:
+            token(False)
+            advance()
+        token(True)
+    if k > 1:
         asm.stream(AluFn.ADD, a=out, a_base=0, n=lo.words, b_mode=BMode.LOCAL, b_val=0,
                    b_stride=1, d_mode=DMode.WRITE, d_ref=out, d_base=0, d_stride=1)
 
