@@ -12,10 +12,13 @@ from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
 from rdakit.hdl.spec.isa import BMode, DMode, assemble
 from rdakit.hdl.spec.params import fabric_params
 
-__all__ = ["MICRO_PARAMS", "micro_jobs"]
+__all__ = ["MICRO_PARAMS", "MICRO4_PARAMS", "micro_jobs", "micro4_jobs"]
 
 #: The fabric of the micro-jobs.
 MICRO_PARAMS = fabric_params(2, 2, prog_len=32)
+
+#: The fabric of the four-CU micro-jobs (``rdakit bench memory``'s: four CUs, two MUs).
+MICRO4_PARAMS = fabric_params(2, 3, layout="CCM/CCM", prog_len=32)
 
 _CU0, _CU1 = (0, 0), (1, 1)
 _MU0, _MU1 = (1, 0), (0, 1)
@@ -34,15 +37,15 @@ def _stream(a, n, d_mode, *, d_ref=None, fn="PASS", b_mode=BMode.ZERO, b_val=0, 
     return [*lines, f"SRUN {fn}, {rd}"]
 
 
-def _job(name, programs):
-    lanes = MICRO_PARAMS.cu.lanes
+def _job(name, programs, params=MICRO_PARAMS, mus=(_MU0, _MU1)):
+    lanes = params.cu.lanes
     rng = np.random.default_rng(len(name))
     data = {k: rng.integers(-100, 100, size=(16, lanes)).astype(np.int32) for k in "ab"}
-    buffers = [HostBuffer("a", _MU0, data["a"]), HostBuffer("b", _MU0, data["b"]),
-               HostBuffer("c", _MU0), HostBuffer("d", _MU1)]
+    buffers = [HostBuffer("a", mus[0], data["a"]), HostBuffer("b", mus[0], data["b"]),
+               HostBuffer("c", mus[0]), HostBuffer("d", mus[1])]
     tiles = {cu: TileConfig(program=assemble("\n".join([*lines, "HALT"])), regs=dict(_REGS))
              for cu, lines in programs.items()}
-    return Job(FabricConfig(MICRO_PARAMS, tiles), buffers, [], {}, cus_used=len(programs),
+    return Job(FabricConfig(params, tiles), buffers, [], {}, cus_used=len(programs),
                description=f"micro-job {name}")
 
 
@@ -83,3 +86,20 @@ def micro_jobs():
     # A token from one CU to the other.
     jobs["token"] = {_CU0: [f"LI r9, {cu1_id}", "SEND 0, r9, 1"], _CU1: ["WAIT 0, 1"]}
     return {name: _job(name, programs) for name, programs in jobs.items()}
+
+
+def micro4_jobs():
+    """The four-CU micro-jobs on :data:`MICRO4_PARAMS` by name: ``{name: Job}``. Every CU
+    streams from MU (2, 0) at once (``a`` and ``b`` there, ``d`` in MU (2, 1)): the hot MU of
+    ``rdakit bench memory``, whose requests wait in the routers' queues."""
+    cus = MICRO4_PARAMS.tiles("C")
+    mus = ((2, 0), (2, 1))
+    jobs = {
+        # Reads only: 16 steps each to the local buffer.
+        "four_cus": {cu: _stream("r1" if k % 2 else "r2", 16, DMode.LOCAL)
+                     for k, cu in enumerate(cus)},
+        # Reads from the hot MU, every result appended to the other MU.
+        "four_cus_append": {cu: _stream("r1" if k % 2 else "r2", 8, DMode.APPEND, d_ref="r4")
+                            for k, cu in enumerate(cus)},
+    }
+    return {name: _job(name, programs, MICRO4_PARAMS, mus) for name, programs in jobs.items()}

@@ -15,7 +15,7 @@ from rdakit.sim.models.perf import ModelTransport, Network
 from rdakit.sim.runtime.host import AmaranthTransport, HostDriver
 from rdakit.sim.runtime.job import run_job
 from rdakit.sim.verify.amaranth_sim import simulate
-from rdakit.sim.verify.micro_jobs import MICRO_PARAMS, micro_jobs
+from rdakit.sim.verify.micro_jobs import MICRO4_PARAMS, MICRO_PARAMS, micro4_jobs, micro_jobs
 
 FABRIC_2X2 = {"rows": 2, "cols": 2, "prog_len": 2048}
 
@@ -145,6 +145,51 @@ def test_micro_jobs_against_the_rtl(micro_model):
 
     simulate(fabric, tb)
     assert rtl == MICRO_RTL
+
+
+#: Cycles of the four-CU micro-jobs (``micro4_jobs``: four CUs streaming from one MU, ``rdakit
+#: bench memory``'s fabric) on the RTL, measured with Amaranth's simulator at commit 7824b8e
+#: (``test_micro4_jobs_against_the_rtl``). The model leaves out the routers' back-pressure.
+MICRO4_RTL = {"four_cus": 93, "four_cus_append": 80}
+
+#: How far the model may be from the RTL on each four-CU micro-job (cycles; measured: 92 and
+#: 75, the RTL's hot MU holding requests in full router queues).
+MICRO4_TOLERANCE = {"four_cus": 1, "four_cus_append": 5}
+
+
+async def _checked_cycles(host, jobs):
+    out = {}
+    for name, job in jobs.items():
+        result = await run_job(host, job)
+        result.check(job)                       # numpy, every buffer freed
+        out[name] = result.cycles
+    return out
+
+
+def test_four_cus_on_one_mu():
+    """Four CUs streaming from one MU on the model (0.1 s): bit-exact, and within the recorded
+    tolerance of the RTL's cycles."""
+    model = asyncio.run(_checked_cycles(HostDriver(MICRO4_PARAMS, ModelTransport(MICRO4_PARAMS)),
+                                        micro4_jobs()))
+    assert set(model) == set(MICRO4_RTL)
+    off = {name: (model[name], rtl) for name, rtl in MICRO4_RTL.items()
+           if abs(model[name] - rtl) > MICRO4_TOLERANCE[name]}
+    assert not off, off
+
+
+@pytest.mark.slow
+def test_micro4_jobs_against_the_rtl():
+    """The four-CU micro-jobs on Amaranth's RTL (2x3, ~20 s): the recorded cycles are the
+    RTL's."""
+    fabric = Fabric(MICRO4_PARAMS)
+    rtl = {}
+
+    async def tb(ctx):
+        rtl.update(await _checked_cycles(
+            HostDriver(MICRO4_PARAMS, AmaranthTransport(ctx, fabric)), micro4_jobs()))
+
+    simulate(fabric, tb)
+    assert rtl == MICRO4_RTL
 
 
 def test_an_mu_takes_one_request_a_cycle():
