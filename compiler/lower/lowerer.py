@@ -722,8 +722,6 @@ class Lowerer:
         key = t.buffer
         if t.kind == "runtime":
             self.produced.add(key)
-            if key in self.streamed and key not in self.direct:
-                self.send_stream(g, t)
             for c in self.remote[key]:
                 if self.pred[(c, key)] is None or (c, key) in self.credits:
                     self.send_ref(g, key, c)
@@ -762,38 +760,30 @@ class Lowerer:
             return
         self.wait_token(g, c, self.gate_tok[name])
 
-    def send_stream(self, g, t):
-        """The producer's last pass: the words of ``t`` (its own buffer) in order to the input
-        queue of the CU reading it (``D_MODE QUEUE``; the last word is marked)."""
-        (c,) = self.readers[t.name]
-        self.wait_gate(g, t.name)
-        g.asm.li(PEER, self.params.mu_id(*c))
-        g.asm.stream(AluFn.PASS, a=g.refs.get(t.buffer), n=t.layout.words,
-                     d_mode=DMode.QUEUE, d_ref=PEER)
-        self.stamps[("stream", t.name)] = self.acct.tick(g.xy)
-
     # --- assembling the job ------------------------------------------------------------------
+
+    def last_pass(self, op, free):
+        """How op ``op`` can send its output to a queue from its last pass: ``"only"`` (an
+        elementwise chain of one pass: no buffer), ``"last"`` (its last pass, in place or the
+        padding mask, reads its buffer whole) or None (no such pass: the edge stays in an
+        MU)."""
+        if op.kind != "ew":
+            return None
+        if ew_one_pass(self, op, free[op.cu]):
+            return "only"
+        if len(op.attrs["stages"]) > 1 or self.ew_needs_mask(op):
+            return "last"
+        return None
 
     def run(self, inputs, graph):
         free = self.local_free()
-        self.streamed = set(stream_edges(self.plan, free, self.refused)) \
+        self.streamed = set(stream_edges(self.plan, free, self.refused,
+                                         lambda op: self.last_pass(op, free))) \
             if self.streams else set()
-        # Streams an elementwise chain sends from its last pass (no copy pass), and those it
-        # sends from its only pass (no buffer at all).
-        self.direct, self.bufferless = set(), set()
-        for name in self.streamed:
-            op = self.ops[self.tensors[name].producer]
-            if op.kind != "ew":
-                continue
-            # One pass that reads a stream and sends one would wait for credits from its
-            # consumer while its own producer waits for it (a cycle of CUs deadlocks): a pass
-            # sends only once the stream it reads has ended.
-            one = ew_one_pass(self, op, free[op.cu]) and not any(
-                i in self.streamed for i in op.ins)
-            if one or len(op.attrs["stages"]) > 1 or self.ew_needs_mask(op):
-                self.direct.add(name)
-            if one:
-                self.bufferless.add(name)
+        # Every stream leaves from its producer's last pass; from its only one, no buffer.
+        self.direct = set(self.streamed)
+        self.bufferless = {n for n in self.streamed
+                           if self.last_pass(self.ops[self.tensors[n].producer], free) == "only"}
         self.place_host()
         self.plan_uses()
         self.register_host()

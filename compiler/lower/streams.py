@@ -2,15 +2,20 @@
 queue instead of an MU buffer.
 
 An edge ``P -> C`` (tensor ``t`` produced by op ``p`` on CU ``P``, read by op ``c`` on CU
-``C``) becomes a stream when :func:`stream_refusal` finds nothing against it; the producer then
-ends ``p`` with one pass that sends ``t``'s words in order to ``C``'s queue (``D_MODE QUEUE``,
-the last word marked), and ``c`` reads ``t`` with ``A_REF`` = its own ID (``SELF``) where it
-would have streamed the buffer. ``docs/compiler.md`` ("Streams between CUs") says why each
-condition is needed; in short:
+``C``) becomes a stream when :func:`stream_refusal` finds nothing against it; the producer's
+last pass then sends ``t``'s words in order to ``C``'s queue (``D_MODE QUEUE``, the last word
+marked) instead of writing them to an MU, and ``c`` reads ``t`` with ``A_REF`` = its own ID
+(``SELF``) where it would have streamed the buffer. ``docs/compiler.md`` ("Streams between
+CUs") says why each condition is needed; in short:
 
 * ``t`` is a run-time tensor (not an input, constant or output: those are kept, or the host
   reads them) with a static, non-empty layout (a dynamic tensor may be empty, and an empty
   producer sends no word marked last for the consumer's stream to end at).
+* ``p`` ends with one pass over the whole of ``t``, in order (``last_pass``: an elementwise
+  chain; another producer would need a copy pass from its buffer to the queue, which costs it
+  more than the hand-over it saves), and if that pass is its only one, it does not read a
+  stream itself (it would wait for its consumer's credits while its own producer waits for it
+  to take words: two CUs streaming to each other deadlock).
 * ``t`` has exactly one reading op, on another CU, which names it once (a queue is read once:
   a second reader, a second use, or a reader on the producer's CU needs the stored words).
 * ``c`` reads ``t`` by streams only, once, in order, as their ``A`` operand: ``ew``'s ``x``,
@@ -39,13 +44,16 @@ QUEUE_READERS = {"ew": (0,), "copy": (0,), "concat_rows": None, "concat_cols": N
                  "matmul_nt": (0,)}
 
 
-def stream_refusal(plan, name, readers, local_free=None):
+def stream_refusal(plan, name, readers, local_free=None, last_pass=None):
     """Why tensor ``name`` of ``plan`` cannot be a stream between CUs (a short reason), or
-    ``None`` when it can (the walk's own condition aside; see the module's docstring).
+    ``None`` when it can (the walk's own conditions and the streams read by the producer
+    aside; see the module's docstring and :func:`stream_edges`).
 
     ``readers`` is :meth:`Plan.readers`; ``local_free``, if given, maps a CU to its local
     words left after its constants (a ``matmul_nt`` whose row does not fit reads ``A`` by
-    words, not in one pass)."""
+    words, not in one pass); ``last_pass(op)``, if given, says how op ``op`` could send its
+    output from its last pass: ``"only"`` (its one pass, reading its input), ``"last"`` (a
+    later pass) or ``None`` (it cannot)."""
     t = plan.tensors[name]
     if t.kind != "runtime" or t.producer is None:
         return f"in a host buffer ({t.kind})"
@@ -60,6 +68,8 @@ def stream_refusal(plan, name, readers, local_free=None):
     p = plan.lop_of(name)
     if c.cu == p.cu:
         return "read on its producer's CU"
+    if last_pass is not None and last_pass(p) is None:
+        return f"its producer ({p.kind}) has no last pass over the whole tensor"
     if c.ins.count(name) != 1:
         return "read twice by its op"
     where = QUEUE_READERS.get(c.kind, ())
@@ -71,24 +81,23 @@ def stream_refusal(plan, name, readers, local_free=None):
     return None
 
 
-def stream_edges(plan, local_free=None, exclude=()):
+def stream_edges(plan, local_free=None, exclude=(), last_pass=None):
     """The tensors of ``plan`` to lower as streams between CUs, in the order their consumers
     read them: every one :func:`stream_refusal` accepts, none in ``exclude`` (edges the walk
-    refused), at most one into each op, and into an op that writes no stream itself when
-    another stream into the same CU follows (its consumer gates the next producer with a
-    token sent after the op, and a token after a stream would wait for that stream's
-    consumer)."""
+    refused), none whose producer's only pass reads a stream, at most one into each op, and
+    into an op that writes no stream itself when another stream into the same CU follows (its
+    consumer gates the next producer with a token sent after the op, and a token after a
+    stream would wait for that stream's consumer)."""
     readers = plan.readers()
     ok = {op.out for op in plan.lops if op.out not in exclude
-          and stream_refusal(plan, op.out, readers, local_free) is None}
+          and stream_refusal(plan, op.out, readers, local_free, last_pass) is None}
     out, last = [], {}
     for op in plan.lops:
         ins = [i for i in dict.fromkeys(op.ins) if i in ok]
-        if not ins:
-            continue
         prev = last.get(op.cu)
-        if prev is not None and prev[1].out in ok:
-            continue
-        out.append(ins[0])
-        last[op.cu] = (ins[0], op)
+        if ins and (prev is None or prev[1].out not in ok):
+            out.append(ins[0])
+            last[op.cu] = (ins[0], op)
+            if last_pass is not None and last_pass(op) == "only":
+                ok.discard(op.out)      # its only pass reads a stream: it sends none
     return out

@@ -30,7 +30,8 @@ def with_queue(params, words):
 
 def chain(n=4):
     """x + c on CU 0, >> 1 on CU 1, alternating: each op reads the one before from the other
-    CU (every edge qualifies; the second into a CU is refused: one producer per queue)."""
+    CU. r0 and r2 stream from CU 0 into CU 1 (r2 after CU 1's token that it has read r0); r1
+    does not: its only pass reads the stream r0 and would send while CU 0 waits for it."""
     g = DataflowGraph("chain")
     x = g.input("x", (4, 8), "int32")
     c = g.const("c", np.arange(8, dtype=np.int32))
@@ -61,6 +62,7 @@ def queue_streams(job):
     """``(producer CU, consumer CU)`` of every SRUN with D_MODE QUEUE, and the CUs whose
     programs read their own queue (a SELF)."""
     sends, reads = [], set()
+    at = {job.params.mu_id(*cu): cu for cu in job.config.tiles}
     for cu, tile in job.config.tiles.items():
         mode, dst = None, {}
         for ins in tile.program:
@@ -71,7 +73,7 @@ def queue_streams(job):
             if ins.op is Op.SCFG and ins.fn == StreamField.D_REF.value:
                 dst["d_ref"] = dst.get(ins.ra)
             if ins.op is Op.SRUN and mode == DMode.QUEUE.value:
-                sends.append((cu, dst["d_ref"]))
+                sends.append((cu, at[dst["d_ref"]]))
             if ins.op is Op.SELF:
                 reads.add(cu)
     return sends, reads
@@ -98,8 +100,10 @@ def test_chain_streams_with_queues_smaller_than_the_tensor(queue_words):
     params = with_queue(fabric_params(2, 2, prog_len=512), queue_words)
     job = lowered(g, parts, params)
     sends, reads = queue_streams(job)
-    # r0 into CU 1 and r1 into CU 0 stream; r2 would be CU 1's second producer: an MU.
-    assert len(sends) == 2 and len(reads) == 2
+    (cu0, cu1), = set(sends)
+    assert len(sends) == 2 and reads == {cu1}
+    # The second stream waits for the token CU 1 sends once it has read the first.
+    assert [ins.op for ins in job.config.tiles[cu0].program].count(Op.WAIT) == 1
     check_runs(job, X, seeds=4)
 
 
@@ -112,10 +116,10 @@ def test_streams_off_lowers_every_edge_through_an_mu():
     def count(job, op):
         return sum(ins.op is op for t in job.config.tiles.values() for ins in t.program)
     assert (count(off, Op.SENDREF), count(on, Op.SENDREF)) == (3, 1)
-    # r0 (x + c, one pass) goes to the queue from that pass and needs no buffer; r1 (read
-    # from CU 1's queue) is sent by a pass of its own after the pass reading r0 has ended.
-    assert (count(off, Op.ALLOC), count(on, Op.ALLOC)) == (3, 2)
-    assert count(on, Op.SRUN) == count(off, Op.SRUN) + 1
+    # r0 and r2 (one pass each) go to the queue from that pass and need no buffer; no pass
+    # is added.
+    assert (count(off, Op.ALLOC), count(on, Op.ALLOC)) == (3, 1)
+    assert count(on, Op.SRUN) == count(off, Op.SRUN)
     check_runs(off, X, seeds=1)
 
 
@@ -265,3 +269,31 @@ def test_second_producer_before_the_first_consumer_is_refused():
     sends, _ = queue_streams(job)
     assert len(sends) == 1
     check_runs(job, X, seeds=4)
+
+
+def test_refusal_of_a_producer_without_a_last_pass():
+    # A matmul appends its rows with PACK_SUM streams, one a row: it cannot send to a queue
+    # from one last pass (a copy pass would cost it more than the hand-over), so m stays in an
+    # MU; the elementwise chain after it streams.
+    from rdakit.compiler.lower.lowerer import Lowerer
+
+    g = DataflowGraph("producer")
+    x = g.input("x", (4, 8), "int32")
+    w = g.const("w", np.ones((8, 8), dtype=np.int32))
+    m = g.add("matmul", x, w, name="m")
+    r = g.add("relu", m, name="r")
+    g.output("y", g.add("shr", r, name="s", shift=1))
+    g.validate()
+    params = fabric_params(2, 2, layout="CC/CM", prog_len=512)
+    parts = {"x": 0, "w": 0, "m": 0, "r": 1, "s": 2, "y": 2}
+    plan = plan_of(g, parts, params)
+    lw = Lowerer(plan, params)
+    free = lw.local_free()
+    got = {op.out: stream_refusal(plan, op.out, plan.readers(), free,
+                                  lambda op: lw.last_pass(op, free)) for op in plan.lops}
+    assert got["m"] == "its producer (matmul_nt) has no last pass over the whole tensor"
+    assert got["r"] is None
+    job = lower(g, parts, place(g, parts, placement_fabric(params), steps=0), params,
+                inputs=X, streams=True)
+    assert len(queue_streams(job)[0]) == 1
+    check_runs(job, X, seeds=2)
