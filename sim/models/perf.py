@@ -78,6 +78,9 @@ _STEP, _WAIT, _FENCE, _MU, _IDLE, _INSTR, _OTHER = range(7)
 
 _BLOCKING = frozenset(MU_INSTRUCTIONS) - frozenset(POSTED) - frozenset(NONBLOCKING)
 _AFTER_STREAM = frozenset(AFTER_STREAM)
+#: The instructions the MU applies in the order their requests arrive (the blocking ones:
+#: the CU waits for their response, so nothing it does depends on when they are applied).
+_DEFERRED = _BLOCKING
 _FENCED = frozenset(FENCED)
 _POSTED = frozenset(POSTED)
 _NONBLOCKING = frozenset(NONBLOCKING)
@@ -244,6 +247,8 @@ class _CU:
         self.pops = []             # cycles in which the engine executed a step
         self.halt_at = None
         self.sleeping = None       # (since, category) while blocked in WAIT/RECV
+        self.deferred = None       # a blocking MU instruction's cycle, held back until its
+        #                            request reaches the MU (then executed)
         self.qs = None             # a stream between CUs under way (_QueueStream)
         self.q_blocked = False     # ... waiting for a word or a credit
 
@@ -366,6 +371,12 @@ class PerfInterpreter(Interpreter):
         program = cu.program
         rmask = self._regs - 1
         heap = self._heap
+        deferred = tc.deferred
+        if deferred is not None:
+            # A blocking MU instruction held back until its request reaches the MU: execute
+            # it now, timed in the cycle it was due (nothing this CU does has moved since).
+            tc.deferred = None
+            t = deferred
         if tc.qs is not None:
             # A stream between CUs went on waiting for a word or a credit: go on with it.
             qs = tc.qs
@@ -428,7 +439,7 @@ class PerfInterpreter(Interpreter):
             if (op is Op.SEND or op is Op.SENDREF or op is Op.HALT) and tc.msg_free > e:
                 tc.intervals.append((e, tc.msg_free, _OTHER))
                 e = tc.msg_free
-            if heap and heap[0][0] < e:
+            if heap and heap[0][0] < e and deferred is None:
                 # Something happens before this CU acts: let it happen first.
                 self._push(e, 1, tc)
                 tc.t = e
@@ -438,6 +449,18 @@ class PerfInterpreter(Interpreter):
                 if self._blocked(cu) is not None:
                     tc.sleeping = t
                     return
+            if op in _DEFERRED and deferred is None:
+                # The MU applies a request when it arrives, not when the CU executes it: what
+                # happens before its arrival (another CU's FADD on the same counter that gets
+                # there first) happens first. The CU waits for the response meanwhile, so
+                # nothing it does depends on when its request is applied.
+                arrive = t + self._latency(cu, ins)
+                if heap and heap[0][0] < arrive:
+                    tc.deferred = t
+                    self._push(arrive, 1, tc)
+                    tc.t = t
+                    return
+            deferred = None
             # Execute (functionally) in cycle t.
             self.now = t
             self._log.clear()
@@ -505,6 +528,15 @@ class PerfInterpreter(Interpreter):
                 self._push(t, 1, tc)
                 tc.t = t
                 return
+
+    def _latency(self, cu, ins):
+        """Cycles from a CU executing MU instruction ``ins`` to its request reaching the MU at
+        zero load (the NoC's hops, the host merge of tile (0, 0))."""
+        ref = cu.regs[ins.ra & (self._regs - 1)] & self._ref_mask
+        x, y = self.params.mu_coords(ref & self._mu_mask)
+        tm = self.timing
+        return (tm.inject + (tm.host_merge if cu.xy == (0, 0) else 0) + tm.eject
+                + tm.hop * (abs(x - cu.xy[0]) + abs(y - cu.xy[1])))
 
     @staticmethod
     def _idle(tc, t):
