@@ -20,7 +20,7 @@ P = fabric_params(2, 2, layout="CC/CM", mu_words=4096)
 #: Cycles the model may be off by: through an MU, the existing model's error (contention of
 #: the two CUs' requests); a long stream, the order in which the producer's ejection port
 #: takes read responses and credits.
-TOLERANCE = {"through_mu16": 5, "sum48": 1}
+TOLERANCE = {"sum48": 1}
 
 
 async def _cycles(host, jobs):
