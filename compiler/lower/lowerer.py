@@ -690,8 +690,9 @@ class Lowerer:
                     if ("queue", i) not in g.refs.reg:  # pragma: no cover
                         raise AssertionError(f"template {op.kind} did not read stream {i!r}")
                     g.refs.drop(("queue", i))
-                    # Its stream has ended: the producer had done all it did before sending.
-                    self.acct.merge(g.xy, self.stamps[("stream", i)])
+                    # No merge of the producer's clock: its posted returns before the stream
+                    # are not acknowledged when its words leave (a SEND or SENDREF waits for
+                    # them; a stream does not), so this CU does not know they are done.
                     for e, before in self.gate.items():
                         if before == i:     # the next producer into this CU may send now
                             self.gate_tok[e] = self.send_token(g, self.prod_cu(self.tensors[e]))
@@ -745,7 +746,7 @@ class Lowerer:
         self.wait_gate(g, name)
         g.asm.li(PEER, self.params.mu_id(*c))
         self.sent_direct.add(name)
-        self.stamps[("stream", name)] = self.acct.tick(g.xy)
+        self.acct.tick(g.xy)
         return dict(d_mode=DMode.QUEUE, d_ref=PEER)
 
     def wait_gate(self, g, name):
