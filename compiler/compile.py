@@ -280,6 +280,12 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
                      order=np.arange(wg.n) if order == "graph" else None)
     job = lower(graph, placed if order == "schedule" else result.parts, placement, params,
                 inputs=wl.inputs if inputs is None else inputs, streams=streams)
+    if job.streamed:
+        # The edges the lowering sent as streams overlap their two ends: the estimate again.
+        placed = measure(wg, result.targets, result.parts, schedule_cost,
+                         strategy=result.strategy, hops=placement.hops(len(cus)),
+                         order=np.arange(wg.n) if order == "graph" else None,
+                         streamed=[wg.names[u] in job.streamed for u in wg.src.tolist()])
     summary = CompileSummary(
         graph=graph.name, nodes=len(wl.graph), partitioner=result.strategy,
         parts=len(job.programs), cut=int(result.cut), imbalance=float(result.imbalance),

@@ -58,6 +58,11 @@ class CostModel:
     #: The share of an op's cycles a CU may spend on it before its inputs from other CUs have
     #: arrived (:func:`list_schedule`); the work model has none.
     lead = 0.0
+    #: An edge sent as a stream between CUs (:func:`list_schedule`'s ``streamed``): its
+    #: consumer may start ``stream_start`` cycles after its producer starts, and ends at least
+    #: ``stream_tail`` cycles after its producer ends; the work model charges neither.
+    stream_start = 0
+    stream_tail = 0
 
     lanes: int = 16
     op_overhead: int = 8
@@ -132,6 +137,11 @@ class TimedCostModel(CostModel):
         The share of an op's cycles its CU may spend on it before its inputs from other CUs
         have arrived: its output's ALLOC and the configuration of its first stream come
         before the RECV of a remote input.
+    stream_start, stream_tail : int
+        An edge sent as a stream between CUs overlaps its two ends: the consumer may start
+        ``stream_start`` cycles after the producer starts (the producer's last pass sends
+        the words, the consumer takes them as they come), and ends no sooner than
+        ``stream_tail`` cycles after the producer ends (its last word).
     edge_cycles : int
         A tensor between CUs is not copied but handed over (the producer's SENDREF after its
         writes are acknowledged, the consumer's RECV and LEN): a fixed cost, plus
@@ -140,9 +150,11 @@ class TimedCostModel(CostModel):
 
     cycles: tuple = ()
     fixed_cycles: float = 0.0
-    overlap: float = 0.925
+    overlap: float = 0.95
     lead: float = 0.1
     edge_cycles: int = 30
+    stream_start: int = 20
+    stream_tail: int = 10
 
     def __post_init__(self):
         super().__post_init__()
@@ -233,7 +245,7 @@ class Schedule:
     busy: np.ndarray
 
 
-def list_schedule(wg, parts, k, cost, *, hops=None, loads=None, order=None):
+def list_schedule(wg, parts, k, cost, *, hops=None, loads=None, order=None, streamed=None):
     """List-schedule the assignment ``parts`` of ``wg``'s nodes to ``k`` units.
 
     Parameters
@@ -252,6 +264,9 @@ def list_schedule(wg, parts, k, cost, *, hops=None, loads=None, order=None):
         Cycles each unit is busy before the graph starts.
     order : array, optional
         Priority order (a topological order; default :func:`priority_order`).
+    streamed : array of bool, optional
+        Per edge, whether it is a stream between CUs (``cost.stream_start`` and
+        ``cost.stream_tail`` instead of a transfer after the producer's end).
     """
     parts = np.asarray(parts, dtype=np.int64)
     hops = hop_matrix(k, cost) if hops is None else np.asarray(hops, dtype=float)
@@ -259,6 +274,9 @@ def list_schedule(wg, parts, k, cost, *, hops=None, loads=None, order=None):
     order = priority_order(wg, cost, k) if order is None else order
     tc = cost.transfer_array(wg.edge_weight, hops[parts[wg.src], parts[wg.dst]]).tolist()
     ip, pn, pe = (a.tolist() for a in wg.preds)
+    st = (np.zeros(len(tc), dtype=bool) if streamed is None
+          else np.asarray(streamed, dtype=bool)).tolist()
+    s_start, s_tail = cost.stream_start, cost.stream_tail
     w = wg.node_weight.tolist()
     lead = cost.lead
     pl = parts.tolist()
@@ -267,7 +285,13 @@ def list_schedule(wg, parts, k, cost, *, hops=None, loads=None, order=None):
     finish = [0] * wg.n
     for v in order.tolist():
         ready = 0
+        streams_from = end = 0
         for j in range(ip[v], ip[v + 1]):
+            if st[pe[j]]:
+                u = pn[j]
+                streams_from = max(streams_from, start[u] + s_start)
+                end = max(end, finish[u] + s_tail)
+                continue
             t = finish[pn[j]] + tc[pe[j]]
             if t > ready:
                 ready = t
@@ -275,12 +299,16 @@ def list_schedule(wg, parts, k, cost, *, hops=None, loads=None, order=None):
             p = pl[v]
             if lead:
                 ready -= int(lead * w[v])
+            if streams_from > ready:
+                ready = streams_from
             s = ready if ready > avail[p] else avail[p]
-            avail[p] = s + w[v]
+            f = s + w[v] if s + w[v] > end else end
+            avail[p] = f
         else:
-            s = ready
+            s = ready if ready > streams_from else streams_from
+            f = s if s > end else end
         start[v] = s
-        finish[v] = s + w[v]
+        finish[v] = f
     busy = np.bincount(parts, weights=wg.node_weight, minlength=k) + loads
     makespan = max(max(finish, default=0), int(loads.max(initial=0)))
     return Schedule(np.array(start), np.array(finish), int(makespan), busy)

@@ -880,6 +880,6 @@ class Lowerer:
                           cus_used=len(tiles), description=f"{graph.name} lowered onto "
                           f"{len(tiles)} CUs", graph=graph, input_layouts=input_layouts,
                           output_layouts=output_layouts, programs=programs, mu_usage=mu_usage,
-                          lowered=lowered)
+                          lowered=lowered, streamed=frozenset(self.streamed))
         job.expected = job.expected_outputs(inputs)
         return job

@@ -62,6 +62,9 @@ class CompiledJob(Job):
         buffers included).
     lowered : list
         ``(lowered op, kind, CU, graph nodes it implements)`` in the global order.
+    streamed : frozenset
+        The tensors (graph nodes) sent as streams between CUs
+        (:mod:`rdakit.compiler.lower.streams`); every other edge between CUs goes through an MU.
     workload : Workload or None
         The workload compiled (set by :func:`~rdakit.compiler.compile.compile_workload`).
     """
@@ -72,6 +75,7 @@ class CompiledJob(Job):
     programs: dict = dataclasses.field(default_factory=dict)
     mu_usage: dict = dataclasses.field(default_factory=dict)
     lowered: list = dataclasses.field(default_factory=list)
+    streamed: frozenset = frozenset()
     workload: object = None
 
     def expected_outputs(self, inputs):

@@ -299,7 +299,7 @@ def busiest_link(wg, parts, k):
 
 
 def measure(wg, targets, parts, cost=None, *, strategy="?", seconds=0.0, hops=None, order=None,
-            warnings=()):
+            warnings=(), streamed=None):
     """Measure an assignment (see :class:`PartitionResult`); ``order`` is the list schedule's
     priority order (default :func:`~rdakit.compiler.cost.priority_order`), ``warnings`` what
     the strategy said (:func:`run_strategy`)."""
@@ -307,7 +307,7 @@ def measure(wg, targets, parts, cost=None, *, strategy="?", seconds=0.0, hops=No
     targets = _as_targets(targets)
     parts = check_assignment(wg, targets, parts)
     sched = list_schedule(wg, parts, targets.count, cost, hops=hops, loads=targets.loads,
-                          order=order)
+                          order=order, streamed=streamed)
     busy = wg.part_weights(parts, targets.count) + targets.loads
     empty = tuple(int(p) for p in np.flatnonzero(busy - targets.loads == 0))
     return PartitionResult(strategy, wg, targets, parts, float(seconds), wg.cut(parts),

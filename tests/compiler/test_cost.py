@@ -87,6 +87,33 @@ def test_lead_starts_an_op_before_its_remote_inputs_arrive():
     assert schedule(0.25, {})[0] == schedule(0.0, {})[0] == ready
 
 
+def test_a_streamed_edge_overlaps_its_two_ends():
+    # bias0 on unit 0 streams to act0_shr on unit 1: the consumer starts stream_start cycles
+    # after the producer starts (not after its end and a hand-over), and ends no sooner than
+    # stream_tail cycles after the producer ends.
+    g = workloads.mlp(batch=4, sizes=(64, 32)).graph
+    cost = TimedCostModel(lanes=4, cycles=(("fc0", 200), ("bias0", 100), ("act0_shr", 30),
+                                           ("act0", 10)), overlap=1, lead=0)
+    wg = WeightedGraph.from_dataflow(g, cost)
+    at = {n: i for i, n in enumerate(wg.names)}
+    parts = np.array([1 if n in ("act0_shr", "act0") else 0 for n in wg.names])
+    edge = [wg.names[u] == "bias0" and wg.names[v] == "act0_shr"
+            for u, v in zip(wg.src.tolist(), wg.dst.tolist(), strict=True)]
+    assert sum(edge) == 1
+    whole = list_schedule(wg, parts, 2, cost, order=np.arange(wg.n))
+    streamed = list_schedule(wg, parts, 2, cost, order=np.arange(wg.n), streamed=edge)
+    b, c = at["bias0"], at["act0_shr"]
+    assert whole.start[c] == whole.finish[b] + cost.transfer_cycles(1, cost.mean_hops)
+    assert streamed.start[c] == streamed.start[b] + cost.stream_start
+    assert streamed.finish[c] == streamed.finish[b] + cost.stream_tail
+    assert streamed.makespan < whole.makespan
+    # The work model charges a stream nothing: its consumer starts with its producer.
+    work = CostModel(lanes=4)
+    wg = WeightedGraph.from_dataflow(g, work)
+    s = list_schedule(wg, parts, 2, work, order=np.arange(wg.n), streamed=edge)
+    assert s.start[c] == s.start[b] and s.finish[c] >= s.finish[b]
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(cycles=(("fc0", 1, 2),)), r"cycles must hold \(node, cycles\) rows, not "
                                     r"\('fc0', 1, 2\)"),
