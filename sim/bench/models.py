@@ -47,9 +47,8 @@ from rdakit.compiler.partition import DEFAULT_STRATEGY
 from rdakit.errors import UserError
 from rdakit.sim.bench.report import Report
 
-__all__ = ["QUICK", "STATUSES", "ROW_KEYS", "coverage_rows", "model_row", "measure_import",
-           "measure",
-           "write_report"]
+__all__ = ["QUICK", "STATUSES", "ROW_KEYS", "export", "coverage_rows", "model_row",
+           "measure_import", "measure", "write_report"]
 
 #: The sizes of ``--quick``: every model small enough to export, import and compile in seconds.
 QUICK = {
@@ -84,6 +83,15 @@ ROW_KEYS = ("model", "params", "exported_nodes", "nodes", "op_kinds", "folded",
 _PRINTED = ("model", "nodes", "op_kinds", "unsupported_kinds", "unsupported_nodes", "status",
             "compile_seconds", "fabric", "prog_len", "estimated_cycles", "rtl_cycles",
             "lanes_bound", "cosine", "top1")
+
+
+def export(name, *, quick=False):
+    """The ``torch.export`` program of suite model ``name`` and its example inputs, at the
+    :data:`QUICK` sizes or the suite's defaults (also ``rdakit bench partition``'s model graphs).
+    Imports torch, an optional dependency (``rdakit[torch]``): raises ImportError without it."""
+    from rdakit.compiler.frontend import models as suite  # deferred: it imports torch
+
+    return suite.export(name, **(QUICK[name] if quick else {}))
 
 
 def coverage_rows(name, coverage):
@@ -190,9 +198,9 @@ def measure_import(row, name, program, inputs, *, choose, partitioner=DEFAULT_ST
         return
     timings = {}
     t0 = time.perf_counter()
-    if sim == "amaranth":
+    if e2e.in_process(sim):
         rows = e2e.run(e2e.RunSpec(workload, fabric=kw, partitioner=partitioner), sim=sim,
-                       progress=progress)
+                       progress=progress, timings=timings)
     else:
         # A cocotb simulator runs in its own process, which takes the workload by name: the
         # program saved as a .pt2 (with its example inputs), imported there again.
@@ -242,10 +250,9 @@ def measure(*, names, quick=False, choose=None, partitioner=DEFAULT_STRATEGY, si
     progress = progress or (lambda stage, done=None, total=None: None)
     rows, coverage = [], []
     for name in names:
-        sizes = QUICK[name] if quick else {}
         progress(f"{name}: exporting")
         t0 = time.perf_counter()
-        program, inputs = suite.export(name, **sizes)
+        program, inputs = export(name, quick=quick)
         export_seconds = time.perf_counter() - t0
         progress(f"{name}: counting ops")
         cov = aten.op_coverage(program)
