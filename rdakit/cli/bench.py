@@ -4,6 +4,7 @@ Every bench's options are parsed here and its measurements run by its own module
 ``sim/bench/`` (``rdakit.sim.bench.<name>``), which knows nothing of the command line.
 """
 
+import importlib
 import math
 import pathlib
 import sys
@@ -227,8 +228,28 @@ def _bench_clusters(args):
 # --- partition and calibrate ------------------------------------------------------------------
 
 def _check_partition(args):
-    """``--units`` as unit counts, and ``--graph`` read and checked before any work (a bad
-    file is a GraphFileError naming it: exit 2)."""
+    """``--units`` as unit counts, ``--family`` as families (the model suite's only where
+    PyTorch imports), and ``--graph`` read and checked before any work (a bad file is a
+    GraphFileError naming it: exit 2)."""
+    if args.family is not None:
+        if args.graph is not None:
+            raise UserError("--family chooses among the benchmark's graphs; it does not apply "
+                            "with --graph")
+        families = tuple(dict.fromkeys(args.family.split(",")))
+        bad = [f for f in families if f not in partition.FAMILIES]
+        if bad or not families:
+            raise UserError(f"--family takes a comma-separated subset of "
+                            f"{','.join(partition.FAMILIES)}, not {args.family!r}")
+        if "model" in families:
+            try:
+                # Only to refuse before any work: the bench imports the suite itself.
+                importlib.import_module("rdakit.compiler.frontend.models")
+            except ImportError as e:
+                raise UserError(f"--family model needs PyTorch, which cannot be imported "
+                                f"({e}): pip install 'rdakit[torch]'") from None
+        args.families = families
+    else:
+        args.families = partition.FAMILIES
     try:
         units = tuple(int(u) for u in args.units.split(","))
     except ValueError:
@@ -242,7 +263,7 @@ def _check_partition(args):
 
 def _bench_partition(args):
     partition.run(quick=args.quick, json_path=args.json, seed=args.seed, graph=args.user_graph,
-                  units=args.unit_counts)
+                  units=args.unit_counts, families=args.families)
     return 0
 
 
@@ -489,11 +510,15 @@ def register(commands):
     p = sub.add_parser(
         "partition", help="partitioners: cut, balance, time and makespan",
         description="Every partitioner (auto, multilevel KL/FM, cost-based greedy, DQN, HEFT, "
-                    "round-robin, static, METIS, Mt-KaHyPar) on workloads, transformer-shaped "
-                    "graphs, random layered DAGs and 2-D grids, or on your graph (--graph): "
+                    "round-robin, static, METIS, Mt-KaHyPar) on workloads, the model suite's "
+                    "exported graphs (with PyTorch), transformer-shaped graphs, random layered "
+                    "DAGs and 2-D grids, or on your graph (--graph): "
                     "cut, balance, pipeline bottleneck, busiest link, seconds and estimated "
                     "makespan.")
     p.add_argument("--quick", action="store_true", help="small graphs only (smoke test)")
+    p.add_argument("--family", metavar="LIST",
+                   help=f"comma-separated families of graphs to measure, a subset of "
+                        f"{','.join(partition.FAMILIES)} (default: all)")
     p.add_argument("--graph", metavar="FILE",
                    help="a JSON node-link graph of your own (work per node in cycles, bytes "
                         "per edge; docs/compiler.md): every partitioner on it alone")

@@ -17,7 +17,14 @@ and ``_cut`` with ``grid_100k_k64_metis_cut`` (full run only); ``multilevel_vs_m
 (geometric mean of the multilevel/METIS cut ratio over the graphs where both meet the balance
 tolerance) and ``multilevel_within_5pct_of_metis`` (how many of those graphs);
 ``auto_vs_mtkahypar_worst`` and ``auto_within_5pct_of_mtkahypar`` (the default ``auto`` against
-Mt-KaHyPar where both meet the balance rule).
+Mt-KaHyPar where both meet the balance rule), and the same two over the model suite's graphs
+alone, ``models_auto_vs_mtkahypar_worst`` and ``models_auto_within_5pct_of_mtkahypar``.
+
+The graphs come in families (:data:`FAMILIES`, ``--family``, each row's ``family``): the
+built-in workloads (``workload``), the model suite's exported and imported graphs (``model``:
+GPT-2, BERT, Mixtral and ResNet; left out, saying so in one printed line, when PyTorch cannot be
+imported), transformer-shaped graphs (``transformer``), a ``path``, a layered ``chain``, random
+layered DAGs (``dag``) and 2-D grids (``grid``).
 
 With ``graph`` (``--graph FILE``), a user's graph alone, into each of ``units``
 (``--units``), the shipped DQN agent instead of one trained for the run.
@@ -41,18 +48,25 @@ from rdakit.compiler.partition import (
 from rdakit.compiler.partition.balance import within_limits
 from rdakit.compiler.partition.external import mtkahypar_available
 from rdakit.compiler.partition.wgraph import WeightedGraph
+from rdakit.errors import UserError
+from rdakit.sim.bench import models as model_bench
 from rdakit.sim.bench.report import Report
 
-__all__ = ["run", "graphs", "PARTITIONERS"]
+__all__ = ["run", "graphs", "model_graphs", "PARTITIONERS", "FAMILIES", "MODEL_UNITS"]
 
 #: Partitioners in table order.
 PARTITIONERS = ("auto", "multilevel", "metis", "mtkahypar", "greedy", "dqn", "heft",
                 "round_robin", "static")
 EPS = 0.03
+#: The families of graphs, in table order (``--family`` takes a subset).
+FAMILIES = ("workload", "model", "transformer", "path", "chain", "dag", "grid")
+#: Units each of the model suite's graphs is partitioned into.
+MODEL_UNITS = (4, 16, 64)
 
 
 def graphs(quick, cost):
-    """The benchmark graphs: ``(family, WeightedGraph, k)`` triples."""
+    """The benchmark's synthetic graphs and workloads: ``(family, WeightedGraph, k)`` triples
+    (the model suite's are :func:`model_graphs`')."""
     out = []
     if quick:
         sizes = {"mlp": [dict(batch=4, sizes=(64, 128, 64))],
@@ -95,6 +109,56 @@ def graphs(quick, cost):
     return out
 
 
+def model_graphs(quick, cost):
+    """The model suite's graphs, each into :data:`MODEL_UNITS`: ``(cases, said)``.
+
+    Each model (:data:`rdakit.compiler.frontend.models.MODELS`) is exported as ``rdakit bench
+    models`` exports it (:func:`rdakit.sim.bench.models.export`, the :data:`QUICK
+    <rdakit.sim.bench.models.QUICK>` sizes with ``quick``), imported
+    (:func:`~rdakit.compiler.frontend.importer.import_program`) and its workload's graph weighed
+    by ``cost``. ``cases`` are ``("model", WeightedGraph, k)`` triples; ``said`` lists one line
+    per model left out (all of them, in one line, when PyTorch cannot be imported).
+    """
+    try:
+        # Deferred: the suite imports torch (optional: rdakit[torch]).
+        from rdakit.compiler.frontend import models as suite
+        from rdakit.compiler.frontend.importer import import_program
+    except ImportError as e:
+        return [], [f"model graphs left out: PyTorch cannot be imported ({e}); "
+                    f"pip install 'rdakit[torch]'"]
+    cases, said = [], []
+    for name in suite.MODELS:
+        program, inputs = model_bench.export(name, quick=quick)
+        try:
+            workload = import_program(program, inputs, name=name).workload()
+        except UserError as e:
+            said.append(f"model graph {name} left out: the importer refused it: {e}")
+            continue
+        g = WeightedGraph.from_dataflow(workload.graph, cost)
+        cases += [("model", g, k) for k in MODEL_UNITS]
+    return cases, said
+
+
+def _auto_vs_mtkahypar(g, targets, results):
+    """``auto``'s cut over Mt-KaHyPar's when both meet the balance rule (and Mt-KaHyPar ran
+    and cut something), else None."""
+    mk, auto = results.get("mtkahypar"), results["auto"]
+    if mk is not None and mk.cut > 0 and all(within_limits(g, targets, r.parts, EPS)
+                                             for r in (mk, auto)):
+        return auto.cut / mk.cut
+    return None
+
+
+def _vs_mtkahypar_figures(report, prefix, ratios):
+    """The worst ``auto`` / Mt-KaHyPar ratio of ``ratios`` and how many are within 5 %, as
+    figures ``<prefix>auto_vs_mtkahypar_worst`` and ``<prefix>auto_within_5pct_of_mtkahypar``
+    (none without ratios)."""
+    if ratios:
+        report.figure(f"{prefix}auto_vs_mtkahypar_worst", round(max(ratios), 4))
+        report.figure(f"{prefix}auto_within_5pct_of_mtkahypar",
+                      f"{sum(r <= 1.05 for r in ratios)}/{len(ratios)}")
+
+
 def _strategy(name, cost, agent):
     if name == "dqn":
         return get_strategy("dqn", agent=agent, cost=cost)
@@ -111,11 +175,14 @@ USER_UNITS = (4, 16, 64)
 MAX_UNITS = 1024
 
 
-def run(*, quick=False, json_path=None, console=None, seed=0, graph=None, units=USER_UNITS):
+def run(*, quick=False, json_path=None, console=None, seed=0, graph=None, units=USER_UNITS,
+        families=FAMILIES):
     """Run the benchmark; print the tables and write ``json_path`` if given.
 
     Parameters
     ----------
+    families : sequence of str
+        The families of graphs measured (a subset of :data:`FAMILIES`; without ``graph``).
     graph : WeightedGraph, optional
         A user's graph (:func:`~rdakit.compiler.partition.wgraph.load`): every partitioner on
         it alone, into each of ``units``, with the shipped DQN agent (no training).
@@ -123,7 +190,15 @@ def run(*, quick=False, json_path=None, console=None, seed=0, graph=None, units=
     Returns
     -------
     Report
+
+    Raises
+    ------
+    ValueError
+        If ``families`` is not a subset of :data:`FAMILIES`.
     """
+    if isinstance(families, str) or not set(families) <= set(FAMILIES):
+        raise ValueError(f"families must be a subset of {', '.join(FAMILIES)}, "
+                         f"not {families!r}")
     report = Report("partition", console=console)
     cost = CostModel()
     if graph is None:
@@ -132,7 +207,13 @@ def run(*, quick=False, json_path=None, console=None, seed=0, graph=None, units=
         agent = dqn.train(episodes=episodes, seed=seed, cost=cost)
         report.figure("dqn_train_seconds", round(time.perf_counter() - t0, 2))
         report.figure("dqn_train_episodes", episodes)
-        cases = graphs(quick, cost)
+        cases = [c for c in graphs(quick, cost) if c[0] in families]
+        if "model" in families:
+            found, said = model_graphs(quick, cost)
+            for line in said:
+                report.console.print(line, markup=False)
+            cases += found
+        cases.sort(key=lambda c: FAMILIES.index(c[0]))     # stable: each family keeps its order
     else:
         agent = dqn.DQNAgent.load(dqn.DEFAULT_WEIGHTS)
         cases = [("user", graph, int(k)) for k in units]
@@ -169,10 +250,9 @@ def run(*, quick=False, json_path=None, console=None, seed=0, graph=None, units=
         ml, me = results["multilevel"], results["metis"]
         if ml.imbalance <= EPS + 1e-9 and me.imbalance <= EPS + 1e-9 and me.cut > 0:
             ratios.append(ml.cut / me.cut)
-        mk, auto = results.get("mtkahypar"), results["auto"]
-        if mk is not None and mk.cut > 0 and all(within_limits(g, targets, r.parts, EPS)
-                                                 for r in (mk, auto)):
-            vs_kahypar.append(auto.cut / mk.cut)
+        ratio = _auto_vs_mtkahypar(g, targets, results)
+        if ratio is not None:
+            vs_kahypar.append((family, ratio))
         if family == "workload" and "dqn" in results:
             row = {"graph": g.name, "k": k, "lower_bound": round(ml.lower_bound)}
             for name in ("dqn", "greedy", "heft", "round_robin", "static", "multilevel",
@@ -208,9 +288,7 @@ def run(*, quick=False, json_path=None, console=None, seed=0, graph=None, units=
                       round(math.exp(float(np.mean(np.log(ratios)))), 4))
         report.figure("multilevel_within_5pct_of_metis",
                       f"{sum(r <= 1.05 for r in ratios)}/{len(ratios)}")
-    if vs_kahypar:
-        report.figure("auto_vs_mtkahypar_worst", round(max(vs_kahypar), 4))
-        report.figure("auto_within_5pct_of_mtkahypar",
-                      f"{sum(r <= 1.05 for r in vs_kahypar)}/{len(vs_kahypar)}")
+    _vs_mtkahypar_figures(report, "", [r for _, r in vs_kahypar])
+    _vs_mtkahypar_figures(report, "models_", [r for f, r in vs_kahypar if f == "model"])
     report.finish(json_path)
     return report
