@@ -40,7 +40,13 @@ from rdakit.errors import UserError
 from rdakit.hdl.cluster.system import SystemParams
 from rdakit.hdl.spec.params import CLUSTERS, PLASTICINE_MU, MUParams, fabric_params
 from rdakit.sim.flows.e2e import VERILATOR_BUILD
-from rdakit.sim.verify.runner import MAX_BUILD_JOBS, MAX_THREADS, OPT_LEVELS, PUBLIC_MODES
+from rdakit.sim.verify.runner import (
+    DRIVERS,
+    MAX_BUILD_JOBS,
+    MAX_THREADS,
+    OPT_LEVELS,
+    PUBLIC_MODES,
+)
 
 __all__ = ["add_check", "run_checks", "dashed", "add_number", "parse_grid",
            "add_grid_argument", "max_grid", "AUTO", "AUTO_GRIDS", "RUN_PROG_LEN",
@@ -97,7 +103,7 @@ MAX_PLACE_STEPS = MAX_STEPS
 
 # --- the Verilator build ----------------------------------------------------------------------
 
-_VERILATOR_OPTIONS = ("build_jobs", "opt", "threads", "public")
+_VERILATOR_OPTIONS = ("build_jobs", "opt", "threads", "public", "driver")
 
 
 def add_verilator_arguments(parser):
@@ -121,6 +127,10 @@ def add_verilator_arguments(parser):
                    help="signals cocotb can reach: all (--public-flat-rw) or ports (the top "
                         "module's only, all a run needs, which lets Verilator optimise the "
                         f"rest) (default: {VERILATOR_BUILD.public})")
+    g.add_argument("--driver", choices=DRIVERS,
+                   help="how the run drives the build: direct (a harness executable, host "
+                        "transfers and waits inside it, no cocotb) or cocotb (its testbench; "
+                        f"what --waves uses) (default: {VERILATOR_BUILD.driver})")
 
     def check(args):
         given_ = [o for o in _VERILATOR_OPTIONS if getattr(args, o) is not None]
@@ -130,7 +140,7 @@ def add_verilator_arguments(parser):
                             f"builds the fabric; {'it needs' if len(given_) == 1 else 'they need'}"
                             f" --sim verilator, not --sim {args.sim}")
         given_kw = {"jobs": args.build_jobs, "opt": args.opt, "threads": args.threads,
-                    "public": args.public}
+                    "public": args.public, "driver": args.driver}
         try:
             args.verilator_build = dataclasses.replace(
                 VERILATOR_BUILD, **{k: v for k, v in given_kw.items() if v is not None})

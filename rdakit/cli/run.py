@@ -90,6 +90,10 @@ def _check(args):
         raise UserError(f"--waves {args.waves} needs a simulation of the RTL: the performance "
                         f"model (--sim model) has no signals to dump; use --sim amaranth, "
                         f"icarus or verilator")
+    if args.waves and getattr(args, "driver", None) == "direct":
+        raise UserError(f"--waves {args.waves} needs the cocotb build (--driver cocotb, what "
+                        f"--waves uses when --driver is not given): --driver direct records no "
+                        f"signals")
     if args.sim in e2e.NEEDS_TOOLS:
         require_simulator_or_raise(args.sim)
 

@@ -46,14 +46,20 @@ from rdakit.sim.models.interp import InterpreterError
 from rdakit.sim.models.perf import ModelTransport
 from rdakit.sim.runtime.counters import read_mu_counters, run_delta
 from rdakit.sim.runtime.events import cost_model
-from rdakit.sim.runtime.host import AmaranthTransport, HostDriver, HostError
+from rdakit.sim.runtime.host import AmaranthTransport, HostDriver, HostError, harness_host
 from rdakit.sim.runtime.job import JobError, run_job, run_job_interp
 from rdakit.sim.verify.amaranth_sim import simulate
-from rdakit.sim.verify.runner import VerilatorBuild, cached_verilog, run_cocotb
+from rdakit.sim.verify.runner import (
+    HarnessProcess,
+    VerilatorBuild,
+    build_harness,
+    cached_verilog,
+    run_cocotb,
+)
 
 __all__ = ["RunSpec", "TileRow", "tile_rows", "run", "run_many", "run_session", "run_specs",
            "failed", "failure", "BACKENDS", "NEEDS_TOOLS",
-           "compute_bound", "plot_utilization", "SMALLEST", "VERILATOR_BUILD"]
+           "compute_bound", "plot_utilization", "SMALLEST", "VERILATOR_BUILD", "in_process"]
 
 #: The simulators ``rdakit run`` can use: the RTL in Amaranth's simulator, Icarus or
 #: Verilator, or the fast performance model (``docs/performance-model.md``).
@@ -67,7 +73,10 @@ NEEDS_TOOLS = ("icarus", "verilator")
 #: reaches only the top module's ports, so nothing else is public, which Verilator builds
 #: several times and simulates 15 times faster than ``--public-flat-rw`` (2x2; measured in
 #: ``docs/performance-model.md``, "Verilator at scale").
-VERILATOR_BUILD = VerilatorBuild(public="ports")
+#: Runs drive the build directly (a harness executable in the run's own process, bursts and
+#: waits inside it; ``docs/performance-model.md``, "Verilator at scale"), not through cocotb,
+#: unless they record waveforms.
+VERILATOR_BUILD = VerilatorBuild(public="ports", driver="direct")
 
 
 #: The smallest sizes of the built-in workloads: what the tests run on every simulator and the
@@ -481,8 +490,20 @@ def run_many(specs, *, sim="amaranth", waves=None, progress=None, build=None, ti
         return _run_model(specs, progress=progress)
     if sim == "amaranth":
         return _run_amaranth(specs, waves=waves, progress=progress)
+    build = build or VERILATOR_BUILD
+    if sim == "verilator" and in_process(sim, build, waves):
+        return _run_direct(specs, progress=progress, build=build,
+                           timings=timings if timings is not None else {})
     return _run_cocotb(specs, sim, waves=waves, progress=progress, build=build,
                        timings=timings if timings is not None else {})
+
+
+def in_process(sim, build=None, waves=None):
+    """Whether :func:`run_many` runs on ``sim`` (with the Verilator ``build``, default
+    :data:`VERILATOR_BUILD`, and ``waves``) in this process, so that a :class:`RunSpec` may
+    hold a workload object rather than a name or file another process can load."""
+    return sim in ("amaranth", "model") or (
+        sim == "verilator" and (build or VERILATOR_BUILD).driver == "direct" and waves is None)
 
 
 async def run_specs(host, specs, *, progress=None):
@@ -528,6 +549,53 @@ def fabric_verilog(params):
     return cached_verilog(f"Fabric {params!r}", lambda: Fabric(params))
 
 
+def _build_name(params):
+    digest = hashlib.sha256(repr(params).encode()).hexdigest()[:10]
+    return f"run-{params.rows}x{params.cols}-{digest}"
+
+
+def _run_direct(specs, *, progress, build, timings):
+    """The specs on a Verilator harness executable of the fabric, driven from this process
+    (:class:`~rdakit.sim.runtime.host.HarnessTransport`); ``timings`` as for
+    :func:`run_many` (``verilog_s``, ``build_s``: the harness build, or finding it cached,
+    ``run_s`` and ``stages`` with ``running``, whose CPU seconds are the executable's)."""
+    params = specs[0].params
+    progress = progress or (lambda stage, done=None, total=None: None)
+    progress(f"generating Verilog ({params.rows}x{params.cols} fabric)")
+    start = time.monotonic()
+    fabric_verilog(params)
+    timings["verilog_s"] = round(time.monotonic() - start, 2)
+    progress("building the verilator harness")
+    start = time.monotonic()
+    harness = build_harness(f"Fabric {params!r}", lambda: Fabric(params),
+                            build_name=_build_name(params), build=build)
+    timings["build_s"] = round(time.monotonic() - start, 2)
+    seen = []                   # (stage, when first seen, the executable's CPU seconds then)
+
+    def heard(stage, done=None, total=None):
+        if not seen or seen[-1][0] != stage:
+            seen.append((stage, time.monotonic(), proc.cpu_seconds()))
+        progress(stage, done, total)
+
+    async def session():
+        host = await harness_host(proc, params)
+        return await run_specs(host, specs, progress=heard)
+
+    start = time.monotonic()
+    with HarnessProcess(harness) as proc:
+        rows = asyncio.run(session())
+        end, cpu_end = time.monotonic(), proc.cpu_seconds()
+    stages, cpu = {}, {}
+    for (stage, t, c), (_, t_next, c_next) in zip(seen, [*seen[1:], (None, end, cpu_end)],
+                                                  strict=True):
+        stages[stage] = round(stages.get(stage, 0) + t_next - t, 2)
+        if c is not None and c_next is not None:
+            cpu[stage] = round(cpu.get(stage, 0) + c_next - c, 2)
+    timings.update(run_s=round(end - start, 2), stages=stages, stages_cpu=cpu,
+                   driver="direct")
+    return rows
+
+
 def _run_cocotb(specs, sim, *, waves, progress, build, timings):
     params = specs[0].params
     progress = progress or (lambda stage, done=None, total=None: None)
@@ -535,7 +603,6 @@ def _run_cocotb(specs, sim, *, waves, progress, build, timings):
     start = time.monotonic()
     text = fabric_verilog(params)
     timings["verilog_s"] = round(time.monotonic() - start, 2)
-    digest = hashlib.sha256(repr(params).encode()).hexdigest()[:10]
     with tempfile.TemporaryDirectory(prefix="rdakit-run-") as tmp:
         out = pathlib.Path(tmp) / "rows.json"
         prog = pathlib.Path(tmp) / "progress.json"
@@ -546,7 +613,7 @@ def _run_cocotb(specs, sim, *, waves, progress, build, timings):
                 done["info"] = run_cocotb(
                     None, verilog_text=text, simulator=sim, test_module="e2e_tb",
                     test_dir=pathlib.Path(__file__).parent,
-                    build_name=f"run-{params.rows}x{params.cols}-{digest}",
+                    build_name=_build_name(params),
                     config={"specs": [s.to_dict() for s in specs], "out": str(out),
                             "progress": str(prog)},
                     waves=bool(waves), verilator=build or VERILATOR_BUILD)

@@ -3,8 +3,10 @@
 :class:`HostDriver` speaks the host-port protocol (``docs/fabric.md``) through a *transport*
 with two coroutines, ``send(cmd: int)`` and ``recv() -> int``, plus ``tick(n)`` to let cycles
 pass. :class:`AmaranthTransport` drives a :class:`~rdakit.hdl.fabric.top.Fabric` in Amaranth's
-simulator; :class:`CocotbTransport` drives its Verilog under cocotb (Icarus or Verilator). The
-board bridge's UART transport has the same three methods. A transport may also have
+simulator; :class:`CocotbTransport` drives its Verilog under cocotb (Icarus or Verilator);
+:class:`HarnessTransport` drives it built into a Verilator harness executable, with no cocotb
+and bursts run inside the executable (no round trip a cycle). The board bridge's UART transport
+has the same three methods. A transport may also have
 ``burst(cmds) -> replies``, which sends commands that each have a reply while it takes the
 replies in the same cycles (one command a cycle when the fabric keeps up); the driver uses it for
 the MU requests of a vector transfer and otherwise keeps up to
@@ -39,7 +41,8 @@ from rdakit.sim.runtime.counters import read_counters
 
 __all__ = ["HostDriver", "HostError", "HostArgumentError", "HostTimeout", "NoReply",
            "REPLY_CYCLES",
-           "AmaranthTransport", "CocotbTransport", "cocotb_host"]
+           "AmaranthTransport", "CocotbTransport", "cocotb_host", "HarnessTransport",
+           "harness_host", "burst_timeout"]
 
 #: Cycles a simulator transport waits for the fabric to take a command or to reply, by default:
 #: far above any MU operation (a reserve-mode copy moves a word a cycle; an MU walks its block
@@ -400,10 +403,15 @@ async def _burst(values, cycle, reply_cycles):
             replies.append(reply)
         waited = 0 if sent or taken else waited + 1
         if waited >= reply_cycles:
-            raise TimeoutError(f"no progress in {reply_cycles} cycles after {i} of "
-                               f"{len(values)} commands were taken and {len(replies)} replies "
-                               f"came")
+            raise burst_timeout(reply_cycles, i, len(values), len(replies))
     return replies
+
+
+def burst_timeout(cycles, sent, total, replies):
+    """The ``TimeoutError`` of a burst that made no progress for ``cycles`` cycles after
+    ``sent`` of its ``total`` commands were taken and ``replies`` replies came."""
+    return TimeoutError(f"no progress in {cycles} cycles after {sent} of {total} commands were "
+                        f"taken and {replies} replies came")
 
 
 class AmaranthTransport:
@@ -567,3 +575,67 @@ class CocotbTransport:
     async def tick(self, n=1):
         for _ in range(n):
             await self._edge
+
+
+async def harness_host(proc, params):
+    """Reset a fabric built into a Verilator harness executable (``proc``, a running
+    :class:`~rdakit.sim.verify.runner.HarnessProcess`) as :func:`cocotb_host` does and return a
+    :class:`HostDriver` on its host port."""
+    proc.set("cmd__valid", 0)
+    proc.set("reply__ready", 0)
+    proc.set("rst", 1)
+    await proc.run(3)
+    proc.set("rst", 0)
+    await proc.run(1)
+    return HostDriver(params, HarnessTransport(proc))
+
+
+class HarnessTransport:
+    """Host commands through the fabric's Verilog built into a Verilator harness executable
+    (``proc``: a :class:`~rdakit.sim.verify.runner.HarnessProcess`, ports ``cmd__*`` and
+    ``reply__*`` or the prefixes given). ``burst`` runs in the executable, a command a cycle as
+    the fabric takes them, and ``tick`` runs its cycles there: neither costs a round trip a
+    cycle, so filling a large fabric's inputs takes the simulator's time, not the host's.
+    Cycle for cycle the same as :class:`CocotbTransport` (inputs set, both handshakes sampled
+    before the clock edge). ``send`` and ``recv`` raise ``TimeoutError`` after
+    ``reply_cycles`` cycles."""
+
+    def __init__(self, proc, *, cmd="cmd", reply="reply", reply_cycles=REPLY_CYCLES):
+        self.reply_cycles = _int("reply_cycles", reply_cycles, 1, 1 << 62)
+        self.proc = proc
+        self._cmd, self._reply = cmd, reply
+
+    async def send(self, value):
+        proc, cmd = self.proc, self._cmd
+        proc.set(f"{cmd}__payload", value)
+        proc.set(f"{cmd}__valid", 1)
+        try:
+            for _ in range(self.reply_cycles):
+                taken = proc.get(f"{cmd}__ready")
+                await proc.run(1)
+                if taken:
+                    return
+            raise TimeoutError(f"the fabric did not take the command in {self.reply_cycles} "
+                               f"cycles")
+        finally:
+            proc.set(f"{cmd}__valid", 0)
+
+    async def recv(self):
+        proc, reply = self.proc, self._reply
+        proc.set(f"{reply}__ready", 1)
+        try:
+            for _ in range(self.reply_cycles):
+                valid, value = proc.get_many([f"{reply}__valid", f"{reply}__payload"])
+                await proc.run(1)
+                if valid:
+                    return value
+            raise TimeoutError(f"no reply in {self.reply_cycles} cycles")
+        finally:
+            proc.set(f"{reply}__ready", 0)
+
+    async def burst(self, values):
+        """As :meth:`AmaranthTransport.burst`, inside the harness executable."""
+        return self.proc.burst(self._cmd, self._reply, values, limit=self.reply_cycles)[0]
+
+    async def tick(self, n=1):
+        await self.proc.run(n)

@@ -2,6 +2,7 @@
 interpreter, report, adapt; and the errors."""
 
 import asyncio
+import dataclasses
 import json
 import pathlib
 import re
@@ -12,9 +13,16 @@ import pytest
 from rdakit.cli import main
 from rdakit.compiler.adapt import MeasuredCostModel, measured_cost
 from rdakit.compiler.cost import CostModel
+from rdakit.hdl.fabric.top import Fabric
 from rdakit.sim.flows import e2e
 from rdakit.sim.flows.e2e import PROFILE_CATEGORIES, SMALLEST, RunSpec
-from rdakit.sim.verify.runner import SIMULATORS, require_simulator
+from rdakit.sim.runtime.host import NoReply, harness_host
+from rdakit.sim.verify.runner import (
+    SIMULATORS,
+    HarnessProcess,
+    build_harness,
+    require_simulator,
+)
 
 FABRIC_2X2 = {"rows": 2, "cols": 2, "prog_len": 2048}
 FABRIC_4X4 = {"rows": 4, "cols": 4, "prog_len": 2048}
@@ -260,13 +268,46 @@ def test_run_many_needs_one_fabric():
 ], ids=["2x2", "4x4"])
 def test_every_workload_on_the_rtl(simulator, fabric):
     """Each built-in workload, compiled for the fabric, runs on the Verilog bit-exactly: its
-    outputs equal numpy's and the functional interpreter's, and every buffer is freed."""
+    outputs equal numpy's and the functional interpreter's, and every buffer is freed. On
+    Verilator both drivers run it (the harness executable, the flows' default, and the cocotb
+    testbench) and agree on every figure of every row, cycle for cycle."""
     require_simulator(simulator)
     specs = [RunSpec(name, sizes, fabric) for name, sizes in SMALLEST.items()]
     results = e2e.run_many(specs, sim=simulator)
     assert len(results) == len(specs)
     for spec, rows in zip(specs, results, strict=True):
         _check_rows(rows, spec)
+    if simulator == "verilator":
+        cocotb = e2e.run_many(specs, sim=simulator,
+                              build=dataclasses.replace(e2e.VERILATOR_BUILD, driver="cocotb"))
+        assert cocotb == results
+
+
+@pytest.mark.cosim
+def test_the_harness_transport_gives_up_on_a_fabric_that_does_not_answer():
+    """A fabric held in reset takes no command and sends no reply: the harness's burst, send
+    and recv raise ``TimeoutError`` after their bound, naming what was waited for, and the
+    driver reports it as :class:`NoReply` naming the transfer."""
+    require_simulator("verilator")
+    params = RunSpec("mlp", SMALLEST["mlp"], FABRIC_2X2).params
+    harness = build_harness(f"Fabric {params!r}", lambda: Fabric(params),
+                            build_name=e2e._build_name(params))
+
+    async def session(proc):
+        host = await harness_host(proc, params)
+        fresh = await host.run_cycles()                    # answered: the port is alive
+        proc.set("rst", 1)
+        host.transport.reply_cycles = 5
+        with pytest.raises(NoReply, match="no progress in 5 cycles after [0-2] of 2 commands were "
+                           "taken and 0 replies came"):
+            await host.append_vectors(host.ref_int({"mu": params.mu_id(1, 0), "buf": 0}),
+                                      np.zeros((2, params.cu.lanes), np.int32))
+        with pytest.raises(TimeoutError, match="no reply in 5 cycles"):
+            await host.transport.recv()
+        return fresh
+
+    with HarnessProcess(harness) as proc:
+        assert asyncio.run(session(proc)) >= 0
 
 
 # --- rdakit bench e2e -------------------------------------------------------------------------

@@ -41,6 +41,7 @@ HERE = pathlib.Path(__file__).resolve().parent
     ({"threads": 0}, "--threads must be a whole number from 1 to 64, not 0"),
     ({"threads": "2"}, "--threads must be a whole number from 1 to 64, not '2'"),
     ({"public": "none"}, "--public must be one of all, ports, not 'none'"),
+    ({"driver": "vpi"}, "--driver must be one of direct, cocotb, not 'vpi'"),
 ])
 def test_bad_build_options_are_refused_naming_the_option_and_value(kw, message):
     with pytest.raises(ValueError) as e:
@@ -149,6 +150,8 @@ def test_the_verilate_step_gets_threads_and_what_is_public():
      "--public sets how Verilator builds the fabric; it needs --sim verilator, not --sim model"),
     (["bench", "e2e", "--sim", "verilator", "--threads", "99"],
      "--threads must be at most 64 (threads of the simulation), not 99"),
+    (["run", "mlp", "--sim", "model", "--driver", "cocotb"],
+     "--driver sets how Verilator builds the fabric; it needs --sim verilator, not --sim model"),
 ])
 def test_bad_build_options_exit_2_naming_what_was_typed(argv, message, capsys):
     assert main(argv) == 2
@@ -161,6 +164,7 @@ def test_bad_build_options_exit_2_naming_what_was_typed(argv, message, capsys):
     ["run", "mlp", "--sim", "verilator", "--opt", "7"],
     ["run", "mlp", "--sim", "verilator", "--threads", "two"],
     ["bench", "e2e", "--build-jobs", "1.5"],
+    ["run", "mlp", "--sim", "verilator", "--driver", "vpi"],
 ])
 def test_options_argparse_refuses_exit_2_naming_the_value(argv, capsys):
     with pytest.raises(SystemExit) as e:
@@ -192,7 +196,8 @@ def test_run_passes_the_build_options_to_the_verilator_run(monkeypatch):
         main(["run", "mlp", "--fabric", "2x2", "--size", "batch=2", "--size", "sizes=8,8,4",
               "--partitioner", "greedy", "--sim", "verilator", "-q", "--build-jobs", "1",
               "--opt", "2", "--threads", "2", "--public", "ports"])
-    assert got["build"] == VerilatorBuild(jobs=1, opt="2", threads=2, public="ports")
+    assert got["build"] == VerilatorBuild(jobs=1, opt="2", threads=2, public="ports",
+                                          driver="direct")
     assert got["timings"] == {}
 
 
@@ -203,7 +208,10 @@ def test_bench_e2e_passes_the_build_options(monkeypatch):
     got = _captured(monkeypatch, bench_e2e, "run")
     with pytest.raises(_Stop):
         main(["bench", "e2e", "--fabric", "2x2", "--sim", "verilator", "--opt", "1"])
-    assert got["build"] == VerilatorBuild(opt="1", public="ports")    # the flows' default
+    assert got["build"] == VerilatorBuild(opt="1", public="ports", driver="direct")  # flows'
+    with pytest.raises(_Stop):
+        main(["bench", "e2e", "--fabric", "2x2", "--sim", "verilator", "--driver", "cocotb"])
+    assert got["build"] == VerilatorBuild(public="ports", driver="cocotb")
 
 
 def test_run_many_hands_the_build_to_the_cocotb_run(monkeypatch):
@@ -219,16 +227,28 @@ def test_run_many_hands_the_build_to_the_cocotb_run(monkeypatch):
     assert set(timings) == {"verilog_s"}
 
 
-def test_the_flows_build_only_the_ports_public_unless_told(monkeypatch):
-    """``rdakit run`` and ``bench e2e`` reach only the host port: their builds make nothing
-    else public (15x faster on 2x2), the command line's default included."""
-    got = _captured(monkeypatch, e2e, "run_cocotb")
+def test_the_flows_drive_a_harness_unless_told(monkeypatch):
+    """``rdakit run`` and ``bench e2e`` drive a harness executable (no cocotb) unless waveforms
+    are asked for or ``--driver cocotb``; their cocotb builds make only the ports public (15x
+    faster on 2x2), the command line's default included."""
+    assert e2e.VERILATOR_BUILD == VerilatorBuild(public="ports", driver="direct")
+    direct = _captured(monkeypatch, e2e, "_run_direct")
+    cocotb = _captured(monkeypatch, e2e, "run_cocotb")
     monkeypatch.setattr(e2e, "fabric_verilog", lambda params: "module top; endmodule")
     spec = e2e.RunSpec(workload="mlp", sizes=e2e.SMALLEST["mlp"], fabric={"rows": 2, "cols": 2},
                        partitioner="greedy")
     with pytest.raises(_Stop):
         e2e.run(spec, sim="verilator")
-    assert got["verilator"] == e2e.VERILATOR_BUILD == VerilatorBuild(public="ports")
+    assert direct["build"] == e2e.VERILATOR_BUILD and not cocotb
+    with pytest.raises(_Stop):
+        e2e.run(spec, sim="verilator", waves="run.fst")
+    assert cocotb["verilator"] == e2e.VERILATOR_BUILD
+    cocotb.clear()
+    with pytest.raises(_Stop):
+        e2e.run(spec, sim="verilator", build=VerilatorBuild(public="ports", driver="cocotb"))
+    assert cocotb["verilator"].public == "ports"
+    assert e2e.in_process("verilator") and not e2e.in_process("verilator", waves="run.fst")
+    assert not e2e.in_process("icarus") and e2e.in_process("model")
     if not runner.simulator_info("verilator").ok:
         return
     got = _captured(monkeypatch, e2e, "run")
@@ -236,6 +256,48 @@ def test_the_flows_build_only_the_ports_public_unless_told(monkeypatch):
         main(["run", "mlp", "--fabric", "2x2", "--size", "batch=2", "--size", "sizes=8,8,4",
               "--partitioner", "greedy", "--sim", "verilator", "-q"])
     assert got["build"] == e2e.VERILATOR_BUILD
+
+
+def test_waveforms_with_the_direct_driver_are_refused(capsys, tmp_path):
+    if not runner.simulator_info("verilator").ok:
+        pytest.skip("verilator is not installed")
+    waves = tmp_path / "run.fst"
+    assert main(["run", "mlp", "--sim", "verilator", "--driver", "direct", "--waves",
+                 str(waves)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"rdakit: error: --waves {waves} needs the cocotb build (--driver "
+                           f"cocotb, what --waves uses when --driver is not given): --driver "
+                           f"direct records no signals")
+    assert not waves.exists()
+
+
+def test_a_harness_header_takes_ports_of_any_width():
+    """``ports.h``: a port of up to 32 bits is one word, up to 64 a ``QData`` of two, wider a
+    ``VlWide`` word by word; outputs have no setter."""
+    header = runner._ports_header([("clk", "in", 1), ("q", "in", 40), ("cmd__payload", "in", 97),
+                                   ("o", "out", 70)])
+    assert "case 0: return 1;" in header and "case 1: return 2;" in header
+    assert "case 2: return 4;" in header and "case 3: return 3;" in header
+    assert "case 1: top->q = (uint64_t)w[1] << 32 | w[0]; break;" in header
+    assert ("case 2: for (int j = 0; j < 4; j++) top->cmd___05Fpayload[j] = w[j]; break;"
+            in header)
+    assert "case 3: for (int j = 0; j < 3; j++) w[j] = top->o[j]; break;" in header
+    assert "top->o[j] = w[j]" not in header
+
+
+def test_the_harness_builds_digest_follows_opt_and_threads_not_jobs(monkeypatch):
+    seen = []
+    monkeypatch.setattr(runner, "publish",
+                        lambda base, label, digest, build: seen.append(digest) or base)
+    monkeypatch.setattr(runner, "cached_design", lambda key, make: ("module top; endmodule",
+                                                                    [("clk", "in", 1)]))
+    monkeypatch.setattr(runner, "simulator_info",
+                        lambda name: runner.SimulatorInfo("verilator", path="v", version="5"))
+    for build in (None, VerilatorBuild(jobs=1), VerilatorBuild(jobs=2, public="ports"),
+                  VerilatorBuild(opt="2"), VerilatorBuild(threads=2)):
+        runner.build_harness("k", None, build_name="t", build=build)
+    assert seen[0] == seen[1] == seen[2]
+    assert len(set(seen)) == 3
 
 
 # --- the build itself (Verilator on a design of one register) ---------------------------------
