@@ -159,7 +159,9 @@ LONG = {
     "compiler/test_torch_import_conv.py": "45 s loaded (the zoo's fixture 8-13 s)",
     "compiler/test_torch_import_moe.py": "12.7 s idle (three exports and interpreter runs)",
     "hdl/test_host_port.py": "10 s (setup) + 8 + 4 s",
-    "compiler/test_bench.py::test_bench_partition_quick": "5.5 s (15 s loaded)",
+    "compiler/test_bench.py::test_bench_partition_quick": "10.5 s loaded (the model family)",
+    "compiler/test_bench.py::test_bench_partition_measures_the_model_suites_graphs":
+        "5.8 s (four quick exports and imports)",
     "compiler/test_torch_import.py::test_interpreter_is_bit_exact_against_the_graph":
         "3.3 + 1.2 + 1.0 s",
     "compiler/test_torch_import.py::test_saved_program_imports_the_same_and_random_inputs_are_seeded":
