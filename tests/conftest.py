@@ -250,6 +250,26 @@ def assert_interpreter_matches(job, want):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
+def assert_rtl_matches_graph(graph, inputs, job, result):
+    """An RTL run of ``job`` (``result``, e.g. :func:`~rdakit.sim.bench.calibrate.rtl_cycles`'s)
+    gave ``graph``'s outputs for ``inputs`` bit for bit, dtypes and zero padding lanes too."""
+    got = job.decode(result.outputs, check_padding=True)
+    want = graph.evaluate(inputs)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def assert_rtl_matches_interpreter(job, result):
+    """An RTL run of ``job`` ended without a CU error and wrote the interpreter's words into
+    every output buffer."""
+    outputs, run, _ = run_job_interp(job)
+    assert run.ok and not result.status["error"] and result.cycles > 0
+    for out in job.outputs:
+        np.testing.assert_array_equal(result.outputs[out], outputs[out], err_msg=out)
+
+
 # --- Amaranth simulation --------------------------------------------------------------------
 
 def run_checked(dut, testbench):

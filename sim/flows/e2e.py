@@ -554,6 +554,19 @@ def _build_name(params):
     return f"run-{params.rows}x{params.cols}-{digest}"
 
 
+def _stage_seconds(seen, end, cpu_end):
+    """``(wall, cpu)``: the seconds of each stage of ``seen`` (``(stage, when first seen, the
+    simulator's CPU seconds then or None)`` in order), the last ending at ``end`` (``cpu_end``);
+    a stage's CPU seconds where both its ends are known."""
+    stages, cpu = {}, {}
+    for (stage, t, c), (_, t_next, c_next) in zip(seen, [*seen[1:], (None, end, cpu_end)],
+                                                  strict=True):
+        stages[stage] = round(stages.get(stage, 0) + t_next - t, 2)
+        if c is not None and c_next is not None:
+            cpu[stage] = round(cpu.get(stage, 0) + c_next - c, 2)
+    return stages, cpu
+
+
 def _run_direct(specs, *, progress, build, timings):
     """The specs on a Verilator harness executable of the fabric, driven from this process
     (:class:`~rdakit.sim.runtime.host.HarnessTransport`); ``timings`` as for
@@ -585,12 +598,7 @@ def _run_direct(specs, *, progress, build, timings):
     with HarnessProcess(harness) as proc:
         rows = asyncio.run(session())
         end, cpu_end = time.monotonic(), proc.cpu_seconds()
-    stages, cpu = {}, {}
-    for (stage, t, c), (_, t_next, c_next) in zip(seen, [*seen[1:], (None, end, cpu_end)],
-                                                  strict=True):
-        stages[stage] = round(stages.get(stage, 0) + t_next - t, 2)
-        if c is not None and c_next is not None:
-            cpu[stage] = round(cpu.get(stage, 0) + c_next - c, 2)
+    stages, cpu = _stage_seconds(seen, end, cpu_end)
     timings.update(run_s=round(end - start, 2), stages=stages, stages_cpu=cpu,
                    driver="direct")
     return rows
@@ -638,12 +646,7 @@ def _run_cocotb(specs, sim, *, waves, progress, build, timings):
             raise done["error"]
         end = time.monotonic()
         ran = seen[0][1] if seen else end
-        stages, cpu = {}, {}
-        for (stage, t, c), (_, t_next, c_next) in zip(seen, [*seen[1:], (None, end, None)],
-                                                      strict=True):
-            stages[stage] = round(stages.get(stage, 0) + t_next - t, 2)
-            if c is not None and c_next is not None:
-                cpu[stage] = round(cpu.get(stage, 0) + c_next - c, 2)
+        stages, cpu = _stage_seconds(seen, end, None)
         timings.update(build_s=round(ran - start, 2), run_s=round(end - ran, 2),
                        stages=stages, stages_cpu=cpu,
                        **(done["info"].get("build_times") or {}))

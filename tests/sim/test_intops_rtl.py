@@ -8,12 +8,11 @@ interpreter:
   causal and on a dynamic input) on rows longer than the local buffer.
 """
 
-import numpy as np
 import pytest
+from conftest import assert_rtl_matches_graph, assert_rtl_matches_interpreter
 
 from rdakit.compiler.compile import compile_workload
 from rdakit.hdl.spec.params import fabric_params
-from rdakit.sim.runtime.job import run_job_interp
 from tests.compiler.test_intops import intops_graph, intops_inputs, long_row_graph
 
 #: The shared runs take 15-40 s (about 20,000 cycles of a 2x2 fabric) and 17 s (about 6,300
@@ -51,17 +50,9 @@ def shared_run(request):
 
 def test_every_op_is_bit_exact_on_the_rtl(shared_run):
     g, inputs, job, result = shared_run
-    got = job.decode(result.outputs, check_padding=True)
-    want = g.evaluate(inputs)
-    assert sorted(got) == sorted(want)
-    for name in want:
-        assert got[name].dtype == want[name].dtype, name
-        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert_rtl_matches_graph(g, inputs, job, result)
 
 
 def test_the_rtl_matches_the_interpreter(shared_run):
     _, _, job, result = shared_run
-    outputs, run, _ = run_job_interp(job)
-    assert run.ok and not result.status["error"] and result.cycles > 0
-    for out in job.outputs:
-        np.testing.assert_array_equal(result.outputs[out], outputs[out], err_msg=out)
+    assert_rtl_matches_interpreter(job, result)

@@ -5,10 +5,10 @@ the graph's reference and the functional interpreter."""
 
 import numpy as np
 import pytest
+from conftest import assert_rtl_matches_graph, assert_rtl_matches_interpreter
 
 from rdakit.compiler.compile import compile_workload
 from rdakit.hdl.spec.params import fabric_params
-from rdakit.sim.runtime.job import run_job_interp
 from tests.compiler.test_long_rows import long_graph
 
 pytestmark = pytest.mark.slow
@@ -34,16 +34,9 @@ def shared_run():
 
 def test_long_rows_are_bit_exact_on_the_rtl(shared_run):
     g, inputs, job, result = shared_run
-    got = job.decode(result.outputs, check_padding=True)
-    want = g.evaluate(inputs)
-    assert sorted(got) == sorted(want)
-    for name in want:
-        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert_rtl_matches_graph(g, inputs, job, result)
 
 
 def test_the_rtl_matches_the_interpreter(shared_run):
     _, _, job, result = shared_run
-    outputs, run, _ = run_job_interp(job)
-    assert run.ok and not result.status["error"] and result.cycles > 0
-    for out in job.outputs:
-        np.testing.assert_array_equal(result.outputs[out], outputs[out], err_msg=out)
+    assert_rtl_matches_interpreter(job, result)

@@ -5,11 +5,10 @@ CU; in both the second stream into a CU waits for the consumer's token, sent onc
 has read the first. Every
 output bit-exact against the graph's reference and the functional interpreter."""
 
-import numpy as np
 import pytest
+from conftest import assert_rtl_matches_graph, assert_rtl_matches_interpreter
 
 from rdakit.hdl.spec.params import fabric_params
-from rdakit.sim.runtime.job import run_job_interp
 from tests.compiler.test_lower_streams import (
     X,
     chain,
@@ -45,16 +44,9 @@ def test_the_job_streams(shared_run):
 
 def test_streams_are_bit_exact_on_the_rtl(shared_run):
     g, job, result = shared_run
-    got = job.decode(result.outputs, check_padding=True)
-    want = g.evaluate(X)
-    assert sorted(got) == sorted(want)
-    for name in want:
-        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert_rtl_matches_graph(g, X, job, result)
 
 
 def test_the_rtl_matches_the_interpreter(shared_run):
     _, job, result = shared_run
-    outputs, run, _ = run_job_interp(job)
-    assert run.ok and not result.status["error"] and result.cycles > 0
-    for out in job.outputs:
-        np.testing.assert_array_equal(result.outputs[out], outputs[out], err_msg=out)
+    assert_rtl_matches_interpreter(job, result)
