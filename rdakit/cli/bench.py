@@ -274,9 +274,12 @@ def _bench_calibrate(args):
 
 # --- models -----------------------------------------------------------------------------------
 
-#: ``bench models``' default ``--rtl-limit``: Amaranth's simulator runs a 2x2 fabric at some
-#: thousands of cycles a second.
-RTL_LIMIT = 100_000
+#: ``bench models``' default ``--rtl-limit`` per ``--sim``: Amaranth's simulator (and Icarus)
+#: run a 2x2 fabric at some thousands of cycles a second; Verilator, driven directly, runs a
+#: 4x4 at tens of thousands (the suite's ResNet, 14 million estimated cycles, in minutes:
+#: docs/import.md); the model, faster still, runs every model.
+RTL_LIMITS = {"amaranth": 100_000, "icarus": 100_000, "verilator": 20_000_000,
+              "model": 20_000_000}
 
 
 def _check_models(args):
@@ -294,6 +297,8 @@ def _check_models(args):
                             f"{','.join(suite.MODELS)}, not {args.models!r}")
     if not args.no_rtl and args.sim in NEEDS_TOOLS:
         require_simulator_or_raise(args.sim)
+    if args.rtl_limit is None:
+        args.rtl_limit = RTL_LIMITS[args.sim]
     args.candidates = fabric_candidates(args)
 
 
@@ -558,9 +563,10 @@ def register(commands):
     p.add_argument("--no-rtl", action="store_true", help="no RTL run")
     p.add_argument("--partitioner", default=DEFAULT_STRATEGY, choices=sorted(STRATEGIES),
                    help="partitioning strategy (default: %(default)s)")
-    add_number(p, "--rtl-limit", low=0, default=RTL_LIMIT, metavar="CYCLES",
+    add_number(p, "--rtl-limit", low=0, metavar="CYCLES",
                help="run a model on the RTL only if its estimated cycles are at most this "
-                    "(default: %(default)s)")
+                    "(default: " + ", ".join(f"{v:,} on {k}" for k, v in RTL_LIMITS.items())
+                    + ")")
     add_output(p, "--json", metavar="FILE", help="also write the figures to FILE")
     add_fabric_arguments(p, auto=True)
     add_check(p, _check_models)

@@ -205,3 +205,29 @@ def test_bench_models_has_help(capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: rdakit bench models")
     assert all(o in out for o in ("--models", "--quick", "--json", "--sim", "--rtl-limit"))
+
+
+@pytest.mark.parametrize(("argv", "limit"), [
+    ([], 100_000), (["--sim", "icarus"], 100_000), (["--sim", "verilator"], 20_000_000),
+    (["--sim", "model"], 20_000_000), (["--sim", "verilator", "--rtl-limit", "5"], 5)])
+def test_the_rtl_limit_follows_the_simulator_unless_given(argv, limit, monkeypatch):
+    """Amaranth's simulator runs only the small models by default; Verilator, driven directly,
+    and the model run the suite at its sizes (the ResNet's 14 million estimated cycles)."""
+    pytest.importorskip("torch")
+    from rdakit.sim.bench import models as bench_models
+    from rdakit.sim.verify.runner import simulator_info
+
+    if any(s in argv for s in ("icarus", "verilator")) \
+            and not simulator_info(argv[argv.index("--sim") + 1]).ok:
+        pytest.skip("simulator not installed")
+    got = {}
+
+    def measure(**kw):
+        got.update(kw)
+        return [], []
+
+    monkeypatch.setattr(bench_models, "measure", measure)
+    monkeypatch.setattr(bench_models, "write_report",
+                        lambda *a, report, **kw: report.figure("failed_runs", 0))
+    assert main(["bench", "models", "--models", "gpt2", *argv]) == 0
+    assert got["rtl_limit"] == limit
