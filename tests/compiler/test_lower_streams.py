@@ -209,7 +209,7 @@ WORKLOADS = [(name, grid) for name in SMALLEST for grid in ((2, 2), (4, 4))]
 def test_workloads_bit_exact_with_streams(name, grid):
     params = with_queue(fabric_params(*grid, prog_len=2048), 4)
     job, _ = compile_workload(name, sizes=SMALLEST[name], params=params,
-                              partitioner="fastest", place_steps=300)
+                              partitioner="fastest", place_steps=300, streams=True)
     check_runs(job, job.workload.inputs, seeds=2)
 
 
@@ -218,7 +218,8 @@ def test_split_graph_streams_its_row_blocks():
     # concatenation on the other CU.
     params = with_queue(fabric_params(2, 2, prog_len=2048), 2)
     job, summary = compile_workload("mlp", sizes=SMALLEST["mlp"], params=params,
-                                    partitioner="greedy", split=2, place_steps=300)
+                                    partitioner="greedy", split=2, place_steps=300,
+                                    streams=True)
     assert summary.split == 2
     sends, reads = queue_streams(job)
     assert sends and len(reads) == len(sends)
