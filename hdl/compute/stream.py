@@ -334,9 +334,12 @@ class StreamEngine(wiring.Component):
                     m.d.sync += iss_o.eq(iss_o + 1)
             with m.Else():
                 m.d.sync += [iss_i.eq(iss_i + 1), iss_idx.eq(iss_idx + isf.a_stride)]
-        with m.If(rd_go & ~pop):
+        # Only a pop of a read response gives a read back: a stream reading the input queue
+        # pops no response while the walker prefetches the next stream's reads.
+        rpop = Signal()
+        with m.If(rd_go & ~rpop):
             m.d.sync += credits.eq(credits + 1)
-        with m.Elif(pop & ~rd_go):
+        with m.Elif(rpop & ~rd_go):
             m.d.sync += credits.eq(credits - 1)
         with m.If(rd_go & ~self.resp.valid):
             m.d.sync += inflight.eq(inflight + 1)
@@ -378,9 +381,10 @@ class StreamEngine(wiring.Component):
                                   & (wr_pending == 0))
         m.d.comb += [
             pop.eq(can_pop & ~head_bad),
+            rpop.eq(pop & ~a_queue),
             self.step.eq(pop),
             # stale responses are dropped between streams; the input queue keeps its words
-            rfifo.r_en.eq((pop & ~a_queue) | ~in_stream),
+            rfifo.r_en.eq(rpop | ~in_stream),
             qfifo.r_en.eq(pop & a_queue),
             loc_b.addr.eq(b_idx[:wbits]), loc_b.en.eq(pop),
             self.count.eq(c_k),

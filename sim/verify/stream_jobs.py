@@ -11,7 +11,8 @@ from rdakit.compiler.job import HostBuffer, Job, Ref
 from rdakit.hdl.spec.bitstream import FabricConfig, TileConfig
 from rdakit.hdl.spec.isa import BMode, DMode, assemble
 
-__all__ = ["stream_pipeline", "stream_sum", "stream_micro_jobs", "STREAM_MICRO_RTL"]
+__all__ = ["stream_pipeline", "stream_sum", "stream_then_read", "stream_micro_jobs",
+           "STREAM_MICRO_RTL"]
 
 
 def _cfg(**fields):
@@ -138,6 +139,62 @@ def stream_sum(params, *, rows=12, producer=(0, 0), consumer=(1, 0), mu=None, se
                description=f"a SUM over a stream of {rows} words ending at its last word")
 
 
+def stream_then_read(params, *, rows=16, outer=8, producer=(0, 0), consumer=(1, 0), mu=None,
+                     seed=0):
+    """A stream reading the input queue followed by one reading an MU, whose reads the engine
+    prefetches while the first pops words from the queue: the producer sends ``x`` (``rows``
+    words) into the consumer's queue; the consumer copies them to its local buffer, then
+    multiplies ``outer`` rows of ``w`` (``rows`` words each, in the MU) by them, one
+    ``PACK_SUM`` a row, into ``z``. (The engine once counted every pop as a read response
+    given back, so the queue's pops beside the prefetched reads left its count of reads
+    outstanding wrong and the second stream waiting for responses that never came: the
+    model suite's Mixtral and BERT hung with streams between CUs.)
+
+    Raises
+    ------
+    ValueError
+        If ``rows`` is not between 1 and the local buffer's words.
+    """
+    if not 1 <= rows <= params.cu.local_words:
+        raise ValueError(f"rows must be between 1 and local_words ({params.cu.local_words}), "
+                         f"not {rows!r}")
+    mu = mu or params.tiles("M")[0]
+    lanes = params.cu.lanes
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-1000, 1000, size=(rows, lanes)).astype(np.int32)
+    w = rng.integers(-1000, 1000, size=(outer * rows, lanes)).astype(np.int32)
+    produce = f"""
+        SCFG A_REF, r1
+        LI r6, {params.mu_id(*consumer)}
+        SCFG D_REF, r6
+        {_cfg(A_STRIDE=1, N=rows, B_MODE=BMode.ZERO, D_MODE=DMode.QUEUE)}
+        SRUN PASS, r0
+        HALT
+    """
+    consume = f"""
+        SELF r2
+        SCFG A_REF, r2
+        {_cfg(N=rows, B_MODE=BMode.ZERO, D_MODE=DMode.LOCAL, D_STRIDE=1)}
+        SRUN PASS, r0
+        SCFG A_REF, r3
+        SCFG D_REF, r1
+        {_cfg(A_STRIDE=1, A_OSTRIDE=rows, OUTER=outer, B_MODE=BMode.LOCAL, B_STRIDE=1,
+              D_MODE=DMode.PACK_SUM)}
+        SRUN MUL, r0
+        HALT
+    """
+    tiles = {producer: TileConfig(program=assemble(produce), regs={1: Ref("x")}),
+             consumer: TileConfig(program=assemble(consume), regs={1: Ref("z"), 3: Ref("w")})}
+    sums = (w.astype(np.int64).reshape(outer, rows * lanes)
+            @ x.astype(np.int64).reshape(rows * lanes))
+    sums = np.concatenate([sums, np.zeros(-outer % lanes, np.int64)])
+    z = (sums & 0xffff_ffff).astype(np.uint32).view(np.int32).reshape(-1, lanes)
+    return Job(FabricConfig(params, tiles),
+               [HostBuffer("x", mu, x), HostBuffer("w", mu, w), HostBuffer("z", mu)],
+               ["z"], {"z": z}, cus_used=2, macs=outer * rows * lanes,
+               description=f"a stream of {rows} words, then {outer} rows read from an MU")
+
+
 def stream_micro_jobs(params):
     """The micro-jobs of streams between CUs the performance model is checked on
     (``docs/performance-model.md``), by name; :data:`STREAM_MICRO_RTL` holds their RTL
@@ -150,10 +207,12 @@ def stream_micro_jobs(params):
         "sum_eos": stream_sum(params, rows=12),
         "sum48": stream_sum(params, rows=48),
         "sum64": stream_sum(params, rows=64),
+        "then_read": stream_then_read(params),
     }
 
 
 #: The RTL's cycles of :func:`stream_micro_jobs` (Amaranth's simulator, at the commit that
 #: added them).
 STREAM_MICRO_RTL = {"pipeline16": 66, "pipeline32": 98, "slow_consumer": 133,
-                    "through_mu16": 152, "sum_eos": 62, "sum48": 108, "sum64": 129}
+                    "through_mu16": 152, "sum_eos": 62, "sum48": 108, "sum64": 129,
+                    "then_read": 215}
