@@ -185,7 +185,7 @@ def load_workload(workload, sizes=None):
 
 def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", seed=0,
                      place_steps=20000, inputs=None, cost=None, schedule_cost=None,
-                     order="graph", progress=None, split=None, streams=False):
+                     order="graph", progress=None, split=None, streams=True):
     """Compile a workload for a fabric.
 
     Parameters
@@ -227,10 +227,7 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
     streams : bool
         Lower the edges between CUs that qualify as streams between CUs (a producer's words
         straight into the consumer's input queue; :mod:`rdakit.compiler.lower.streams`);
-        ``False`` (the default): every edge through an MU buffer. Off by default: the suite's
-        Mixtral and BERT compiled with streams hang on the RTL (two CUs wait on each other's
-        queue streams; the interpreter and the performance model finish them), see
-        ``docs/compiler.md``, *Streams between CUs*.
+        ``False``: every edge through an MU buffer.
 
     Returns
     -------

@@ -63,7 +63,7 @@ def _grid(kw):
 
 
 def choose_fabric(workload, candidates, *, name, partitioner, seed, place_steps, split=None,
-                  streams=False):
+                  streams=True):
     """The first fabric of ``candidates`` (keyword dicts of :func:`fabric_params`, from
     :func:`~rdakit.cli.options.fabric_candidates`) on which the compiler fits ``workload``
     (called ``name``, as the user typed it), and a sentence saying so (``None`` if there was
@@ -185,11 +185,10 @@ def add_workload_arguments(p):
                         "them row by row), spread over the CUs: N blocks, 1 for none, or auto "
                         "(the default with --partitioner fastest, else 1): compiled both "
                         "ways, keeping the faster estimate (docs/compiler.md)")
-    p.add_argument("--streams", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--streams", action=argparse.BooleanOptionalAction, default=True,
                    help="lower the edges between CUs that qualify as streams between CUs "
-                        "(--no-streams, the default: every edge through an MU buffer; off "
-                        "while the suite's Mixtral and BERT compiled with them hang on the "
-                        "RTL: docs/compiler.md, Streams between CUs)")
+                        "(the default; --no-streams: every edge through an MU buffer; "
+                        "docs/compiler.md, Streams between CUs)")
     add_number(p, "--seed", low=0, default=0, help="seed of the placement (default 0)")
     add_number(p, "--place-steps", low=0, high=MAX_PLACE_STEPS,
                reason="about 10 us a step: a million take tens of seconds", default=20000,

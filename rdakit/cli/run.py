@@ -49,7 +49,7 @@ def spec_from_args(args, *, iterations=1, fabric=None):
                        fabric=fabric or fabric_dict(args), partitioner=args.partitioner,
                        seed=args.seed, iterations=iterations, place_steps=args.place_steps,
                        split=getattr(args, "split", None),
-                       streams=getattr(args, "streams", False))
+                       streams=getattr(args, "streams", True))
 
 
 def compile_or_explain(spec, cost=None):

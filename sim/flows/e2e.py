@@ -145,7 +145,7 @@ class RunSpec:
     place_steps: int = 20000
     max_cycles: int | None = None
     split: int | str | None = None
-    streams: bool = False
+    streams: bool = True
 
     def __post_init__(self):
         if not isinstance(self.iterations, int) or self.iterations < 1:
