@@ -19,6 +19,15 @@ def _cfg(**fields):
     return "\n".join(f"SCFGI {name}, {int(getattr(v, 'value', v))}" for name, v in fields.items())
 
 
+def _setup(params, rows, mu, seed):
+    """``(mu, lanes, rng)`` of a job whose consumer keeps ``rows`` words in its local buffer
+    (the first MU unless ``mu`` is given); ``ValueError`` unless they fit."""
+    if not 1 <= rows <= params.cu.local_words:
+        raise ValueError(f"rows must be between 1 and local_words ({params.cu.local_words}), "
+                         f"not {rows!r}")
+    return mu or params.tiles("M")[0], params.cu.lanes, np.random.default_rng(seed)
+
+
 def stream_pipeline(params, *, rows=16, producer=(0, 0), consumer=(1, 0), mu=None,
                     through_mu=False, delay=0, seed=0):
     """The job: ``x`` (``rows`` words) and the output ``z`` in the MU ``mu`` (the first MU by
@@ -30,12 +39,7 @@ def stream_pipeline(params, *, rows=16, producer=(0, 0), consumer=(1, 0), mu=Non
     ValueError
         If ``rows`` is not between 1 and the local buffer's words.
     """
-    if not 1 <= rows <= params.cu.local_words:
-        raise ValueError(f"rows must be between 1 and local_words ({params.cu.local_words}), "
-                         f"not {rows!r}")
-    mu = mu or params.tiles("M")[0]
-    lanes = params.cu.lanes
-    rng = np.random.default_rng(seed)
+    mu, lanes, rng = _setup(params, rows, mu, seed)
     x = rng.integers(-2 ** 23, 2 ** 23, size=(rows, lanes)).astype(np.int32)
     w = rng.integers(-2 ** 31, 2 ** 31, size=(rows, lanes), dtype=np.int64).astype(np.int32)
     to = params.mu_id(*consumer)
@@ -155,12 +159,7 @@ def stream_then_read(params, *, rows=16, outer=8, producer=(0, 0), consumer=(1, 
     ValueError
         If ``rows`` is not between 1 and the local buffer's words.
     """
-    if not 1 <= rows <= params.cu.local_words:
-        raise ValueError(f"rows must be between 1 and local_words ({params.cu.local_words}), "
-                         f"not {rows!r}")
-    mu = mu or params.tiles("M")[0]
-    lanes = params.cu.lanes
-    rng = np.random.default_rng(seed)
+    mu, lanes, rng = _setup(params, rows, mu, seed)
     x = rng.integers(-1000, 1000, size=(rows, lanes)).astype(np.int32)
     w = rng.integers(-1000, 1000, size=(outer * rows, lanes)).astype(np.int32)
     produce = f"""
