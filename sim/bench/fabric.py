@@ -1,6 +1,9 @@
 """``rdakit bench fabric``: matrix kernels on a 4x4 fabric's RTL beside the compute lower
-bound, configuration-load cycles, and Yosys cell counts per tile type."""
+bound, configuration-load cycles, and Yosys cell counts per tile type. On Verilator the fabric
+is driven directly (a harness executable, as ``rdakit run`` drives it); on Icarus through
+cocotb (``fabric_tb``)."""
 
+import asyncio
 import json
 import pathlib
 import tempfile
@@ -12,21 +15,62 @@ from rdakit.hdl.spec.packets import mu_request_layout
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.bench.mu import yosys_stat
 from rdakit.sim.bench.report import Report
-from rdakit.sim.verify.runner import require_simulator_or_raise, run_cocotb
+from rdakit.sim.runtime.host import harness_host
+from rdakit.sim.runtime.job import run_job
+from rdakit.sim.verify import kernels
+from rdakit.sim.verify.runner import (
+    HarnessProcess,
+    build_harness,
+    require_simulator_or_raise,
+    run_cocotb,
+)
 
-__all__ = ["bench_fabric"]
+__all__ = ["bench_fabric", "run_kernels"]
+
+
+async def run_kernels(host, params, jobs, *, log=None):
+    """Run ``jobs`` (``[name, keyword arguments]`` of :mod:`rdakit.sim.verify.kernels`) one
+    after the other on ``host``, each checked against numpy; their rows (cycles, load cycles,
+    MACs, CUs used). ``log(text)`` hears of each."""
+    rows = []
+    for name, kwargs in jobs:
+        job = getattr(kernels, name)(params, **kwargs)
+        result = await run_job(host, job, counters=False)
+        result.check(job)
+        rows.append({"job": name, "description": job.description, "cycles": result.cycles,
+                     "load_cycles": result.load_cycles, "macs": job.macs,
+                     "cus_used": job.cus_used})
+        if log is not None:
+            log(f"{job.description}: {result.cycles} cycles")
+    return rows
+
+
+def _run_direct(params, jobs):
+    harness = build_harness(f"Fabric {params!r}", lambda: Fabric(params),
+                            build_name=f"bench-fabric-{params.rows}x{params.cols}")
+
+    async def session(proc):
+        return await run_kernels(await harness_host(proc, params), params, jobs)
+
+    with HarnessProcess(harness) as proc:
+        return asyncio.run(session(proc))
 
 
 def _cells(params):
     cx, cy = params.tiles("C")[0]
     mx, my = params.tiles("M")[0]
-    router = Router(payload_shape=_req_shape(params), x=1, y=1, rows=max(params.rows, 3),
-                    cols=max(params.cols, 3), coord_bits=params.coord_bits,
+    # The fabric's busiest router: an inner one (5 ports) where the grid has one, else the
+    # one at (1, 1) or (1, 0) of the grid as it is.
+    x, y = min(1, params.cols - 1), min(1, params.rows - 1)
+    ports = 1 + sum(0 <= x + dx < params.cols and 0 <= y + dy < params.rows
+                    for dx, dy in ((1, 0), (-1, 0), (0, 1), (0, -1)))
+    router = Router(payload_shape=_req_shape(params), x=x, y=y, rows=params.rows,
+                    cols=params.cols, coord_bits=params.coord_bits,
                     depth=params.noc_depth, queues=params.noc_queues)
     return [
         {"unit": "compute unit", **yosys_stat(ComputeUnit(params, x=cx, y=cy))},
         {"unit": "memory tile (MU + adapters)", **yosys_stat(MUTile(params, x=mx, y=my))},
-        {"unit": "router (request network, 5 ports)", **yosys_stat(router)},
+        {"unit": f"router (request network, {ports} ports)", **yosys_stat(router)},
     ]
 
 
@@ -44,13 +88,16 @@ def bench_fabric(fabric, *, simulator="verilator", quick=False, json_path=None):
     jobs = [["matvec", {"m": 64, "k": 64}]]
     if not quick:
         jobs.append(["matmul", {"m": 64, "k": 64, "n": 64}])
-    with tempfile.TemporaryDirectory() as tmp:
-        out = pathlib.Path(tmp) / "rows.json"
-        run_cocotb(Fabric(params), simulator=simulator, test_module="fabric_tb",
-                   test_dir=pathlib.Path(__file__).parent,
-                   build_name=f"bench-fabric-{params.rows}x{params.cols}",
-                   config={"fabric": fabric, "jobs": jobs, "out": str(out)})
-        rows = json.loads(out.read_text())
+    if simulator == "verilator":
+        rows = _run_direct(params, jobs)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = pathlib.Path(tmp) / "rows.json"
+            run_cocotb(Fabric(params), simulator=simulator, test_module="fabric_tb",
+                       test_dir=pathlib.Path(__file__).parent,
+                       build_name=f"bench-fabric-{params.rows}x{params.cols}",
+                       config={"fabric": fabric, "jobs": jobs, "out": str(out)})
+            rows = json.loads(out.read_text())
     table = []
     for r in rows:
         bound = r["macs"] / (params.cu.lanes * r["cus_used"])
