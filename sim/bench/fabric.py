@@ -15,15 +15,11 @@ from rdakit.hdl.spec.packets import mu_request_layout
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.bench.mu import yosys_stat
 from rdakit.sim.bench.report import Report
+from rdakit.sim.flows.e2e import fabric_harness
 from rdakit.sim.runtime.host import harness_host
 from rdakit.sim.runtime.job import run_job
 from rdakit.sim.verify import kernels
-from rdakit.sim.verify.runner import (
-    HarnessProcess,
-    build_harness,
-    require_simulator_or_raise,
-    run_cocotb,
-)
+from rdakit.sim.verify.runner import HarnessProcess, require_simulator_or_raise, run_cocotb
 
 __all__ = ["bench_fabric", "run_kernels"]
 
@@ -46,8 +42,7 @@ async def run_kernels(host, params, jobs, *, log=None):
 
 
 def _run_direct(params, jobs):
-    harness = build_harness(f"Fabric {params!r}", lambda: Fabric(params),
-                            build_name=f"bench-fabric-{params.rows}x{params.cols}")
+    harness = fabric_harness(params)            # rdakit run's build of the same fabric
 
     async def session(proc):
         return await run_kernels(await harness_host(proc, params), params, jobs)

@@ -59,7 +59,8 @@ from rdakit.sim.verify.runner import (
 
 __all__ = ["RunSpec", "TileRow", "tile_rows", "run", "run_many", "run_session", "run_specs",
            "failed", "failure", "BACKENDS", "NEEDS_TOOLS",
-           "compute_bound", "plot_utilization", "SMALLEST", "VERILATOR_BUILD", "in_process"]
+           "compute_bound", "plot_utilization", "SMALLEST", "VERILATOR_BUILD", "in_process",
+           "fabric_verilog", "fabric_harness"]
 
 #: The simulators ``rdakit run`` can use: the RTL in Amaranth's simulator, Icarus or
 #: Verilator, or the fast performance model (``docs/performance-model.md``).
@@ -546,7 +547,20 @@ def _run_model(specs, *, progress):
 
 def fabric_verilog(params):
     """The Verilog of ``Fabric(params)``, cached by its parameters."""
-    return cached_verilog(f"Fabric {params!r}", lambda: Fabric(params))
+    return cached_verilog(_fabric_key(params), lambda: Fabric(params))
+
+
+def fabric_harness(params, build=None):
+    """The Verilator harness executable of ``Fabric(params)`` (:func:`build_harness`, the
+    Verilog :func:`fabric_verilog`'s), one cache entry per parameters and build options
+    (``build``, a :class:`VerilatorBuild`): what ``rdakit run``, ``bench e2e`` and ``bench
+    fabric`` drive directly."""
+    return build_harness(_fabric_key(params), lambda: Fabric(params),
+                         build_name=_build_name(params), build=build)
+
+
+def _fabric_key(params):
+    return f"Fabric {params!r}"
 
 
 def _build_name(params):
@@ -580,8 +594,7 @@ def _run_direct(specs, *, progress, build, timings):
     timings["verilog_s"] = round(time.monotonic() - start, 2)
     progress("building the verilator harness")
     start = time.monotonic()
-    harness = build_harness(f"Fabric {params!r}", lambda: Fabric(params),
-                            build_name=_build_name(params), build=build)
+    harness = fabric_harness(params, build)
     timings["build_s"] = round(time.monotonic() - start, 2)
     seen = []                   # (stage, when first seen, the executable's CPU seconds then)
 

@@ -13,14 +13,12 @@ import pytest
 from rdakit.cli import main
 from rdakit.compiler.adapt import MeasuredCostModel, measured_cost
 from rdakit.compiler.cost import CostModel
-from rdakit.hdl.fabric.top import Fabric
 from rdakit.sim.flows import e2e
 from rdakit.sim.flows.e2e import PROFILE_CATEGORIES, SMALLEST, RunSpec
 from rdakit.sim.runtime.host import NoReply, harness_host
 from rdakit.sim.verify.runner import (
     SIMULATORS,
     HarnessProcess,
-    build_harness,
     require_simulator,
 )
 
@@ -290,8 +288,7 @@ def test_the_harness_transport_gives_up_on_a_fabric_that_does_not_answer():
     driver reports it as :class:`NoReply` naming the transfer."""
     require_simulator("verilator")
     params = RunSpec("mlp", SMALLEST["mlp"], FABRIC_2X2).params
-    harness = build_harness(f"Fabric {params!r}", lambda: Fabric(params),
-                            build_name=e2e._build_name(params))
+    harness = e2e.fabric_harness(params)
 
     async def session(proc):
         host = await harness_host(proc, params)
