@@ -241,12 +241,7 @@ def _check_partition(args):
             raise UserError(f"--family takes a comma-separated subset of "
                             f"{','.join(partition.FAMILIES)}, not {args.family!r}")
         if "model" in families:
-            try:
-                # Only to refuse before any work: the bench imports the suite itself.
-                importlib.import_module("rdakit.compiler.frontend.models")
-            except ImportError as e:
-                raise UserError(f"--family model needs PyTorch, which cannot be imported "
-                                f"({e}): pip install 'rdakit[torch]'") from None
+            _model_suite("--family model")
         args.families = families
     else:
         args.families = partition.FAMILIES
@@ -282,13 +277,19 @@ RTL_LIMITS = {"amaranth": 100_000, "icarus": 100_000, "verilator": 20_000_000,
               "model": 20_000_000}
 
 
-def _check_models(args):
+def _model_suite(what):
+    """The model suite's module (:mod:`rdakit.compiler.frontend.models`), imported to refuse
+    ``what`` (the command or option as typed) before any work when PyTorch cannot be imported;
+    the benches import it themselves."""
     try:
-        # Only to refuse before any work: the bench imports the suite (and torch) itself.
-        from rdakit.compiler.frontend import models as suite
+        return importlib.import_module("rdakit.compiler.frontend.models")
     except ImportError as e:
-        raise UserError(f"rdakit bench models needs PyTorch, which cannot be imported ({e}): "
-                        f"pip install 'rdakit[torch]'") from None
+        raise UserError(f"{what} needs PyTorch, which cannot be imported ({e}): pip install "
+                        f"'rdakit[torch]'") from None
+
+
+def _check_models(args):
+    suite = _model_suite("rdakit bench models")
     args.model_list = (list(dict.fromkeys(args.models.split(","))) if args.models
                        else list(suite.MODELS))     # tables are keyed by model
     for m in args.model_list:
