@@ -84,6 +84,11 @@ class CompileSummary:
         Row blocks of the split ops (1: none; :func:`~rdakit.compiler.split.split_rows`).
     split_nodes : int
         Nodes of the graph after splitting (``nodes`` is the graph's own).
+    ranked : tuple
+        When several candidates were compiled (``partitioner="fastest"`` or ``split="auto"``)
+        and ranked by a run (:func:`compile_workload`'s ``rank``): ``(how, cycles, candidates,
+        by_estimate)``, what ranked them, the kept job's cycles there, how many were ranked,
+        and the cycles there of the one the estimate would have kept; else ``()``.
     """
 
     graph: str
@@ -100,6 +105,7 @@ class CompileSummary:
     partition_warnings: tuple = ()
     split: int = 1
     split_nodes: int = 0
+    ranked: tuple = ()
 
     def lines(self):
         """The summary as text lines."""
@@ -109,6 +115,7 @@ class CompileSummary:
                f"parts {self.parts}, cut {self.cut} bytes, imbalance {self.imbalance:.3f}, "
                f"estimated cycles {self.estimated_cycles} (lower bound "
                f"{self.lower_bound:.0f})"]
+        out += self.ranked_lines()
         for cu, n in sorted(self.instructions.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             out.append(f"  CU {cu}: {n} instructions")
         for mu, (host, words, slots) in sorted(self.mu_buffers.items(),
@@ -117,6 +124,15 @@ class CompileSummary:
             out.append(f"  MU {mu}: host buffers {names}; at most {words} words in {slots} "
                        f"buffers")
         return out + self.warnings()
+
+    def ranked_lines(self):
+        """How the job was kept among several candidates, when a run ranked them: a line."""
+        if not self.ranked:
+            return []
+        how, cycles, n, by_estimate = self.ranked
+        other = "the same" if by_estimate == cycles else f"{by_estimate} cycles there"
+        return [f"kept by {how}: {cycles} cycles, the fewest of {n} candidates (the fewest "
+                f"estimated cycles: {other})"]
 
     def warnings(self):
         """The lines of the summary that warn (``warning: ...``): what a command prints even
@@ -185,7 +201,7 @@ def load_workload(workload, sizes=None):
 
 def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", seed=0,
                      place_steps=20000, inputs=None, cost=None, schedule_cost=None,
-                     order="graph", progress=None, split=None, streams=True):
+                     order="graph", progress=None, split=None, streams=True, rank=None):
     """Compile a workload for a fabric.
 
     Parameters
@@ -228,6 +244,13 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
         Lower the edges between CUs that qualify as streams between CUs (a producer's words
         straight into the consumer's input queue; :mod:`rdakit.compiler.lower.streams`);
         ``False``: every edge through an MU buffer.
+    rank : callable, optional
+        How candidates are ranked when there are several (``partitioner="fastest"`` or
+        ``split="auto"``): ``rank(job)`` gives a candidate's cycles, or ``None`` when it cannot
+        tell (then the estimates rank them all); ``rank.name`` says what it is for the
+        summary. Default: the estimates (:class:`CostModel` is a few tens of % off on real
+        graphs, and a run of the performance model, which a layer above the compiler has, is
+        within a few %: ``rdakit.sim.runtime.events.model_rank``).
 
     Returns
     -------
@@ -253,7 +276,7 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
                         place_steps=place_steps, inputs=inputs, cost=cost,
                         schedule_cost=schedule_cost, order=order, progress=progress,
                         strategies=FASTEST if partitioner == "fastest" else (partitioner,),
-                        split=split, streams=streams)
+                        split=split, streams=streams, rank=rank)
     check_strategy(partitioner)
     check_steps("place_steps", place_steps)
     if not isinstance(seed, int) or isinstance(seed, bool):
@@ -308,13 +331,14 @@ def check_split(split):
         raise ValueError(f"split must be a positive integer or 'auto', not {split!r}")
 
 
-def _fastest(workload, *, strategies, split, **options):
-    """The job with the fewest estimated cycles of each strategy in ``strategies`` and, with
+def _fastest(workload, *, strategies, split, rank, **options):
+    """The job with the fewest cycles of each strategy in ``strategies`` and, with
     ``split="auto"``, each also with the rows split over the fabric's CUs (the unsplit job
-    first: it is kept on ties). Its summary's ``partitioner`` says ``fastest: <strategy>``
-    when several strategies were tried. A candidate that cannot compile the workload is
-    passed over, and when none can, the first one's error is raised."""
-    best, first_error = None, None
+    first: it is kept on ties). Cycles are ``rank``'s when it gives every candidate's (see
+    :func:`compile_workload`), else the estimates. Its summary's ``partitioner`` says
+    ``fastest: <strategy>`` when several strategies were tried. A candidate that cannot compile
+    the workload is passed over, and when none can, the first one's error is raised."""
+    candidates, first_error = [], None
     wl = load_workload(workload, options.pop("sizes"))
     cus = len(options["params"].tiles("C"))
     if split == "auto":
@@ -327,15 +351,26 @@ def _fastest(workload, *, strategies, split, **options):
     for ways in splits:
         for name in strategies:
             try:
-                job, summary = compile_workload(wl, partitioner=name, split=ways, **options)
+                candidates.append(compile_workload(wl, partitioner=name, split=ways, **options))
             except (LoweringError, PlacementError, PartitionError) as e:
                 first_error = first_error or e
-                continue
-            if best is None or summary.estimated_cycles < best[1].estimated_cycles:
-                best = (job, summary)
-    if best is None:
+    if not candidates:
         raise first_error
-    job, summary = best
+    by_estimate = min(range(len(candidates)),
+                      key=lambda i: candidates[i][1].estimated_cycles)   # the first on ties
+    best, ranked = by_estimate, ()
+    if rank is not None and len(candidates) > 1:
+        cycles = []
+        for job, _ in candidates:
+            c = rank(job)
+            if c is None:
+                break
+            cycles.append(c)
+        else:
+            best = min(range(len(candidates)), key=cycles.__getitem__)
+            ranked = (rank.name, cycles[best], len(candidates), cycles[by_estimate])
+    job, summary = candidates[best]
+    summary = dataclasses.replace(summary, ranked=ranked)
     if len(strategies) > 1:
         summary = dataclasses.replace(summary, partitioner=f"fastest: {summary.partitioner}")
     return job, summary

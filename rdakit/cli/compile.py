@@ -26,7 +26,7 @@ from rdakit.errors import UserError
 from rdakit.files import atomic_write
 from rdakit.hdl.spec.bitstream import listing
 from rdakit.hdl.spec.params import fabric_params
-from rdakit.sim.runtime.events import cost_model
+from rdakit.sim.runtime.events import ModelRank, cost_model
 
 __all__ = ["register", "parse_sizes", "parse_split", "add_workload_arguments",
            "load_or_explain", "choose_fabric", "FIT_ERRORS"]
@@ -147,7 +147,7 @@ def _compile(args):
             job, summary = compile_workload(
                 workload, params=params, partitioner=args.partitioner, seed=args.seed,
                 place_steps=args.place_steps, progress=progress, split=args.split,
-                streams=args.streams,
+                streams=args.streams, rank=ModelRank(),
                 schedule_cost=cost_model(workload, params=params, progress=progress))
     except FIT_ERRORS as e:
         raise UserError(f"{e}{_hint(e)}") from None

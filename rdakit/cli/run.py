@@ -123,6 +123,8 @@ def _run(args):
     report.console.print(f"[bold]{summary.graph}[/bold] on a {params.rows}x{params.cols} fabric "
                          f"({params.cu.lanes} lanes) with {args.sim}; partitioner "
                          f"{summary.partitioner}")
+    for line in summary.ranked_lines():
+        report.console.print(line, markup=False)
     timings = {}
     with progress_bar(not args.quiet and report.console.is_terminal) as progress:
         rows = e2e.run(spec, sim=args.sim, waves=args.waves, progress=progress,

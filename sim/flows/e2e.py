@@ -45,7 +45,7 @@ from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.models.interp import InterpreterError
 from rdakit.sim.models.perf import ModelTransport
 from rdakit.sim.runtime.counters import read_mu_counters, run_delta
-from rdakit.sim.runtime.events import cost_model
+from rdakit.sim.runtime.events import ModelRank, cost_model
 from rdakit.sim.runtime.host import AmaranthTransport, HostDriver, HostError, harness_host
 from rdakit.sim.runtime.job import JobError, run_job, run_job_interp
 from rdakit.sim.verify.amaranth_sim import simulate
@@ -183,7 +183,9 @@ class RunSpec:
         """``(CompiledJob, CompileSummary)`` of this spec (raises the compiler's errors):
         partitioned with ``cost`` (default the work model), its cycles estimated with
         ``schedule_cost`` (default the workload's event model,
-        :func:`~rdakit.sim.runtime.events.cost_model`); ``progress(stage, done, total)`` hears
+        :func:`~rdakit.sim.runtime.events.cost_model`), several candidates (``fastest``,
+        ``split="auto"``) ranked by their runs on the performance model
+        (:class:`~rdakit.sim.runtime.events.ModelRank`); ``progress(stage, done, total)`` hears
         of the compiler's stages and the event model's count."""
         params = self.params
         workload = load_workload(self.workload, self.sizes)
@@ -192,7 +194,7 @@ class RunSpec:
         return compile_workload(workload, params=params, partitioner=self.partitioner,
                                 seed=self.seed, place_steps=self.place_steps, cost=cost,
                                 schedule_cost=schedule_cost, progress=progress,
-                                split=self.split, streams=self.streams)
+                                split=self.split, streams=self.streams, rank=ModelRank())
 
 
 #: The MU counters an iteration's row reports (``allocs``, ``frees``, ``leaked_buffers``,

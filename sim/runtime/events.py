@@ -34,7 +34,7 @@ from rdakit.sim.runtime.job import prepare_interp
 
 __all__ = ["EVENTS", "EventCounter", "op_events", "cu_events", "node_events", "OpTimer",
            "node_cycles", "timed_cost_model", "cost_model", "BLOCKING", "MAX_EVENT_NODES",
-           "MAX_EVENT_STEPS"]
+           "MAX_EVENT_STEPS", "ModelRank", "MAX_RANK_STEPS"]
 
 #: The events of a CU program :class:`EventCounter` counts: stream steps, stream starts (SRUN),
 #: blocking MU instructions and the other instructions.
@@ -241,3 +241,30 @@ def cost_model(workload, *, sizes=None, params, inputs=None, progress=None):
                                 max_steps=MAX_EVENT_STEPS, progress=progress)
     except (LoweringError, PlacementError, PartitionError, InterpreterError):
         return work
+
+
+#: Steps one candidate's run may take for :class:`ModelRank` (instructions and stream steps,
+#: about 50,000 a second on the performance model: 10 s a candidate at most).
+MAX_RANK_STEPS = 500_000
+
+
+class ModelRank:
+    """The ``rank`` of :func:`~rdakit.compiler.compile.compile_workload`: a candidate job's
+    cycles on the performance model (its CUs from the start to the last halt, inputs in
+    place), or ``None`` when the run takes more than ``max_steps`` steps (then the estimates
+    rank the candidates). A candidate whose CUs do not all halt ranks last. The estimate is
+    a list schedule of per-node costs and can be tens of % off where the model is within a
+    few % of the RTL (``docs/compiler.md``, row splitting)."""
+
+    name = "the performance model"
+
+    def __init__(self, max_steps=MAX_RANK_STEPS):
+        self.max_steps = max_steps
+
+    def __call__(self, job):
+        timer, _ = prepare_interp(job, interpreter=OpTimer, max_steps=self.max_steps)
+        try:
+            cycles = timer.run_timed()
+        except StepLimitError:
+            return None
+        return float("inf") if cycles is None else cycles

@@ -99,6 +99,55 @@ def test_split_job_is_bit_exact_and_spreads_its_blocks():
     assert auto.split == 8 and auto.estimated_cycles == s8.estimated_cycles
 
 
+class _Rank:
+    """A rank that gives each candidate the cycles ``cycles(job)`` says, and notes the jobs."""
+
+    name = "a test's rank"
+
+    def __init__(self, cycles):
+        self.cycles, self.jobs = cycles, []
+
+    def __call__(self, job):
+        self.jobs.append(job)
+        return self.cycles(job)
+
+
+def test_a_rank_keeps_the_candidate_with_fewest_of_its_cycles():
+    """With ``rank``, the candidates (every strategy, split and unsplit) are kept by its cycles,
+    not by the estimate, and the summary says so; a rank that cannot tell one candidate leaves
+    the estimate's choice."""
+    params = fabric_params(rows=2, cols=2, prog_len=1024)
+    wl = workloads.build("mlp", batch=8, sizes=(16, 32, 16))
+    _, by_estimate = compile_workload(wl, params=params, partitioner="fastest", split="auto")
+    assert by_estimate.ranked == ()
+    # A rank that prefers the most estimated cycles: the slowest candidate by estimate wins.
+    estimates = {}
+
+    def cycles(job):
+        estimates[id(job)] = len(estimates)          # candidates in the order compiled
+        return 100 - len(estimates)
+
+    rank = _Rank(cycles)
+    job, kept = compile_workload(wl, params=params, partitioner="fastest", split="auto",
+                                 rank=rank)
+    assert len(rank.jobs) == 8                        # 4 strategies, unsplit and split
+    assert job is rank.jobs[-1] and kept.split == 2
+    how, best, n, first = kept.ranked
+    assert (how, best, n) == ("a test's rank", 92, 8)
+    assert any(line.startswith("kept by a test's rank: 92 cycles, the fewest of 8 candidates")
+               for line in kept.lines())
+    # One candidate the rank cannot tell: the estimates decide, as without a rank.
+    rank = _Rank(lambda job: None if len(rank.jobs) == 3 else 1)
+    _, kept = compile_workload(wl, params=params, partitioner="fastest", split="auto",
+                               rank=rank)
+    assert kept.ranked == () and kept.estimated_cycles == by_estimate.estimated_cycles
+    assert kept.partitioner == by_estimate.partitioner and kept.split == by_estimate.split
+    # One candidate only: nothing to rank.
+    rank = _Rank(lambda job: 1)
+    _, kept = compile_workload(wl, params=params, partitioner="heft", split=1, rank=rank)
+    assert rank.jobs == [] and kept.ranked == ()
+
+
 def test_split_cli_option(tmp_path, capsys):
     assert main(["compile", "mlp", "--size", "batch=4", "--size", "sizes=16,32,16", "--fabric",
                  "2x2", "--split", "2", "--partitioner", "greedy"]) == 0
