@@ -164,27 +164,37 @@ def mlp(*, batch=4, sizes=(64, 128, 64), seed=0):
 
 # --- transformer decoder step with a KV cache -----------------------------------------------
 
-def decoder_step(*, d_model=64, heads=4, d_ff=128, cache_len=8, seed=0):
-    """One decoding step of a transformer layer whose KV cache grows by one entry.
+def decoder_step(*, d_model=64, heads=4, d_ff=128, cache_len=8, batch=1, seed=0):
+    """One decoding step of a transformer layer whose KV cache grows by one entry, for
+    ``batch`` sequences at once (batched decoding, as a server with continuous batching runs
+    it: one new token of each sequence, each sequence with its own cache).
 
     Integer attention: scores ``q . K^T``, then ReLU attention (``relu(scores) >> s``
     saturated to [0, 127], an integer stand-in for softmax), then ``p @ V``; a residual
-    connection, and a ReLU feed-forward block with a second residual.
+    connection, and a ReLU feed-forward block with a second residual. The projections, the
+    output projection and the feed-forward block take the ``batch`` tokens as the rows of one
+    matmul; attention is per sequence, over its own cache.
 
-    Inputs ``x`` (1, d_model), ``k_cache`` and ``v_cache`` (cache_len, d_model), all int8;
-    outputs ``y`` (1, d_model) and the caches with one more row, ``k_cache_out`` and
-    ``v_cache_out`` (the ``append`` ops), which are the caches of the next step.
+    Inputs ``x`` (batch, d_model) and the caches ``k_cache`` and ``v_cache`` (batch *
+    cache_len, d_model; sequence ``i``'s entries are rows ``i * cache_len`` to ``(i + 1) *
+    cache_len``), all int8. Outputs ``y`` (batch, d_model) and the caches with one more entry
+    per sequence, ``k_cache_out`` and ``v_cache_out`` (batch * (cache_len + 1), d_model, laid
+    out alike: each sequence's ``append``, one after another), which are the caches of the next
+    step. With several sequences and an empty cache (``cache_len=0``) there are no cache
+    inputs.
 
     Parameters
     ----------
     d_model, heads, d_ff : int
         Model width, attention heads (dividing ``d_model``) and feed-forward width.
     cache_len : int
-        Entries already in the cache (0 for the first step).
+        Entries already in each cache (0 for the first step).
+    batch : int
+        Sequences decoded at once (one token each).
     seed : int
         Seed of the weights (the same for every step) and sample inputs.
     """
-    _check_sizes(d_model=d_model, heads=heads, d_ff=d_ff)
+    _check_sizes(d_model=d_model, heads=heads, d_ff=d_ff, batch=batch)
     if not isinstance(cache_len, int) or cache_len < 0:
         raise TypeError(f"cache_len must be a non-negative integer, not {cache_len!r}")
     if d_model % heads:
@@ -195,29 +205,51 @@ def decoder_step(*, d_model=64, heads=4, d_ff=128, cache_len=8, seed=0):
     w["w1"], w["w2"] = _weights(rng, (d_model, d_ff)), _weights(rng, (d_ff, d_model))
     s_in, s_att, s_ctx, s_ff = (_shift_for(d_model), _shift_for(dh) + 2,
                                 _shift_for(cache_len + 1) + 4, _shift_for(d_ff))
-    g = DataflowGraph(f"decoder_d{d_model}_h{heads}_f{d_ff}_t{cache_len}")
-    x = g.input("x", (1, d_model), "int8")
-    kc = g.input("k_cache", (cache_len, d_model), "int8")
-    vc = g.input("v_cache", (cache_len, d_model), "int8")
+    batched = "" if batch == 1 else f"_b{batch}"
+    g = DataflowGraph(f"decoder_d{d_model}_h{heads}_f{d_ff}_t{cache_len}{batched}")
+    x = g.input("x", (batch, d_model), "int8")
+    cached = batch == 1 or cache_len > 0
+    caches = {n: g.input(n, (batch * cache_len, d_model), "int8")
+              for n in ("k_cache", "v_cache") if cached}
     proj = {}
     for n in ("q", "k", "v"):
         m = g.add("matmul", x, g.const(f"w{n}", w[f"w{n}"]), name=f"{n}_proj")
         proj[n] = _requant(g, m, s_in, n)
-    k_all = g.add("append", kc, proj["k"], name="k_append")
-    v_all = g.add("append", vc, proj["v"], name="v_append")
-    g.output("k_cache_out", k_all)
-    g.output("v_cache_out", v_all)
-    ctx = []
-    for h in range(heads):
-        cols = {"axis": 1, "start": h * dh, "stop": (h + 1) * dh}
-        qh = g.add("slice", proj["q"], name=f"h{h}_q", **cols)
-        kh = g.add("slice", k_all, name=f"h{h}_k", **cols)
-        vh = g.add("slice", v_all, name=f"h{h}_v", **cols)
-        s = g.add("matmul", qh, g.add("transpose", kh, name=f"h{h}_kt"), name=f"h{h}_scores")
-        s = g.add("relu", s, name=f"h{h}_relu")
-        p = _requant(g, s, s_att, f"h{h}_p", lo=0)
-        ctx.append(_requant(g, g.add("matmul", p, vh, name=f"h{h}_pv"), s_ctx, f"h{h}_ctx"))
-    c = g.add("concat", *ctx, name="ctx", axis=1)
+    seq_ctx, appended = [], {"k": [], "v": []}
+    for i in range(batch):
+        pre = "" if batch == 1 else f"s{i}_"
+        new = {n: proj[n] if batch == 1 else
+               g.add("slice", proj[n], name=f"{pre}{n}", axis=0, start=i, stop=i + 1)
+               for n in ("q", "k", "v")}
+        for n in ("k", "v"):
+            if batch == 1:
+                appended[n].append(g.add("append", caches[f"{n}_cache"], new[n],
+                                         name=f"{n}_append"))
+            elif cached:
+                old = g.add("slice", caches[f"{n}_cache"], name=f"{pre}{n}_cache", axis=0,
+                            start=i * cache_len, stop=(i + 1) * cache_len)
+                appended[n].append(g.add("append", old, new[n], name=f"{pre}{n}_append"))
+            else:
+                appended[n].append(new[n])
+        if batch == 1:
+            for n in ("k", "v"):
+                g.output(f"{n}_cache_out", appended[n][0])
+        ctx = []
+        for h in range(heads):
+            cols = {"axis": 1, "start": h * dh, "stop": (h + 1) * dh}
+            qh = g.add("slice", new["q"], name=f"{pre}h{h}_q", **cols)
+            kh = g.add("slice", appended["k"][-1], name=f"{pre}h{h}_k", **cols)
+            vh = g.add("slice", appended["v"][-1], name=f"{pre}h{h}_v", **cols)
+            s = g.add("matmul", qh, g.add("transpose", kh, name=f"{pre}h{h}_kt"),
+                      name=f"{pre}h{h}_scores")
+            s = g.add("relu", s, name=f"{pre}h{h}_relu")
+            p = _requant(g, s, s_att, f"{pre}h{h}_p", lo=0)
+            ctx.append(_requant(g, g.add("matmul", p, vh, name=f"{pre}h{h}_pv"), s_ctx,
+                                f"{pre}h{h}_ctx"))
+        seq_ctx.append(g.add("concat", *ctx, name=f"{pre}ctx", axis=1))
+    for n in ("k", "v") if batch > 1 else ():
+        g.output(f"{n}_cache_out", g.add("concat", *appended[n], name=f"{n}_cache_all", axis=0))
+    c = seq_ctx[0] if batch == 1 else g.add("concat", *seq_ctx, name="ctx", axis=0)
     o = _requant(g, g.add("matmul", c, g.const("wo", w["wo"]), name="o_proj"), s_in, "o")
     h1 = g.add("clip", g.add("add", x, o, name="res1_add"), name="res1", dtype="int8")
     f = g.add("relu", g.add("matmul", h1, g.const("w1", w["w1"]), name="ff1"), name="ff1_relu")
@@ -229,29 +261,36 @@ def decoder_step(*, d_model=64, heads=4, d_ff=128, cache_len=8, seed=0):
     def reference(inputs):
         xv = inputs["x"]
         q, k, v = (_rq(_mm(xv, w[f"w{n}"]), s_in) for n in ("q", "k", "v"))
-        k_all = np.concatenate([inputs["k_cache"], k])
-        v_all = np.concatenate([inputs["v_cache"], v])
-        heads_out = []
-        for h in range(heads):
-            sl = slice(h * dh, (h + 1) * dh)
-            scores = np.maximum(_mm(q[:, sl], k_all[:, sl].T), 0)
-            p = _rq(scores, s_att, lo=0)
-            heads_out.append(_rq(_mm(p, v_all[:, sl]), s_ctx))
-        o = _rq(_mm(np.concatenate(heads_out, axis=1), w["wo"]), s_in)
+        k_all, v_all, ctx = [], [], []
+        for i in range(batch):
+            old = slice(i * cache_len, (i + 1) * cache_len)
+            kc = inputs["k_cache"][old] if cached else k[:0]
+            vc = inputs["v_cache"][old] if cached else v[:0]
+            k_all.append(np.concatenate([kc, k[i:i + 1]]))
+            v_all.append(np.concatenate([vc, v[i:i + 1]]))
+            for h in range(heads):
+                sl = slice(h * dh, (h + 1) * dh)
+                scores = np.maximum(_mm(q[i:i + 1, sl], k_all[-1][:, sl].T), 0)
+                p = _rq(scores, s_att, lo=0)
+                ctx.append(_rq(_mm(p, v_all[-1][:, sl]), s_ctx))
+        c = np.concatenate(ctx, axis=1).reshape(batch, d_model)
+        o = _rq(_mm(c, w["wo"]), s_in)
         h1 = np.clip(xv.astype(np.int32) + o, -128, 127).astype(np.int8)
         f = _rq(np.maximum(_mm(h1, w["w1"]), 0), s_in)
         f2 = _rq(_mm(f, w["w2"]), s_ff)
         y = np.clip(h1.astype(np.int32) + f2, -128, 127).astype(np.int8)
-        return {"y": y, "k_cache_out": k_all, "v_cache_out": v_all}
+        return {"y": y, "k_cache_out": np.concatenate(k_all),
+                "v_cache_out": np.concatenate(v_all)}
 
     def inputs():
-        return {"x": _activations(rng, (1, d_model)),
-                "k_cache": _activations(rng, (cache_len, d_model)),
-                "v_cache": _activations(rng, (cache_len, d_model))}
+        out = {"x": _activations(rng, (batch, d_model))}
+        for n in caches:
+            out[n] = _activations(rng, (batch * cache_len, d_model))
+        return out
 
     return Workload(g.name, g.validate(), inputs, reference,
                     {"d_model": d_model, "heads": heads, "d_ff": d_ff,
-                     "cache_len": cache_len, "seed": seed})
+                     "cache_len": cache_len, "batch": batch, "seed": seed})
 
 
 def run_decoder(steps, *, d_model=64, heads=4, d_ff=128, seed=0, use_reference=False):

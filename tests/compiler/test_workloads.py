@@ -14,10 +14,12 @@ from rdakit.compiler.graph import DataflowGraph, GraphError
     lambda: workloads.mlp(batch=1, sizes=(5, 3)),
     lambda: workloads.decoder_step(d_model=16, heads=2, d_ff=32, cache_len=5),
     lambda: workloads.decoder_step(d_model=16, heads=4, d_ff=16, cache_len=0),
+    lambda: workloads.decoder_step(d_model=16, heads=2, d_ff=16, cache_len=3, batch=3),
+    lambda: workloads.decoder_step(d_model=16, heads=2, d_ff=16, cache_len=0, batch=2),
     lambda: workloads.moe(tokens=12, d_model=8, d_ff=16, experts=4, k=2),
     lambda: workloads.switch(tokens=10, d_model=8, d_ff=8, experts=4),
     lambda: workloads.mixtral(tokens=16, d_model=8, d_ff=16),
-], ids=["mlp", "mlp1", "decoder", "decoder0", "moe", "switch", "mixtral"])
+], ids=["mlp", "mlp1", "decoder", "decoder0", "decoder_b3", "decoder0_b2", "moe", "switch", "mixtral"])
 def test_graph_matches_reference(build):
     wl = build()
     assert wl.check()
@@ -79,6 +81,28 @@ def test_kv_cache_grows_one_entry_per_step():
         assert all(np.array_equal(a[n], b[n]) for n in a)
 
 
+@pytest.mark.parametrize("cache_len", [0, 3])
+def test_batched_decoding_is_each_sequence_decoded_alone(cache_len):
+    """A step of ``batch`` sequences gives each sequence what a one-sequence step gives it:
+    its row of ``y`` and its rows of the caches, laid out one sequence after another."""
+    sizes = dict(d_model=16, heads=2, d_ff=16, cache_len=cache_len, seed=4)
+    wl = workloads.decoder_step(batch=4, **sizes)
+    inputs = wl.inputs
+    out = wl.graph.evaluate(inputs)
+    one = workloads.decoder_step(**sizes)
+    for i in range(4):
+        rows = slice(i * cache_len, (i + 1) * cache_len)
+        alone = one.graph.evaluate({"x": inputs["x"][i:i + 1],
+                                    **{n: inputs[n][rows] if cache_len else
+                                       np.zeros((0, 16), np.int8)
+                                       for n in ("k_cache", "v_cache")}})
+        assert np.array_equal(out["y"][i:i + 1], alone["y"])
+        new = slice(i * (cache_len + 1), (i + 1) * (cache_len + 1))
+        for n in ("k_cache_out", "v_cache_out"):
+            assert np.array_equal(out[n][new], alone[n]), (i, n)
+    assert wl.graph.name.endswith("_b4") and wl.options["batch"] == 4
+
+
 def test_build_by_name_and_errors():
     assert workloads.build("mlp", batch=2, sizes=(4, 4)).graph.name == "mlp_b2_4x4"
     with pytest.raises(ValueError, match="^Workload must be one of decoder, mixtral, mlp, moe, "
@@ -86,6 +110,8 @@ def test_build_by_name_and_errors():
         workloads.build("cnn")
     with pytest.raises(TypeError, match="^batch must be a positive integer, not 0$"):
         workloads.mlp(batch=0)
+    with pytest.raises(TypeError, match="^batch must be a positive integer, not 0$"):
+        workloads.decoder_step(batch=0)
     with pytest.raises(ValueError, match="^heads must divide d_model \\(10\\), not 3$"):
         workloads.decoder_step(d_model=10, heads=3)
     with pytest.raises(ValueError, match="^k must be at most experts \\(2\\), not 3$"):

@@ -34,6 +34,16 @@ def _sizes_args(name):
     return out
 
 
+#: Two sequences decoded in one step (``decoder_step(batch=...)``).
+BATCHED_DECODER = {**SMALLEST["decoder"], "batch": 2}
+
+
+def test_batched_decoding_on_the_model():
+    """Two sequences' step on the performance model: bit-exact, every buffer freed."""
+    (rows,) = e2e.run_many([RunSpec("decoder", BATCHED_DECODER, FABRIC_2X2)], sim="model")
+    _check_rows(rows, RunSpec("decoder", BATCHED_DECODER, FABRIC_2X2))
+
+
 def _check_rows(rows, spec):
     assert len(rows) == spec.iterations
     for r in rows:
@@ -271,6 +281,7 @@ def test_every_workload_on_the_rtl(simulator, fabric):
     testbench) and agree on every figure of every row, cycle for cycle."""
     require_simulator(simulator)
     specs = [RunSpec(name, sizes, fabric) for name, sizes in SMALLEST.items()]
+    specs.append(RunSpec("decoder", BATCHED_DECODER, fabric))
     results = e2e.run_many(specs, sim=simulator)
     assert len(results) == len(specs)
     for spec, rows in zip(specs, results, strict=True):
