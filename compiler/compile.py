@@ -35,7 +35,7 @@ from rdakit.compiler.workloads import WORKLOADS, Workload, build, load_graph
 from rdakit.hdl.spec.bitstream import write_bitstream
 
 __all__ = ["CompileSummary", "compile_workload", "placement_fabric", "bitstream_for",
-           "load_workload", "unused", "check_split", "FASTEST", "PARTITIONERS"]
+           "load_workload", "unused", "check_split", "FASTEST", "PARTITIONERS", "ORDERS"]
 
 #: ``partitioner="fastest"``: the job is compiled with each of these strategies and the one
 #: whose estimated cycles are the fewest is kept (the first on ties). A cut is not a makespan:
@@ -43,6 +43,10 @@ __all__ = ["CompileSummary", "compile_workload", "placement_fabric", "bitstream_
 #: fastest (docs/compiler.md). Mt-KaHyPar is left out: its answers differ from run to run, and
 #: a compile should not.
 FASTEST = ("multilevel", "greedy", "metis", "heft")
+
+#: What :func:`compile_workload` accepts as ``order``: each CU's ops in the graph's order, in
+#: the list schedule's, or candidates in both.
+ORDERS = ("graph", "schedule", "auto")
 
 #: What :func:`compile_workload` accepts as ``partitioner``: a strategy, or ``"fastest"``.
 PARTITIONERS = (*STRATEGIES, "fastest")
@@ -84,6 +88,8 @@ class CompileSummary:
         Row blocks of the split ops (1: none; :func:`~rdakit.compiler.split.split_rows`).
     split_nodes : int
         Nodes of the graph after splitting (``nodes`` is the graph's own).
+    order : str
+        The order of each CU's ops (``"graph"`` or ``"schedule"``, :func:`compile_workload`).
     ranked : tuple
         When several candidates were compiled (``partitioner="fastest"`` or ``split="auto"``)
         and ranked by a run (:func:`compile_workload`'s ``rank``): ``(how, cycles, candidates,
@@ -106,11 +112,13 @@ class CompileSummary:
     split: int = 1
     split_nodes: int = 0
     ranked: tuple = ()
+    order: str = "graph"
 
     def lines(self):
         """The summary as text lines."""
         rows = f", rows split {self.split} ways ({self.split_nodes} nodes)" if self.split > 1 \
             else ""
+        rows += ", ops in schedule order" if self.order == "schedule" else ""
         out = [f"graph {self.graph}: {self.nodes} nodes, partitioner {self.partitioner}{rows}",
                f"parts {self.parts}, cut {self.cut} bytes, imbalance {self.imbalance:.3f}, "
                f"estimated cycles {self.estimated_cycles} (lower bound "
@@ -229,7 +237,9 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
         estimated cycles.
     order : str
         The order of each CU's ops: ``"graph"`` (the graph's topological order; the estimate
-        schedules in that order too) or ``"schedule"`` (by start cycle in the list schedule by
+        schedules in that order too), ``"auto"`` (candidates in both orders, kept as
+        ``partitioner="fastest"`` keeps them) or ``"schedule"`` (by start cycle in the list
+        schedule by
         upward rank, :class:`~rdakit.compiler.lower.passes.ScheduleOrder`).
     progress : callable, optional
         ``progress(stage, done=None, total=None)``, called at each stage (``"partitioning"``,
@@ -271,7 +281,9 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
     check_split(split)
     if not isinstance(streams, bool):
         raise ValueError(f"streams must be True or False, not {streams!r}")
-    if partitioner == "fastest" or split == "auto":
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {', '.join(map(repr, ORDERS))}, not {order!r}")
+    if partitioner == "fastest" or split == "auto" or order == "auto":
         return _fastest(workload, sizes=sizes, params=params, seed=seed,
                         place_steps=place_steps, inputs=inputs, cost=cost,
                         schedule_cost=schedule_cost, order=order, progress=progress,
@@ -281,8 +293,6 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
     check_steps("place_steps", place_steps)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"seed must be an integer, not {seed!r}")
-    if order not in ("graph", "schedule"):
-        raise ValueError(f"order must be 'graph' or 'schedule', not {order!r}")
     progress = progress or (lambda stage, done=None, total=None: None)
     wl = load_workload(workload, sizes)
     graph = wl.graph if split == 1 else split_graph(wl.graph, split, lanes=params.cu.lanes)
@@ -318,7 +328,7 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
         mu_buffers={mu: (u["host_buffers"], u["bound_words"], u["bound_slots"])
                     for mu, u in job.mu_usage.items()},
         unused=unused(graph), partition_warnings=result.warnings,
-        split=split if len(graph) != len(wl.graph) else 1, split_nodes=len(graph))
+        split=split if len(graph) != len(wl.graph) else 1, split_nodes=len(graph), order=order)
     job.workload = wl
     return job, summary
 
@@ -331,10 +341,11 @@ def check_split(split):
         raise ValueError(f"split must be a positive integer or 'auto', not {split!r}")
 
 
-def _fastest(workload, *, strategies, split, rank, **options):
+def _fastest(workload, *, strategies, split, rank, order, **options):
     """The job with the fewest cycles of each strategy in ``strategies`` and, with
     ``split="auto"``, each also with the rows split over the fabric's CUs (the unsplit job
-    first: it is kept on ties). Cycles are ``rank``'s when it gives every candidate's (see
+    first: it is kept on ties), and with ``order="auto"`` each in both orders (the graph's
+    first). Cycles are ``rank``'s when it gives every candidate's (see
     :func:`compile_workload`), else the estimates. Its summary's ``partitioner`` says
     ``fastest: <strategy>`` when several strategies were tried. A candidate that cannot compile
     the workload is passed over, and when none can, the first one's error is raised."""
@@ -350,10 +361,12 @@ def _fastest(workload, *, strategies, split, rank, **options):
         splits = [split]
     for ways in splits:
         for name in strategies:
-            try:
-                candidates.append(compile_workload(wl, partitioner=name, split=ways, **options))
-            except (LoweringError, PlacementError, PartitionError) as e:
-                first_error = first_error or e
+            for each in ("graph", "schedule") if order == "auto" else (order,):
+                try:
+                    candidates.append(compile_workload(wl, partitioner=name, split=ways,
+                                                       order=each, **options))
+                except (LoweringError, PlacementError, PartitionError) as e:
+                    first_error = first_error or e
     if not candidates:
         raise first_error
     by_estimate = min(range(len(candidates)),

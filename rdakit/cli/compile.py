@@ -16,7 +16,13 @@ from rdakit.cli.options import (
 )
 from rdakit.cli.outputs import add_input, add_output
 from rdakit.cli.progress import progress_bar
-from rdakit.compiler.compile import PARTITIONERS, bitstream_for, compile_workload, load_workload
+from rdakit.compiler.compile import (
+    ORDERS,
+    PARTITIONERS,
+    bitstream_for,
+    compile_workload,
+    load_workload,
+)
 from rdakit.compiler.graph import GraphError
 from rdakit.compiler.lower import LoweringError
 from rdakit.compiler.lower.lowerer import ProgramTooLong
@@ -63,7 +69,7 @@ def _grid(kw):
 
 
 def choose_fabric(workload, candidates, *, name, partitioner, seed, place_steps, split=None,
-                  streams=True):
+                  streams=True, order="graph"):
     """The first fabric of ``candidates`` (keyword dicts of :func:`fabric_params`, from
     :func:`~rdakit.cli.options.fabric_candidates`) on which the compiler fits ``workload``
     (called ``name``, as the user typed it), and a sentence saying so (``None`` if there was
@@ -90,7 +96,8 @@ def choose_fabric(workload, candidates, *, name, partitioner, seed, place_steps,
             continue
         try:
             compile_workload(workload, params=fabric_params(**kw), partitioner=partitioner,
-                             seed=seed, place_steps=place_steps, split=split, streams=streams)
+                             seed=seed, place_steps=place_steps, split=split, streams=streams,
+                             order=order)
         except FIT_ERRORS as e:
             last = tried[same] = e
             continue
@@ -130,6 +137,7 @@ def parse_split(text):
 
 def _check(args):
     args.partitioner = args.partitioner or "fastest"
+    args.order = args.order or "auto"
     args.split = parse_split(args.split)
     args.sizes = parse_sizes(args.size)
     check_sizes(args.workload, args.sizes, fabric_candidates(args))
@@ -140,14 +148,14 @@ def _compile(args):
     kw, chosen = choose_fabric(workload, fabric_candidates(args), name=args.workload,
                                partitioner=args.partitioner, seed=args.seed,
                                place_steps=args.place_steps, split=args.split,
-                               streams=args.streams)
+                               streams=args.streams, order=args.order)
     params = fabric_params(**kw)
     try:
         with progress_bar(sys.stderr.isatty()) as progress:
             job, summary = compile_workload(
                 workload, params=params, partitioner=args.partitioner, seed=args.seed,
                 place_steps=args.place_steps, progress=progress, split=args.split,
-                streams=args.streams, rank=ModelRank(),
+                streams=args.streams, order=args.order, rank=ModelRank(),
                 schedule_cost=cost_model(workload, params=params, progress=progress))
     except FIT_ERRORS as e:
         raise UserError(f"{e}{_hint(e)}") from None
@@ -189,6 +197,10 @@ def add_workload_arguments(p):
                    help="lower the edges between CUs that qualify as streams between CUs "
                         "(the default; --no-streams: every edge through an MU buffer; "
                         "docs/compiler.md, Streams between CUs)")
+    p.add_argument("--order", default=None, choices=ORDERS,
+                   help="the order of each CU's ops: the graph's, the list schedule's, or auto "
+                        "(the default): compiled both ways, keeping the faster "
+                        "(docs/compiler.md)")
     add_number(p, "--seed", low=0, default=0, help="seed of the placement (default 0)")
     add_number(p, "--place-steps", low=0, high=MAX_PLACE_STEPS,
                reason="about 10 us a step: a million take tens of seconds", default=20000,

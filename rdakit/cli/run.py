@@ -49,7 +49,8 @@ def spec_from_args(args, *, iterations=1, fabric=None):
                        fabric=fabric or fabric_dict(args), partitioner=args.partitioner,
                        seed=args.seed, iterations=iterations, place_steps=args.place_steps,
                        split=getattr(args, "split", None),
-                       streams=getattr(args, "streams", True))
+                       streams=getattr(args, "streams", True),
+                       order=getattr(args, "order", "graph"))
 
 
 def compile_or_explain(spec, cost=None):
@@ -75,6 +76,9 @@ def _check(args):
         if args.split is not None:
             raise UserError("--split applies to one fabric; across clusters each cluster's "
                             "ops are not split")
+        if args.order is not None:
+            raise UserError("--order applies to one fabric; across clusters each CU's ops "
+                            "run in the graph's order")
         if args.partitioner == "fastest":
             raise UserError("--partitioner fastest compiles one fabric with several strategies; "
                             "across clusters name one of the strategies (default multilevel)")
@@ -82,6 +86,7 @@ def _check(args):
         args.system_spec = system_spec_from_args(args)
         return
     args.partitioner = args.partitioner or "fastest"
+    args.order = args.order or "auto"
     for opt in ("slow_cluster", "inject_load", "cluster_cus", "link_width"):
         if getattr(args, opt) is not None:
             raise UserError(f"--{opt.replace('_', '-')} needs --clusters N")
@@ -109,7 +114,7 @@ def _run(args):
     kw, chosen = choose_fabric(workload, fabric_candidates(args), name=args.workload,
                                partitioner=args.partitioner, seed=args.seed,
                                place_steps=args.place_steps, split=args.split,
-                               streams=args.streams)
+                               streams=args.streams, order=args.order)
     spec = spec_from_args(args, iterations=args.adapt or 1, fabric=kw)
     params = spec.params
     _, summary = compile_or_explain(spec)

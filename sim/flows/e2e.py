@@ -135,6 +135,9 @@ class RunSpec:
     streams : bool
         Edges between CUs that qualify lowered as streams between CUs (``compile_workload``'s
         ``streams``).
+    order : str
+        The order of each CU's ops (``compile_workload``'s ``order``: ``"graph"``,
+        ``"schedule"`` or ``"auto"``, both ranked).
     """
 
     workload: str
@@ -147,6 +150,7 @@ class RunSpec:
     max_cycles: int | None = None
     split: int | str | None = None
     streams: bool = True
+    order: str = "graph"
 
     def __post_init__(self):
         if not isinstance(self.iterations, int) or self.iterations < 1:
@@ -194,7 +198,8 @@ class RunSpec:
         return compile_workload(workload, params=params, partitioner=self.partitioner,
                                 seed=self.seed, place_steps=self.place_steps, cost=cost,
                                 schedule_cost=schedule_cost, progress=progress,
-                                split=self.split, streams=self.streams, rank=ModelRank())
+                                split=self.split, streams=self.streams, order=self.order,
+                                rank=ModelRank())
 
 
 #: The MU counters an iteration's row reports (``allocs``, ``frees``, ``leaked_buffers``,

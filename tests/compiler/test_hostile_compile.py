@@ -227,7 +227,7 @@ def test_sample_inputs_are_made_only_once_the_graph_fits():
     ("place_steps", -1, "place_steps must be an integer from 0 to 1000000, not -1"),
     ("place_steps", 2.5, "place_steps must be an integer from 0 to 1000000, not 2.5"),
     ("seed", "7", "seed must be an integer, not '7'"),
-    ("order", "random", "order must be 'graph' or 'schedule', not 'random'"),
+    ("order", "random", "order must be one of 'graph', 'schedule', 'auto', not 'random'"),
     ("partitioner", "best", "Strategy must be one of auto, multilevel, greedy, dqn, heft, "
                             "round_robin, static, metis, mtkahypar, not 'best'"),
 ])

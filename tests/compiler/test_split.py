@@ -142,6 +142,16 @@ def test_a_rank_keeps_the_candidate_with_fewest_of_its_cycles():
                                rank=rank)
     assert kept.ranked == () and kept.estimated_cycles == by_estimate.estimated_cycles
     assert kept.partitioner == by_estimate.partitioner and kept.split == by_estimate.split
+    # order="auto": every candidate in both orders, the graph's first.
+    rank = _Rank(lambda job: 1)
+    _, kept = compile_workload(wl, params=params, partitioner="heft", split="auto",
+                               order="auto", rank=rank)
+    assert len(rank.jobs) == 4 and kept.order == "graph" and kept.ranked[2] == 4
+    rank = _Rank(lambda job: 10 - len(rank.jobs))          # the last: split, schedule order
+    _, kept = compile_workload(wl, params=params, partitioner="heft", split="auto",
+                               order="auto", rank=rank)
+    assert kept.order == "schedule" and kept.split == 2
+    assert "ops in schedule order" in kept.lines()[0]
     # One candidate only: nothing to rank.
     rank = _Rank(lambda job: 1)
     _, kept = compile_workload(wl, params=params, partitioner="heft", split=1, rank=rank)
@@ -158,6 +168,12 @@ def test_split_cli_option(tmp_path, capsys):
                                            f"number of row blocks, not {bad!r}\n")
     assert main(["run", "mlp", "--clusters", "2", "--split", "2"]) == 2
     assert "--split applies to one fabric" in capsys.readouterr().err
+    assert main(["run", "mlp", "--clusters", "2", "--order", "graph"]) == 2
+    assert "--order applies to one fabric" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["compile", "mlp", "--order", "random"])
+    assert e.value.code == 2
+    assert "argument --order: invalid choice: 'random'" in capsys.readouterr().err
 
 
 def test_each_cus_constant_pool_is_in_its_home_mu():

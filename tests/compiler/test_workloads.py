@@ -19,7 +19,8 @@ from rdakit.compiler.graph import DataflowGraph, GraphError
     lambda: workloads.moe(tokens=12, d_model=8, d_ff=16, experts=4, k=2),
     lambda: workloads.switch(tokens=10, d_model=8, d_ff=8, experts=4),
     lambda: workloads.mixtral(tokens=16, d_model=8, d_ff=16),
-], ids=["mlp", "mlp1", "decoder", "decoder0", "decoder_b3", "decoder0_b2", "moe", "switch", "mixtral"])
+], ids=["mlp", "mlp1", "decoder", "decoder0", "decoder_b3", "decoder0_b2", "moe", "switch",
+        "mixtral"])
 def test_graph_matches_reference(build):
     wl = build()
     assert wl.check()

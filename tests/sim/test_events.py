@@ -120,7 +120,8 @@ def test_schedule_order_runs_bit_exact(workload):
 
 
 def test_an_unknown_order_is_refused():
-    with pytest.raises(ValueError, match="^order must be 'graph' or 'schedule', not 'rank'$"):
+    with pytest.raises(ValueError,
+                       match="^order must be one of 'graph', 'schedule', 'auto', not 'rank'$"):
         compile_workload("mlp", sizes=SMALLEST["mlp"], params=P, order="rank")
 
 
