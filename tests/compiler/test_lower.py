@@ -207,7 +207,7 @@ def test_same_bytes_under_two_hash_seeds(tmp_path, name, partitioner):
         subprocess.run([sys.executable, "-m", "rdakit", "compile", name,
                         *[a for s in sizes for a in ("--size", s)], "--fabric", "4x4",
                         "--prog-len", "2048", "--partitioner", partitioner,
-                        "--place-steps", "500", "-o", str(out)],
+                        "--place-steps", "500", "--order", "graph", "-o", str(out)],
                        check=True, capture_output=True,
                        env=dict(os.environ, PYTHONHASHSEED=seed))
         outs.append(out.read_bytes())
