@@ -83,7 +83,8 @@ MAX_CYCLES = 2_000_000
 RTL_BUDGET = 4
 
 #: The simulators: the performance model (default), the RTL in Amaranth's simulator, and the
-#: RTL's Verilog under cocotb on Verilator or Icarus (one build per scheme).
+#: RTL's Verilog on Verilator (a harness executable driven from this process) or under cocotb
+#: on Icarus (one build per scheme).
 COCOTB_SIMS = ("verilator", "icarus")
 SIMS = ("model", "amaranth", *COCOTB_SIMS)
 
@@ -308,8 +309,30 @@ def run_traced(job, *, sim="model", precheck=False):
         model = run_traced(job, sim="model")
         if model.result is None:
             return Run(job, None, model.error, {}, {})
-        return _run_cocotb(job, sim, RTL_BUDGET * model.result.cycles + 10_000)
+        budget = RTL_BUDGET * model.result.cycles + 10_000
+        if sim == "verilator":
+            return _run_direct(job, budget)
+        return _run_cocotb(job, sim, budget)
     raise ValueError(f"sim must be one of {', '.join(SIMS)}, not {sim!r}")
+
+
+def _run_direct(job, budget):
+    """``job`` on the fabric's Verilog built into a Verilator harness executable and driven
+    from this process (``e2e.fabric_harness``, the one ``rdakit run --sim verilator`` drives:
+    one build per scheme's fabric, cached): a :class:`Run` with the fabric's counters."""
+    from rdakit.sim.flows.e2e import VERILATOR_BUILD, fabric_harness
+    from rdakit.sim.runtime.host import harness_host
+    from rdakit.sim.verify.runner import HarnessProcess
+
+    params = job.params
+    harness = fabric_harness(params, VERILATOR_BUILD)
+
+    async def session(proc):
+        return await _run(await harness_host(proc, params), job, None, budget)
+
+    with HarnessProcess(harness) as proc:
+        result, error, counters = asyncio.run(session(proc))
+    return Run(job, result, error, counters, {})
 
 
 def _run_cocotb(job, sim, budget):

@@ -20,6 +20,7 @@ from rdakit.sim.bench.memory import (
     speculative_rows,
     weight_rows,
 )
+from rdakit.sim.verify.runner import require_simulator
 
 #: Two sizes: short caches (a few blocks) and caches that outgrow their reservation many times
 #: over, at a pressure where reserve-and-copy runs out of address space.
@@ -245,12 +246,17 @@ def test_a_recipe_rebuilds_the_same_job():
         assert all((again.expected[k] == v).all() for k, v in job.expected.items())
 
 
-@pytest.mark.slow   # 60 s: an Icarus build and run of the 2x3 fabric under cocotb
-def test_icarus_agrees_with_the_model():
-    """The cocotb path (the job rebuilt from its recipe in the simulator's process): bit-exact,
-    the same allocations, frees and copied words as the model."""
+@pytest.mark.parametrize("sim", [
+    # 60 s: an Icarus build and run of the 2x3 fabric under cocotb.
+    pytest.param("icarus", marks=pytest.mark.slow),
+    pytest.param("verilator", marks=pytest.mark.cosim)])
+def test_the_verilog_agrees_with_the_model(sim):
+    """On Icarus the cocotb path (the job rebuilt from its recipe in the simulator's process),
+    on Verilator the harness driven from this process: bit-exact, the same allocations, frees
+    and copied words as the model."""
+    require_simulator(sim)
     tiny = Size("tiny", 3, 2, 6, slots=1)
-    rtl = run_workload("reserve", tiny, sim="icarus")
+    rtl = run_workload("reserve", tiny, sim=sim)
     model = run_workload("reserve", tiny)
     assert rtl.error is None and rtl.result.cycles > 0
     for key in ("allocs", "frees", "copy_cycles"):
