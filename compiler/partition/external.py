@@ -30,7 +30,7 @@ import numpy as np
 from rdakit.compiler.partition import PartitionError, PartitionWarning
 from rdakit.compiler.partition.balance import part_limits
 
-__all__ = ["Metis", "MtKaHyPar", "metis_part_graph", "mtkahypar_available"]
+__all__ = ["Metis", "MtKaHyPar", "metis_part_graph", "mtkahypar_missing"]
 
 
 def metis_part_graph(nparts, indptr, adj, *, vweights=None, eweights=None, tpwgts=None,
@@ -172,8 +172,8 @@ class Metis:
 _MTKAHYPAR = {}
 
 
-def mtkahypar_available():
-    """``None`` if Mt-KaHyPar can be imported, else the reason it cannot."""
+def mtkahypar_missing():
+    """Why Mt-KaHyPar cannot be imported, or ``None`` when it can."""
     try:
         import mtkahypar  # noqa: F401  (deferred: it may not import; this probes it)
     except ImportError as e:
@@ -182,7 +182,7 @@ def mtkahypar_available():
 
 
 def _mtkahypar(threads):
-    reason = mtkahypar_available()
+    reason = mtkahypar_missing()
     if reason is not None:
         raise PartitionError(f"The Mt-KaHyPar partitioner is unavailable: {reason} "
                              f"(install the 'mtkahypar' package)")

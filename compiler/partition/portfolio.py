@@ -26,7 +26,7 @@ import numpy as np
 
 from rdakit.compiler.partition.balance import overload, part_limits
 from rdakit.compiler.partition.base import PartitionWarning, get_strategy
-from rdakit.compiler.partition.external import mtkahypar_available
+from rdakit.compiler.partition.external import mtkahypar_missing
 from rdakit.compiler.partition.multilevel import refine_kway
 
 __all__ = ["Auto", "MEMBERS"]
@@ -66,7 +66,7 @@ class Auto:
     def strategies(self):
         """The member strategies that can run here."""
         return [get_strategy(m, eps=self.eps, seed=self.seed) for m in self.members
-                if not (m == "mtkahypar" and mtkahypar_available())]
+                if not (m == "mtkahypar" and mtkahypar_missing())]
 
     def partition(self, graph, targets):
         return self.choose(graph, targets)[1]

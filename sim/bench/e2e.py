@@ -16,7 +16,7 @@ Every run is checked bit for bit against numpy and the interpreter; a failed run
 in the ``check`` column and makes the command exit 1.
 """
 
-from rdakit.compiler.partition.external import mtkahypar_available
+from rdakit.compiler.partition.external import mtkahypar_missing
 from rdakit.sim.bench.partition import PARTITIONERS
 from rdakit.sim.flows.e2e import SMALLEST, RunSpec, failure, run_many
 
@@ -35,7 +35,7 @@ MEMORY_SCHEMES = {
 
 def partitioners():
     """The partitioners the benchmark compares (Mt-KaHyPar only when it is installed)."""
-    return [p for p in PARTITIONERS if not (p == "mtkahypar" and mtkahypar_available())]
+    return [p for p in PARTITIONERS if not (p == "mtkahypar" and mtkahypar_missing())]
 
 
 def specs(fabric, *, workloads=WORKLOADS, names=None, place_steps=20000):

@@ -46,7 +46,7 @@ from rdakit.compiler.partition import (
     run_strategy,
 )
 from rdakit.compiler.partition.balance import within_limits
-from rdakit.compiler.partition.external import mtkahypar_available
+from rdakit.compiler.partition.external import mtkahypar_missing
 from rdakit.compiler.partition.wgraph import WeightedGraph
 from rdakit.errors import UserError
 from rdakit.sim.bench import models as model_bench
@@ -217,7 +217,7 @@ def run(*, quick=False, json_path=None, console=None, seed=0, graph=None, units=
     else:
         agent = dqn.DQNAgent.load(dqn.DEFAULT_WEIGHTS)
         cases = [("user", graph, int(k)) for k in units]
-    skip = mtkahypar_available()
+    skip = mtkahypar_missing()
     names = [p for p in PARTITIONERS if not (p == "mtkahypar" and skip)]
     rows, span_rows, ratios, vs_kahypar = [], [], [], []
     for family, g, k in cases:

@@ -26,7 +26,7 @@ from rdakit.compiler.lower import (
     replay_refs,
 )
 from rdakit.compiler.partition import STRATEGIES
-from rdakit.compiler.partition.external import mtkahypar_available
+from rdakit.compiler.partition.external import mtkahypar_missing
 from rdakit.compiler.placement import place
 from rdakit.hdl.spec.bitstream import read_bitstream
 from rdakit.hdl.spec.isa import AluFn, Op, alu
@@ -49,7 +49,7 @@ SIZES = {
     "switch": dict(tokens=8, d_model=12, d_ff=8, experts=4),
     "mixtral": dict(tokens=8, d_model=8, d_ff=12),
 }
-PARTITIONERS = [p for p in STRATEGIES if p != "mtkahypar" or mtkahypar_available() is None]
+PARTITIONERS = [p for p in STRATEGIES if p != "mtkahypar" or mtkahypar_missing() is None]
 
 
 def compile_(name, params, partitioner="multilevel", sizes=None):

@@ -22,13 +22,13 @@ from rdakit.compiler.partition.base import (
     get_strategy,
     partition,
 )
-from rdakit.compiler.partition.external import Metis, metis_part_graph, mtkahypar_available
+from rdakit.compiler.partition.external import Metis, metis_part_graph, mtkahypar_missing
 from rdakit.compiler.partition.heft import HEFT
 from rdakit.compiler.partition.multilevel import MultilevelKL
 from rdakit.compiler.partition.wgraph import WeightedGraph
 
 EXAMPLES = 8 if os.environ.get("CI") else 25
-NO_KAHYPAR = mtkahypar_available()
+NO_KAHYPAR = mtkahypar_missing()
 CUT_BASED = ["multilevel", "metis"] + ([] if NO_KAHYPAR else ["mtkahypar"])
 ALL = [s for s in STRATEGIES if not (s == "mtkahypar" and NO_KAHYPAR)]
 
@@ -249,7 +249,7 @@ def test_mtkahypar():
 
 def test_mtkahypar_unavailable(monkeypatch):
     from rdakit.compiler.partition import external
-    monkeypatch.setattr(external, "mtkahypar_available", lambda: "no module named 'mtkahypar'")
+    monkeypatch.setattr(external, "mtkahypar_missing", lambda: "no module named 'mtkahypar'")
     with pytest.raises(PartitionError, match="^The Mt-KaHyPar partitioner is unavailable: no "
                                              "module named 'mtkahypar'"):
         external.MtKaHyPar().partition(WeightedGraph.path(4), Targets(2))

@@ -19,11 +19,11 @@ from rdakit.compiler.partition import (
     partition,
 )
 from rdakit.compiler.partition.balance import part_limits, within_limits
-from rdakit.compiler.partition.external import MtKaHyPar, mtkahypar_available
+from rdakit.compiler.partition.external import MtKaHyPar, mtkahypar_missing
 from rdakit.compiler.partition.wgraph import GraphFileError, WeightedGraph, load
 from rdakit.compiler.placement import place
 
-NO_KAHYPAR = mtkahypar_available()
+NO_KAHYPAR = mtkahypar_missing()
 
 
 @pytest.fixture(scope="module")
