@@ -97,6 +97,28 @@ def lower(graph, parts, placement, params, *, inputs=None, streams=False):
                 raise
 
 
+#: Lowerings :func:`_lower_tables` may run to size the CUs' reference tables.
+MAX_TABLE_PASSES = 8
+
+
+def _lower_tables(plan, params, pools, streams, refused, inputs, graph):
+    """Lower ``plan``, lowering again with room reserved while some CU needs a larger reference
+    table than the last lowering reserved. Reserving the room can change what else fits (the
+    local buffer's room decides which edges stream and which forms templates take, and so how
+    many references a CU holds), so the reservations only grow, each to the largest need
+    seen, until a lowering fits in them."""
+    tables = {}
+    for _ in range(MAX_TABLE_PASSES):
+        job = Lowerer(plan, params, tables=tables or None, pools=pools, streams=streams,
+                      refused=refused).run(inputs, graph)
+        if not isinstance(job, dict):
+            return job
+        tables = {cu: max(n, tables.get(cu, 0)) for cu, n in {**tables, **job}.items()}
+    raise LoweringError(f"The CUs' reference tables did not settle in {MAX_TABLE_PASSES} "
+                        f"lowerings (entries last needed: "
+                        f"{', '.join(f'CU {cu} {n}' for cu, n in sorted(job.items()))})")
+
+
 def _lower_streams(plan, params, pools, streams, inputs, graph):
     """Lower ``plan``; the edges between CUs the walk refuses as streams (:class:`StreamsRefused`)
     go through MUs in the next try, until the walk refuses none (each try refuses at least one
@@ -105,15 +127,7 @@ def _lower_streams(plan, params, pools, streams, inputs, graph):
     refused = frozenset()
     while True:
         try:
-            job = Lowerer(plan, params, pools=pools, streams=streams,
-                          refused=refused).run(inputs, graph)
-            if isinstance(job, dict):
-                # Some CUs need a reference table: lower again with room reserved for them.
-                job = Lowerer(plan, params, tables=job, pools=pools, streams=streams,
-                              refused=refused).run(inputs, graph)
-                if isinstance(job, dict):  # pragma: no cover - the tables do not depend on MUs
-                    raise AssertionError(f"reference tables changed between passes: {job}")
-            return job
+            return _lower_tables(plan, params, pools, streams, refused, inputs, graph)
         except StreamsRefused as e:
             refused |= e.edges
         except ProgramTooLong:

@@ -25,6 +25,7 @@ from rdakit.compiler.lower import (
     lower,
     replay_refs,
 )
+from rdakit.compiler.lower.lowerer import ProgramTooLong
 from rdakit.compiler.partition import STRATEGIES
 from rdakit.compiler.partition.external import mtkahypar_missing
 from rdakit.compiler.placement import place
@@ -635,3 +636,39 @@ def test_macs_count_the_tokens_routed_to_each_expert():
     p = fabric_params(rows=2, cols=2, prog_len=2048, mu_words=8192)
     job, _ = compile_workload(wl, params=p, partitioner="multilevel")
     assert job.macs == t * d * e + t * k * (d * f + f * d)
+
+
+def test_reference_tables_grow_until_a_lowering_fits_them(monkeypatch):
+    """A 16-sequence decoder step in the list schedule's order: reserving the reference tables
+    the first lowering asked for changes what else fits, the second lowering asks for larger
+    ones, and the third fits them (this was an AssertionError, a traceback for the user). The
+    job is bit-exact on the interpreter."""
+    from rdakit.compiler.lower import lowerer
+    from tests.conftest import assert_interpreter_matches
+
+    asked = []
+    run = lowerer.Lowerer.run
+
+    def counted(self, inputs, graph):
+        out = run(self, inputs, graph)
+        asked.append(out if isinstance(out, dict) else None)
+        return out
+
+    monkeypatch.setattr(lowerer.Lowerer, "run", counted)
+    params = fabric_params(4, 4, mu_words=16384, prog_len=4096, max_buffers=64)
+    wl = workloads.decoder_step(d_model=64, cache_len=16, batch=16)
+    job, _ = compile_workload(wl, params=params, partitioner="heft", order="schedule",
+                              place_steps=500)
+    assert len(asked) == 3 and asked[2] is None
+    assert any(asked[1][cu] > asked[0].get(cu, 0) for cu in asked[1])
+    assert_interpreter_matches(job, wl.reference(wl.inputs))
+
+
+def test_reference_tables_that_need_a_longer_program_are_a_fit_error():
+    """Growing tables that end in programs too long for the CUs: the compiler's fit error, which
+    names the CU and its length (an AssertionError before)."""
+    params = fabric_params(2, 2, mu_words=16384, prog_len=4096, max_buffers=64)
+    with pytest.raises(ProgramTooLong, match=r"^The program of CU \(\d, \d\) .* is \d+ "
+                                             r"instructions long but prog_len is 4096"):
+        compile_workload("decoder", sizes=dict(d_model=16, cache_len=4, batch=12),
+                         params=params, partitioner="heft", place_steps=500)
