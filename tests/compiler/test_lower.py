@@ -664,9 +664,9 @@ def test_reference_tables_grow_until_a_lowering_fits_them(monkeypatch):
     assert_interpreter_matches(job, wl.reference(wl.inputs))
 
 
-def test_reference_tables_that_need_a_longer_program_are_a_fit_error():
-    """Growing tables that end in programs too long for the CUs: the compiler's fit error, which
-    names the CU and its length (an AssertionError before)."""
+def test_a_batched_decoder_too_long_for_the_programs_is_a_fit_error():
+    """Twelve sequences' attention on two CUs, with and without streams between them: the
+    compiler's fit error, naming the CU and its program's length."""
     params = fabric_params(2, 2, mu_words=16384, prog_len=4096, max_buffers=64)
     with pytest.raises(ProgramTooLong, match=r"^The program of CU \(\d, \d\) .* is \d+ "
                                              r"instructions long but prog_len is 4096"):
