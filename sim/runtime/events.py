@@ -14,7 +14,7 @@ took: the :class:`~rdakit.compiler.cost.TimedCostModel` the estimates use.
 
 import collections
 
-from rdakit.compiler.compile import compile_workload, load_workload
+from rdakit.compiler.compile import bitstream_for, compile_workload, load_workload
 from rdakit.compiler.cost import CostModel, TimedCostModel
 from rdakit.compiler.graph import MEMORY_KINDS
 from rdakit.compiler.lower import LoweringError
@@ -252,16 +252,26 @@ class ModelRank:
     """The ``rank`` of :func:`~rdakit.compiler.compile.compile_workload`: a candidate job's
     cycles on the performance model (its CUs from the start to the last halt, inputs in
     place), or ``None`` when the run takes more than ``max_steps`` steps (then the estimates
-    rank the candidates). A candidate whose CUs do not all halt ranks last. The estimate is
-    a list schedule of per-node costs and can be tens of % off where the model is within a
-    few % of the RTL (``docs/compiler.md``, row splitting)."""
+    rank the candidates). A candidate whose CUs do not all halt ranks last; one with the
+    bitstream and host buffers of an earlier one (strategies often agree) is not run again.
+    The estimate is a list schedule of per-node costs and can be tens of % off where the model
+    is within a few % of the RTL (``docs/compiler.md``, row splitting)."""
 
     name = "the performance model"
 
     def __init__(self, max_steps=MAX_RANK_STEPS):
         self.max_steps = max_steps
+        self.runs = {}             # the same bitstream and buffers -> the same run, run once
 
     def __call__(self, job):
+        key = (bitstream_for(job), tuple(
+            (b.name, b.mu, b.weight, None if b.data is None else b.data.tobytes())
+            for b in job.buffers))
+        if key not in self.runs:
+            self.runs[key] = self._run(job)
+        return self.runs[key]
+
+    def _run(self, job):
         timer, _ = prepare_interp(job, interpreter=OpTimer, max_steps=self.max_steps)
         try:
             cycles = timer.run_timed()

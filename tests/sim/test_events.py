@@ -152,10 +152,17 @@ def test_combine_accumulates_in_the_local_buffer_when_the_output_fits(local_word
     assert streams == (routed + 5 if local_sum else 2 * routed + 1)
 
 
-def test_model_rank_is_the_performance_models_run(moe_job):
+def test_model_rank_is_the_performance_models_run(moe_job, monkeypatch):
     model, _ = prepare_interp(moe_job, interpreter=PerfInterpreter)
-    assert ModelRank()(moe_job) == model.run_timed()
+    rank = ModelRank()
+    assert rank(moe_job) == model.run_timed()
     assert ModelRank(max_steps=10)(moe_job) is None          # too long to tell
+    # The same job again (as another strategy's candidate) is not run again; another is.
+    runs = []
+    monkeypatch.setattr(rank, "_run", lambda job: runs.append(job) or 7)
+    assert rank(moe_job) == model.run_timed() and runs == []
+    other, _ = compile_workload("moe", sizes=SMALLEST["moe"], params=P, partitioner="heft")
+    assert rank(other) == 7 and runs == [other]
 
 
 def test_split_auto_keeps_the_job_the_model_finds_fastest():
