@@ -38,7 +38,8 @@ __all__ = ["CompileSummary", "compile_workload", "placement_fabric", "bitstream_
            "load_workload", "unused", "check_split", "FASTEST", "PARTITIONERS", "ORDERS"]
 
 #: ``partitioner="fastest"``: the job is compiled with each of these strategies and the one
-#: whose estimated cycles are the fewest is kept (the first on ties). A cut is not a makespan:
+#: with the fewest cycles is kept (the first on ties): cycles of :func:`compile_workload`'s
+#: ``rank`` when it is given, else estimated cycles. A cut is not a makespan:
 #: on the README main job the multilevel partition cuts the fewest bytes and greedy's runs the
 #: fastest (docs/compiler.md). Mt-KaHyPar is left out: its answers differ from run to run, and
 #: a compile should not.
@@ -79,8 +80,10 @@ class CompileSummary:
     mu_buffers : dict
         ``(x, y)`` of each MU -> ``(host buffers, bound words, bound slots)``.
     unused : tuple of str
-        Nodes no output reads (in graph order): they are left out of the programs (an unread
-        input gets no buffer), and :meth:`lines` says so.
+        Nodes of the workload's graph no output reads (in graph order): they are left out of
+        the programs (an unread input gets no buffer), and :meth:`lines` says so. A split
+        graph's own leftovers (the constants it replaced by their column blocks) are left out
+        too, without a word: the user's graph reads them.
     partition_warnings : tuple of str
         What the partitioner's backend said (:attr:`PartitionResult.warnings`), printed as
         warnings.
@@ -91,10 +94,11 @@ class CompileSummary:
     order : str
         The order of each CU's ops (``"graph"`` or ``"schedule"``, :func:`compile_workload`).
     ranked : tuple
-        When several candidates were compiled (``partitioner="fastest"`` or ``split="auto"``)
-        and ranked by a run (:func:`compile_workload`'s ``rank``): ``(how, cycles, candidates,
-        by_estimate)``, what ranked them, the kept job's cycles there, how many were ranked,
-        and the cycles there of the one the estimate would have kept; else ``()``.
+        When several candidates were compiled (``partitioner="fastest"``, ``split="auto"`` or
+        ``order="auto"``) and ranked by a run (:func:`compile_workload`'s ``rank``): ``(how,
+        cycles, candidates, by_estimate)``, what ranked them, the kept job's cycles there, how
+        many were ranked, and the cycles there of the one the estimate would have kept; else
+        ``()``.
     """
 
     graph: str
@@ -114,12 +118,17 @@ class CompileSummary:
     ranked: tuple = ()
     order: str = "graph"
 
-    def lines(self):
-        """The summary as text lines."""
+    def how(self):
+        """How the job was compiled: ``partitioner X`` and the row split and op order when they
+        are not the default."""
         rows = f", rows split {self.split} ways ({self.split_nodes} nodes)" if self.split > 1 \
             else ""
-        rows += ", ops in schedule order" if self.order == "schedule" else ""
-        out = [f"graph {self.graph}: {self.nodes} nodes, partitioner {self.partitioner}{rows}",
+        order = ", ops in schedule order" if self.order == "schedule" else ""
+        return f"partitioner {self.partitioner}{rows}{order}"
+
+    def lines(self):
+        """The summary as text lines."""
+        out = [f"graph {self.graph}: {self.nodes} nodes, {self.how()}",
                f"parts {self.parts}, cut {self.cut} bytes, imbalance {self.imbalance:.3f}, "
                f"estimated cycles {self.estimated_cycles} (lower bound "
                f"{self.lower_bound:.0f})"]
@@ -237,10 +246,9 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
         estimated cycles.
     order : str
         The order of each CU's ops: ``"graph"`` (the graph's topological order; the estimate
-        schedules in that order too), ``"auto"`` (candidates in both orders, kept as
-        ``partitioner="fastest"`` keeps them) or ``"schedule"`` (by start cycle in the list
-        schedule by
-        upward rank, :class:`~rdakit.compiler.lower.passes.ScheduleOrder`).
+        schedules in that order too), ``"schedule"`` (by start cycle in the list schedule by
+        upward rank, :class:`~rdakit.compiler.lower.passes.ScheduleOrder`) or ``"auto"``
+        (candidates in both orders, kept as ``partitioner="fastest"`` keeps them).
     progress : callable, optional
         ``progress(stage, done=None, total=None)``, called at each stage (``"partitioning"``,
         ``"placing"``, ``"lowering"``) and as the placement's annealing goes (``done`` of
@@ -255,12 +263,12 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
         straight into the consumer's input queue; :mod:`rdakit.compiler.lower.streams`);
         ``False``: every edge through an MU buffer.
     rank : callable, optional
-        How candidates are ranked when there are several (``partitioner="fastest"`` or
-        ``split="auto"``): ``rank(job)`` gives a candidate's cycles, or ``None`` when it cannot
-        tell (then the estimates rank them all); ``rank.name`` says what it is for the
-        summary. Default: the estimates (:class:`CostModel` is a few tens of % off on real
-        graphs, and a run of the performance model, which a layer above the compiler has, is
-        within a few %: ``rdakit.sim.runtime.events.model_rank``).
+        How candidates are ranked when there are several (``partitioner="fastest"``,
+        ``split="auto"`` or ``order="auto"``): ``rank(job)`` gives a candidate's cycles, or
+        ``None`` when it cannot tell (then the estimates rank them all); ``rank.name`` says
+        what it is for the summary. Default: the estimates (a few tens of % off on real
+        graphs, where a run of the performance model, which only a layer above the compiler
+        has, is within a few %: ``rdakit.sim.runtime.events.ModelRank``).
 
     Returns
     -------
@@ -327,7 +335,7 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
         instructions={cu: p.instructions for cu, p in job.programs.items()},
         mu_buffers={mu: (u["host_buffers"], u["bound_words"], u["bound_slots"])
                     for mu, u in job.mu_usage.items()},
-        unused=unused(graph), partition_warnings=result.warnings,
+        unused=unused(wl.graph), partition_warnings=result.warnings,
         split=split if len(graph) != len(wl.graph) else 1, split_nodes=len(graph), order=order)
     job.workload = wl
     return job, summary

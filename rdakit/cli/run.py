@@ -126,8 +126,7 @@ def _run(args):
     for line in summary.warnings():
         report.console.print(line, style="yellow", markup=False)
     report.console.print(f"[bold]{summary.graph}[/bold] on a {params.rows}x{params.cols} fabric "
-                         f"({params.cu.lanes} lanes) with {args.sim}; partitioner "
-                         f"{summary.partitioner}")
+                         f"({params.cu.lanes} lanes) with {args.sim}; {summary.how()}")
     for line in summary.ranked_lines():
         report.console.print(line, markup=False)
     timings = {}

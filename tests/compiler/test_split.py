@@ -241,3 +241,19 @@ def test_split_jobs_on_the_rtl(workload, sizes):
     (row,) = e2e.run(spec, sim="amaranth")
     assert row["numpy"] == "ok" and row["interpreter"] == "ok", row
     assert row["leaked_buffers"] == 0
+
+
+def test_a_split_warns_of_no_constant_the_users_graph_reads():
+    """The column split replaces each weight by its blocks; the weight itself, read by the
+    user's graph, is no node "read by no output" to warn about."""
+    params = fabric_params(rows=2, cols=2, mu_words=8192, prog_len=1024)
+    _, summary = compile_workload("decoder", sizes=dict(d_model=16, heads=2, d_ff=16,
+                                                        cache_len=2),
+                                  params=params, partitioner="heft", split=2)
+    assert summary.split == 2 and summary.unused == () and summary.warnings() == []
+    g = DataflowGraph("dead")
+    x = g.input("x", (1, 4), "int8")
+    g.input("ignored", (1, 4), "int8")
+    g.output("y", g.add("relu", x, name="r"))
+    _, summary = compile_workload(g, params=params, partitioner="heft", split=2)
+    assert summary.unused == ("ignored",)
