@@ -3,7 +3,6 @@ bound, configuration-load cycles, and Yosys cell counts per tile type. On Verila
 is driven directly (a harness executable, as ``rdakit run`` drives it); on Icarus through
 cocotb (``fabric_tb``)."""
 
-import asyncio
 import json
 import pathlib
 import tempfile
@@ -15,11 +14,10 @@ from rdakit.hdl.spec.packets import mu_request_layout
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.bench.mu import yosys_stat
 from rdakit.sim.bench.report import Report
-from rdakit.sim.flows.e2e import fabric_harness
-from rdakit.sim.runtime.host import harness_host
+from rdakit.sim.flows.e2e import on_harness
 from rdakit.sim.runtime.job import run_job
 from rdakit.sim.verify import kernels
-from rdakit.sim.verify.runner import HarnessProcess, require_simulator_or_raise, run_cocotb
+from rdakit.sim.verify.runner import require_simulator_or_raise, run_cocotb
 
 __all__ = ["bench_fabric", "run_kernels"]
 
@@ -42,13 +40,8 @@ async def run_kernels(host, params, jobs, *, log=None):
 
 
 def _run_direct(params, jobs):
-    harness = fabric_harness(params)            # rdakit run's build of the same fabric
-
-    async def session(proc):
-        return await run_kernels(await harness_host(proc, params), params, jobs)
-
-    with HarnessProcess(harness) as proc:
-        return asyncio.run(session(proc))
+    # rdakit run's build of the same fabric.
+    return on_harness(params, lambda host: run_kernels(host, params, jobs))
 
 
 def _cells(params):

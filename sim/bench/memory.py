@@ -318,20 +318,12 @@ def run_traced(job, *, sim="model", precheck=False):
 
 def _run_direct(job, budget):
     """``job`` on the fabric's Verilog built into a Verilator harness executable and driven
-    from this process (``e2e.fabric_harness``, the one ``rdakit run --sim verilator`` drives:
-    one build per scheme's fabric, cached): a :class:`Run` with the fabric's counters."""
-    from rdakit.sim.flows.e2e import VERILATOR_BUILD, fabric_harness
-    from rdakit.sim.runtime.host import harness_host
-    from rdakit.sim.verify.runner import HarnessProcess
+    from this process (``e2e.on_harness``: the build ``rdakit run --sim verilator`` drives,
+    one per scheme's fabric, cached): a :class:`Run` with the fabric's counters."""
+    from rdakit.sim.flows.e2e import VERILATOR_BUILD, on_harness
 
-    params = job.params
-    harness = fabric_harness(params, VERILATOR_BUILD)
-
-    async def session(proc):
-        return await _run(await harness_host(proc, params), job, None, budget)
-
-    with HarnessProcess(harness) as proc:
-        result, error, counters = asyncio.run(session(proc))
+    result, error, counters = on_harness(job.params, lambda host: _run(host, job, None, budget),
+                                         VERILATOR_BUILD)
     return Run(job, result, error, counters, {})
 
 

@@ -60,7 +60,7 @@ from rdakit.sim.verify.runner import (
 __all__ = ["RunSpec", "TileRow", "tile_rows", "run", "run_many", "run_session", "run_specs",
            "failed", "failure", "BACKENDS", "NEEDS_TOOLS",
            "compute_bound", "plot_utilization", "SMALLEST", "VERILATOR_BUILD", "in_process",
-           "fabric_verilog", "fabric_harness"]
+           "fabric_verilog", "fabric_harness", "on_harness"]
 
 #: The simulators ``rdakit run`` can use: the RTL in Amaranth's simulator, Icarus or
 #: Verilator, or the fast performance model (``docs/performance-model.md``).
@@ -564,6 +564,20 @@ def fabric_harness(params, build=None):
     fabric`` drive directly."""
     return build_harness(_fabric_key(params), lambda: Fabric(params),
                          build_name=_build_name(params), build=build)
+
+
+def on_harness(params, body, build=None):
+    """``await body(host)`` on a running Verilator harness executable of ``Fabric(params)``
+    (:func:`fabric_harness`, ``build``'s cache entry), ``host`` its host port just reset
+    (:func:`~rdakit.sim.runtime.host.harness_host`); the executable ends with it. What
+    ``bench fabric`` and ``bench memory`` drive on Verilator."""
+    harness = fabric_harness(params, build)
+
+    async def session(proc):
+        return await body(await harness_host(proc, params))
+
+    with HarnessProcess(harness) as proc:
+        return asyncio.run(session(proc))
 
 
 def _fabric_key(params):
