@@ -14,8 +14,8 @@ partitioner can place on different CUs:
   ``sub``, ``mul``, ``max``, ``min`` with an operand of the same shape, split or sliced alike,
   or broadcast along the rows), ``relu``, ``shr``, ``shl``, ``clip``,
   ``exp``, ``gelu``, ``silu``, ``softmax`` (not a causal one: its mask depends on the row's
-  index in the whole tensor), ``layer_norm`` and ``rms_norm``
-  and a following matmul;
+  index in the whole tensor), ``layer_norm`` and ``rms_norm``, a mixture of experts' router
+  (``topk``, and ``take`` with its indices split alike), and a following matmul;
 - every other reader, and the graph outputs, get the whole tensor back by one ``concat`` on
   axis 0, named as the op was, so outputs and error messages keep their names.
 
@@ -36,7 +36,11 @@ __all__ = ["ROW_WISE", "COLUMN_WISE", "split_rows", "split_cols", "split_graph",
 #: operands broadcast along the rows or have the same rows), so they continue a split.
 ROW_WISE = frozenset({"matmul", "add", "sub", "mul", "max", "min", "relu", "shr", "shl", "clip",
                       "exp", "gelu", "silu", "softmax", "layer_norm", "rms_norm", "sigmoid",
-                      "tanh"})
+                      "tanh", "topk", "take"})
+
+#: Kinds whose every operand has the first operand's rows, each row taken with the same row of
+#: the others: split alike (``take``: a row's values at that row's indices).
+_ROW_ALIGNED = frozenset({"take"})
 
 #: Kinds whose other operands have the first operand's rows (split alike) or broadcast.
 _ELEMENTWISE = frozenset({"add", "sub", "mul", "max", "min"})
@@ -75,6 +79,8 @@ def _continues(g, n, blocks):
         return t.shape[0] >= 2
     if ins[0] not in blocks:
         return False
+    if kind in _ROW_ALIGNED:
+        return all(_static_rows(g.type_of(o)) for o in ins[1:])
     if kind in _ELEMENTWISE:
         # The other operand: the same shape (split alike, or sliced), or broadcast along rows.
         o = g.type_of(ins[1])
@@ -114,13 +120,18 @@ def split_rows(graph, parts, *, min_rows=2):
             whole[x] = new.add("concat", *parts_of, name=x, axis=0)
         return whole[x]
 
+    slices = {}         # (node, ranges) -> its slices, made once
+
     def sliced(x, ranges):
         """Blocks of ``x`` over ``ranges``: its own if split alike, else slices."""
         if x in blocks and [(a, b) for _, a, b in blocks[x]] == ranges:
             return [b for b, _, _ in blocks[x]]
-        src = whole_of(x) if x in blocks else x
-        return [new.add("slice", src, name=_fresh(new, f"{x}@rows{a}"), axis=0, start=a,
-                        stop=b) for a, b in ranges]
+        key = (x, tuple(ranges))
+        if key not in slices:
+            src = whole_of(x) if x in blocks else x
+            slices[key] = [new.add("slice", src, name=_fresh(new, f"{x}@rows{a}"), axis=0,
+                                   start=a, stop=b) for a, b in ranges]
+        return slices[key]
 
     for n in g.order():
         kind, ins = g.kind(n), g.inputs_of(n)
@@ -141,7 +152,7 @@ def split_rows(graph, parts, *, min_rows=2):
         others = []
         for o in ins[1:]:
             t = g.type_of(o)
-            if kind in _ELEMENTWISE and t.shape == shape:
+            if kind in _ELEMENTWISE and t.shape == shape or kind in _ROW_ALIGNED:
                 others.append(sliced(o, ranges))
             else:
                 w = whole_of(o) if o in blocks else o

@@ -1142,9 +1142,13 @@ def dispatch(lw, g, op):
 
 def routing_checked(lw, idx, experts):
     """Whether the routing indices ``idx`` need no check at run time: a ``topk`` over
-    ``experts`` columns made them, so every row names distinct experts, all in range."""
+    ``experts`` columns made them (or made every row block of them), so every row names
+    distinct experts, all in range."""
     p = lw.tensors[idx].producer
     op = lw.ops.get(p) if p is not None else None
+    if op is not None and op.kind == "concat_rows" and op.out == idx:
+        # A router split by rows (rdakit.compiler.split): its blocks' indices concatenated.
+        return all(routing_checked(lw, i, experts) for i in op.ins)
     return (op is not None and op.kind == "topk" and op.out == idx
             and lw.tensors[op.ins[0]].layout.cols == experts)
 

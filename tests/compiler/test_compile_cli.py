@@ -155,14 +155,15 @@ def test_fit_recovers_a_linear_model():
 
 
 def test_fastest_keeps_the_strategy_with_the_fewest_estimated_cycles():
-    # The README main job: the estimates of FASTEST's strategies differ, and the one kept is
-    # their least (greedy's on this graph, where the multilevel cut is the smallest).
+    # The README main job, unsplit: the estimates of FASTEST's strategies differ, and the one
+    # kept is their least (greedy's on this graph, where the multilevel cut is the smallest).
     wl = workloads.moe(tokens=4, d_model=8, d_ff=8, experts=4)
     p = fabric_params(rows=2, cols=2, prog_len=2048, mu_words=1024)
     cost = cost_model(wl, params=p)
     each = {name: compile_workload(wl, params=p, partitioner=name, schedule_cost=cost)[1]
             for name in FASTEST}
-    job, summary = compile_workload(wl, params=p, partitioner="fastest", schedule_cost=cost)
+    job, summary = compile_workload(wl, params=p, partitioner="fastest", schedule_cost=cost,
+                                    split=1)
     best = min(FASTEST, key=lambda n: each[n].estimated_cycles)
     assert len({s.estimated_cycles for s in each.values()}) > 1
     assert summary.partitioner == f"fastest: {best}"

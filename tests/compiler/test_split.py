@@ -13,6 +13,7 @@ from rdakit.compiler.compile import compile_workload, placement_fabric
 from rdakit.compiler.graph import DataflowGraph
 from rdakit.compiler.lower import sample_inputs
 from rdakit.compiler.split import column_blocks, row_blocks, split_cols, split_graph, split_rows
+from rdakit.hdl.spec.isa import AluFn, Op
 from rdakit.hdl.spec.params import fabric_params
 from tests.conftest import assert_interpreter_matches, hostile
 
@@ -97,6 +98,33 @@ def test_split_job_is_bit_exact_and_spreads_its_blocks():
     assert_interpreter_matches(job, wl.reference(wl.inputs))
     _, auto = compile_workload(wl, params=params, partitioner="heft", split="auto")
     assert auto.split == 8 and auto.estimated_cycles == s8.estimated_cycles
+
+
+def test_a_routers_rows_split_and_its_combine_trusts_the_blocks_indices():
+    """The mixture of experts split two ways: the router's top-k and take run on the row
+    blocks of the gate logits (take with its indices split alike, the indices' blocks sliced
+    once), the blocks' indices are concatenated for dispatch and combine, and the graph and a
+    job of it on the interpreter compute the same values bit for bit. The combine knows the
+    concatenated indices came from top-k blocks, so it walks the slots without checking them
+    (no SLT, the range test, in its code)."""
+    wl = workloads.build("moe", tokens=4, d_model=8, d_ff=8, experts=4)
+    s = split_rows(wl.graph, 2)
+    assert [n for n in s.order() if s.kind(n) in ("topk", "take")] == [
+        "gate_topk@0", "gate_topk@1", "gate_take@0", "gate_take@1"]
+    assert s.kind("gate_topk") == "concat" and s.kind("gate") == "concat"
+    assert s.inputs_of("gate_take@0") == ("gate_logits@0", "gate_topk@0")
+    assert sum(s.kind(n) == "slice" for n in s.order()) == 2       # x's two blocks, once
+    want = wl.reference(wl.inputs)
+    got = s.evaluate(wl.inputs)
+    np.testing.assert_array_equal(got["y"], want["y"])
+    params = fabric_params(rows=2, cols=2, mu_words=1024, prog_len=1024)
+    job, summary = compile_workload(wl, params=params, partitioner="greedy", split=2)
+    assert summary.split == 2
+    assert_interpreter_matches(job, want)
+    (cu, start, end), = [(cu, a, b) for cu, info in job.programs.items()
+                         for name, _, _, a, b in info.ops if name == "combine"]
+    code = job.config.tiles[cu].program[start:end]
+    assert code and not any(i.op is Op.ALUI and i.fn == AluFn.SLT.value for i in code)
 
 
 class _Rank:
