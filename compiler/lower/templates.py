@@ -1160,7 +1160,9 @@ def combine(lw, g, op):
     When the staged indices and gates and the per-expert tables fit the local buffer (with the
     whole output or one row of it), the slots are walked in token order
     (:func:`combine_slots`: one or two streams a slot, no scan of every expert for every
-    token). Otherwise out = 0, then expert by expert,
+    token). When only a few output rows fit, and the indices need no check, the slots are
+    walked the same way a chunk of rows at a time (:func:`combine_chunks`). Otherwise out = 0,
+    then expert by expert,
     each token routed to it is two streams: the product into the local buffer, then ``out row
     += local`` in place (the indices and gates staged in the local buffer when they fit)."""
     idx, gate, *ys = op.ins
@@ -1181,6 +1183,9 @@ def combine(lw, g, op):
             return
         if lo.words + li.words + lg.words <= g.local_top:
             combine_experts(lw, g, op, acc=True)
+            return
+        if not check and dw + fixed <= g.local_top:
+            combine_chunks(lw, g, op, tables)
             return
         if dw + li.words + lg.words <= g.local_top:
             combine_experts(lw, g, op, acc=False)
@@ -1272,6 +1277,87 @@ def combine_experts(lw, g, op, acc):
     if acc:
         asm.stream(AluFn.ADD, a=out, a_base=0, n=lo.words, b_mode=BMode.LOCAL, b_val=0,
                    b_stride=1, d_mode=DMode.WRITE, d_ref=out, d_base=0, d_stride=1)
+
+#: Output rows :func:`combine_chunks` accumulates in the local buffer at most (its code is
+#: unrolled over them).
+CHUNK_ROWS = 4
+
+
+def combine_chunks(lw, g, op, tables):
+    """Combine walking the routing slots in token order, :data:`CHUNK_ROWS` output rows at a
+    time at most, when the whole output does not fit the local buffer beside the per-expert
+    tables and the staged indices and gates (:func:`combine_slots`) but a few rows do, and the
+    indices need no check (every slot names a distinct expert in range, so every slot runs).
+    Local words ``0 ..`` hold the chunk's rows, then the tables (each expert's reference and
+    the word of its next row), then the indices and gates. A token's slot 0 is appended to the
+    output (the rows are built in token order: no pass zeroes it first), its other slots go
+    into the token's local row (the first overwriting what the last chunk left, the rest
+    accumulated), and one stream per chunk adds the chunk's local rows to its output rows."""
+    idx, gate, *ys = op.ins
+    li, lg, lo = (lw.tensors[t].layout for t in (idx, gate, op.out))
+    asm, out = g.asm, g.out
+    dw, k, lanes, experts = lo.cw, li.cols, lw.lanes, len(ys)
+    chunk = max(1, min(CHUNK_ROWS, lo.rows,
+                       (g.local_top - tables - li.words - lg.words) // dw))
+    ti, tg = stage(lw, g, op, chunk * dw + tables, [idx, gate])
+    refs = chunk * dw * lanes              # element offsets of the tables
+    rows = refs + experts
+    for e, y in enumerate(ys):
+        ry, by = lw.ref(g, y)
+        asm.li(R1, 0)
+        asm.emit(Op.LSET, ra=ry, rb=R1, imm=refs + e)
+        asm.li(R0, by)
+        asm.emit(Op.LSET, ra=R0, rb=R1, imm=rows + e)
+        g.refs.unpin(lw.key_of(y, g.xy)[0])
+    gd = tg.start - ti.start
+    step = li.cw * lanes
+    shift = op.attrs["shift"]
+
+    def slot(j, at, row):
+        """Slot ``j`` of the token at element R1 + ``at``, its product into local row
+        ``row`` (slot 0: appended to the output)."""
+        asm.emit(Op.LGET, rd=R4, rb=R1, imm=at + j)
+        asm.emit(Op.LGET, rd=R5, rb=R4, imm=refs)
+        asm.emit(Op.LGET, rd=R6, rb=R4, imm=rows)
+        asm.emit(Op.LGET, rd=R7, rb=R1, imm=at + j + gd)
+        asm.alui(AluFn.ADD, R0, R6, dw)
+        asm.emit(Op.LSET, ra=R0, rb=R4, imm=rows)
+        dst = (dict(d_mode=DMode.APPEND, d_ref=out) if j == 0 else
+               dict(d_mode=DMode.LOCAL if j == 1 else DMode.LOCAL_ACC, d_base=row * dw,
+                    d_stride=1))
+        asm.stream(AluFn.MUL, a=R5, a_base=R6, n=dw, b_mode=BMode.SCALAR, b_val=R7,
+                   shift=shift, **dst)
+
+    def rows_of(count):
+        """``count`` tokens from the one at R1 (output word R3), then their local rows added
+        to their output rows."""
+        for t in range(count):
+            for j in range(k):
+                slot(j, t * step, t)
+        if k > 1:
+            asm.stream(AluFn.ADD, a=out, a_base=R3, n=count * dw, b_mode=BMode.LOCAL,
+                       b_val=0, b_stride=1, d_mode=DMode.WRITE, d_ref=out, d_base=R3,
+                       d_stride=1)
+
+    full, rest = divmod(lo.rows, chunk)
+    asm.li(R1, ti.start)
+    asm.li(R3, 0)
+    if full > 1:
+        asm.li(COUNT, full)
+
+        def loop(head):
+            rows_of(chunk)
+            asm.alui(AluFn.ADD, R1, R1, chunk * step)
+            asm.alui(AluFn.ADD, R3, R3, chunk * dw)
+            asm.branch(Op.LOOP, head, ra=COUNT)
+        asm.loop(loop)
+    elif full:
+        rows_of(chunk)
+        asm.alui(AluFn.ADD, R1, R1, chunk * step)
+        asm.alui(AluFn.ADD, R3, R3, chunk * dw)
+    if rest:
+        rows_of(rest)
+
 
 def combine_slots(lw, g, op, tables, check):
     """Combine walking the routing slots in token order. The local buffer holds the output's

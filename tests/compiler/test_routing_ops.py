@@ -64,9 +64,9 @@ def routings(draw):
     k = draw(st.integers(1, experts))
     d = draw(st.integers(1, 9))
     given_idx = draw(st.booleans())
-    # 8 local words (4 lanes: a row of x fits): some forms do not fit and take the per-row or
-    # per-expert form.
-    local_words = draw(st.sampled_from([8, 64])) if lanes == 4 else 64
+    # 8 to 32 local words (4 lanes: a row of x fits): some forms do not fit and take the
+    # per-row, per-chunk or per-expert form.
+    local_words = draw(st.sampled_from([8, 16, 32, 64])) if lanes == 4 else 64
     seed = draw(st.integers(0, 2**16))
     rng = np.random.default_rng(seed)
     x = rng.integers(-128, 128, (tokens, d)).astype(np.int8)
@@ -112,6 +112,28 @@ def test_every_token_to_one_expert_and_experts_no_token_chose(lanes):
                  lanes, 64)
 
 
+@pytest.mark.parametrize("tokens, experts, k, d", [
+    (11, 4, 2, 16), (9, 5, 3, 16), (6, 3, 1, 16), (3, 4, 2, 36)])
+def test_combine_a_chunk_of_rows_at_a_time(tokens, experts, k, d, monkeypatch):
+    """Top-k routings whose combined output does not fit 32 local words beside the tables and
+    the staged indices and gates, but a few rows do: the slot walk a chunk of rows at a time
+    (chunks of two rows and a last one of one row with 11 and 9 tokens; k = 1 with no local
+    row; one chunk and the rest, unrolled), bit-exact for several schedules."""
+    from rdakit.compiler.lower import templates
+
+    chunked = []
+    real = templates.combine_chunks
+    monkeypatch.setattr(templates, "combine_chunks",
+                        lambda *a: chunked.append(a[2].name) or real(*a))
+    rng = np.random.default_rng(tokens)
+    g = routing_graph(tokens, d, experts, k, 4, False)
+    inputs = {"x": rng.integers(-128, 128, (tokens, d)).astype(np.int8),
+              "logits": rng.integers(-50, 50, (tokens, experts)).astype(np.int32)}
+    for seed in range(3):
+        assert_exact(g, inputs, 4, 32, seed)
+    assert chunked and set(chunked) == {"comb"}     # (the lowering may run twice)
+
+
 MAIN = {"tokens": 4, "d_model": 8, "d_ff": 8, "experts": 4}
 
 
@@ -154,16 +176,18 @@ def test_dispatch_tests_a_slot_with_one_lget_and_a_branch(main_events):
 
 
 @pytest.mark.parametrize("d_model, local_words, streams, most", [
-    (8, 64, 13, 160), (8, 16, 16, 250), (16, 16, 22, 310), (8, 8, 17, None)])
+    (8, 64, 13, 160), (8, 16, 16, 250), (16, 16, 14, 180), (8, 8, 17, None)])
 def test_combine_forms_by_what_the_local_buffer_holds(d_model, local_words, streams, most):
     """The main job's combine (and with d_model 16). With 64 local words the slot walk: the
     zeroed output and accumulators, two staged tables, a stream a slot, the final sum (13
     streams). With 16 its tables do not fit beside the output: expert by expert, the indices
     restaged XORed with each expert (4 streams), a LOCAL_ACC stream a routed slot (16); at
-    d_model 16 only a row of the output fits: two streams a routed slot (22). With 8 nothing
-    is staged: the tables are read with READ (two streams a routed slot and the zeroed output:
-    17). All bit-exact; the three new forms run at most ``most`` instructions (the scan of
-    every token's slots with XORs for every expert before: 262, 262, 333)."""
+    d_model 16 only a row of the output fits beside the tables: the slot walk a row at a time,
+    a stream a routed slot and one adding each row's local part (14; expert by expert, two
+    streams a routed slot, 22 streams and 307 instructions). With 8 nothing is staged: the
+    tables are read with READ (two streams a routed slot and the zeroed output: 17). All
+    bit-exact; the three new forms run at most ``most`` instructions (the scan of every
+    token's slots with XORs for every expert before: 262, 262, 333)."""
     params = fabric_params(2, 2, prog_len=2048, mu_words=1024, local_words=local_words)
     job, _ = compile_workload("moe", sizes=dict(MAIN, d_model=d_model), params=params,
                               partitioner="greedy")

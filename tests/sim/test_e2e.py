@@ -37,11 +37,30 @@ def _sizes_args(name):
 #: Two sequences decoded in one step (``decoder_step(batch=...)``).
 BATCHED_DECODER = {**SMALLEST["decoder"], "batch": 2}
 
+#: A mixture of experts whose combined output (8 rows of 8 words) does not fit a 2x2's 64 local
+#: words beside the staged indices and gates but four rows do: combined a chunk of rows at a
+#: time (``templates.combine_chunks``; ``test_the_chunked_combine_on_the_model`` checks it is).
+CHUNKED_MOE = {"tokens": 8, "d_model": 32, "d_ff": 4, "experts": 4, "k": 2}
+
 
 def test_batched_decoding_on_the_model():
     """Two sequences' step on the performance model: bit-exact, every buffer freed."""
     (rows,) = e2e.run_many([RunSpec("decoder", BATCHED_DECODER, FABRIC_2X2)], sim="model")
     _check_rows(rows, RunSpec("decoder", BATCHED_DECODER, FABRIC_2X2))
+
+
+def test_the_chunked_combine_on_the_model(monkeypatch):
+    """CHUNKED_MOE, which the RTL runs below, combines a chunk of rows at a time: bit-exact on
+    the performance model, every buffer freed."""
+    from rdakit.compiler.lower import templates
+
+    chunked = []
+    real = templates.combine_chunks
+    monkeypatch.setattr(templates, "combine_chunks", lambda *a: chunked.append(1) or real(*a))
+    spec = RunSpec("moe", CHUNKED_MOE, FABRIC_2X2)
+    (rows,) = e2e.run_many([spec], sim="model")
+    _check_rows(rows, spec)
+    assert chunked
 
 
 def _check_rows(rows, spec):
@@ -281,7 +300,7 @@ def test_every_workload_on_the_rtl(simulator, fabric):
     testbench) and agree on every figure of every row, cycle for cycle."""
     require_simulator(simulator)
     specs = [RunSpec(name, sizes, fabric) for name, sizes in SMALLEST.items()]
-    specs.append(RunSpec("decoder", BATCHED_DECODER, fabric))
+    specs += [RunSpec("decoder", BATCHED_DECODER, fabric), RunSpec("moe", CHUNKED_MOE, fabric)]
     results = e2e.run_many(specs, sim=simulator)
     assert len(results) == len(specs)
     for spec, rows in zip(specs, results, strict=True):
