@@ -97,7 +97,7 @@ def choose_fabric(workload, candidates, *, name, partitioner, seed, place_steps,
         try:
             compile_workload(workload, params=fabric_params(**kw), partitioner=partitioner,
                              seed=seed, place_steps=place_steps, split=split, streams=streams,
-                             order=order)
+                             order=order, first_fit=True)
         except FIT_ERRORS as e:
             last = tried[same] = e
             continue
@@ -191,8 +191,9 @@ def add_workload_arguments(p):
     p.add_argument("--split", default=None, metavar="auto|N",
                    help="row blocks of the graph's row-wise chains (matmuls and what follows "
                         "them row by row), spread over the CUs: N blocks, 1 for none, or auto "
-                        "(the default with --partitioner fastest, else 1): compiled both "
-                        "ways, keeping the faster estimate (docs/compiler.md)")
+                        "(the default with --partitioner fastest, else 1): compiled unsplit, "
+                        "split over the CUs and over half of them, keeping the fastest "
+                        "(docs/compiler.md)")
     p.add_argument("--streams", action=argparse.BooleanOptionalAction, default=True,
                    help="lower the edges between CUs that qualify as streams between CUs "
                         "(the default; --no-streams: every edge through an MU buffer; "

@@ -16,6 +16,7 @@ from rdakit.cli.options import AUTO_GRIDS
 from rdakit.compiler import workloads
 from rdakit.compiler.compile import FASTEST, bitstream_for, compile_workload
 from rdakit.compiler.cost import CostModel
+from rdakit.compiler.lower import LoweringError
 from rdakit.compiler.partition import partition
 from rdakit.compiler.workloads import WORKLOADS, mlp
 from rdakit.hdl.spec.bitstream import read_bitstream
@@ -169,6 +170,31 @@ def test_fastest_keeps_the_strategy_with_the_fewest_estimated_cycles():
     assert summary.partitioner == f"fastest: {best}"
     assert summary.estimated_cycles == each[best].estimated_cycles
     assert summary.cut == each[best].cut
+
+
+def test_a_fit_check_compiles_candidates_only_until_one_fits(monkeypatch):
+    """``first_fit`` (what ``--fabric auto`` asks of each fabric it tries) returns the first
+    candidate that compiles, unranked, and compiles no other; where none fits it raises the
+    error the full compilation raises."""
+    import rdakit.compiler.compile as compile_module
+
+    wl = workloads.moe(tokens=4, d_model=8, d_ff=8, experts=4)
+    p = fabric_params(rows=2, cols=2, prog_len=2048, mu_words=1024)
+    calls = []
+    real = compile_module.compile_workload
+    monkeypatch.setattr(compile_module, "compile_workload",
+                        lambda *a, **kw: calls.append(kw.get("partitioner")) or real(*a, **kw))
+    job, summary = compile_module.compile_workload(wl, params=p, partitioner="fastest",
+                                                   first_fit=True)
+    assert calls == ["fastest", FASTEST[0]]
+    assert (summary.partitioner, summary.split, summary.order, summary.ranked) == (
+        FASTEST[0], 1, "graph", ())
+    small = fabric_params(rows=2, cols=2, prog_len=2048, mu_words=64)
+    with pytest.raises(LoweringError) as full:
+        real(wl, params=small, partitioner="fastest")
+    with pytest.raises(LoweringError) as fit:
+        real(wl, params=small, partitioner="fastest", first_fit=True)
+    assert str(fit.value) == str(full.value)
 
 
 def test_fastest_is_refused_across_clusters(capsys):
