@@ -404,8 +404,11 @@ def _client(workers, scheduler):
             return Client(scheduler, timeout="10s"), None
         except (OSError, ValueError, TypeError) as e:      # unreachable, or not an address
             raise UserError(f"--scheduler {scheduler!r}: cannot connect ({e})") from None
+    # The scheduler serves HTTP even without a dashboard, on 8787 unless told otherwise: a free
+    # port, so that two sweeps (or a sweep and the user's own cluster) do not collide there
+    # (Dask then moves to another port with a warning, and leaks a socket).
     cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                           dashboard_address=None, silence_logs=40)
+                           dashboard_address=":0", silence_logs=40)
     return Client(cluster), cluster
 
 

@@ -120,7 +120,7 @@ def test_optuna_search_on_an_existing_scheduler_is_reproducible(tmp_path):
     from dask.distributed import LocalCluster
 
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      dashboard_address=None, silence_logs=40) as cluster:
+                      dashboard_address=":0", silence_logs=40) as cluster:     # (as sweep's)
         args = ["sweep", "--axis", "lanes=1,2,4", "--axis", "block_words=8,16", *QUICK,
                 "--search", "optuna", "--trials", "4", "--budget", "mu_peak_words=100000",
                 "--scheduler", cluster.scheduler_address,
