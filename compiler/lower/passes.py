@@ -30,6 +30,7 @@ import numpy as np
 from rdakit.compiler.lower.chains import Clip, Stage, append_stage
 from rdakit.compiler.lower.layout import INT_MAX, LoweringError, TensorLayout, as2d, layout_of
 from rdakit.compiler.lower.plan import LOp
+from rdakit.compiler.lower.templates import AXPY_MAX_ROWS
 from rdakit.hdl.spec.isa import AluFn
 
 __all__ = ["LOWERABLE_KINDS", "LoweringPass", "Legalize", "FuseElementwise", "PlaceOutputs",
@@ -116,16 +117,19 @@ class Legalize(LoweringPass):
         a, b = ins
         cu = plan.cu_of(n)
         tb = plan.tensors[b]
+        la, lb = plan.layout(a), tb.layout
+        prod = plan.lop_of(b) if tb.kind != "const" else None
         if tb.kind == "const":
             bt = plan.const(f"{b}^T", tb.value.T, tb.mu_hint, tb.layout.dtype)
+        elif prod is not None and prod.kind == "transpose":
+            bt = prod.ins[0]
+        elif la.rows == 1 and not la.dynamic and not lb.dynamic and lb.rows <= AXPY_MAX_ROWS:
+            # One row times a run-time B (attention's p @ V): B's rows scaled and added up.
+            plan.add_op(n, "matmul_axpy", [a, b], lay, n, cu)
+            return
         else:
-            prod = plan.lop_of(b)
-            if prod is not None and prod.kind == "transpose":
-                bt = prod.ins[0]
-            else:
-                lb = tb.layout
-                bt = plan.add_op(f"{n}/rhs^T", "transpose", [b],
-                                 TensorLayout(lb.cols, lb.rows, plan.lanes, lb.dtype), n, cu)
+            bt = plan.add_op(f"{n}/rhs^T", "transpose", [b],
+                             TensorLayout(lb.cols, lb.rows, plan.lanes, lb.dtype), n, cu)
         plan.add_op(n, "matmul_nt", [a, bt], lay, n, cu)
 
     def _ew(self, plan, n, kind, ins, lay, attrs):

@@ -164,6 +164,45 @@ def matmul_nt(lw, g, op):
         rows_length(g, op.out, COUNT, kw, lw.tensors[op.out].layout.cw)
 
 
+#: The most rows of a run-time right operand :func:`matmul_axpy` multiplies (its code is
+#: unrolled over them); a longer one is transposed for ``matmul_nt``.
+AXPY_MAX_ROWS = 64
+
+
+@template("matmul_axpy")
+def matmul_axpy(lw, g, op):
+    """One row of A times a right operand B computed at run time (attention's ``p @ V``),
+    without transposing B: ``out = sum_k a[k] * B row k``. A's row is staged in the local
+    buffer (read with READ when it does not fit), ``a[0] * B row 0`` is appended to the
+    output, each later row times its scalar goes into a local accumulator (the first
+    overwriting it, the rest LOCAL_ACC), the scalars loaded four at a time so that their four
+    streams follow each other, and one stream adds the accumulator to the output. Sums wrap
+    like the reference's. (A transposed B, per column a PACK_SUM stream over B's rows, then
+    per row of A a dot product: about twice the cycles of one row.)"""
+    a, b = op.ins[:2]
+    lb = lw.tensors[b].layout
+    asm, out = g.asm, g.out
+    nw, rows = lb.cw, lb.rows
+    lw.need_local(g, op, nw, "the accumulator of a row of the product")
+    (ta,) = stage(lw, g, op, nw, [a])
+    rb, base_b = lw.ref(g, b)
+    asm.li(R1, ta.start)
+    regs = (R4, R5, R6, R7)
+    for first in range(0, rows, len(regs)):
+        group = range(first, min(first + len(regs), rows))
+        for k, r in zip(group, regs, strict=False):
+            ta.load(asm, r, R1, k, R0)
+        for k, r in zip(group, regs, strict=False):
+            dst = (dict(d_mode=DMode.APPEND, d_ref=out) if k == 0 else
+                   dict(d_mode=DMode.LOCAL if k == 1 else DMode.LOCAL_ACC, d_base=0,
+                        d_stride=1))
+            asm.stream(AluFn.MUL, a=rb, a_base=base_b + k * nw, n=nw, b_mode=BMode.SCALAR,
+                       b_val=r, **dst)
+    if rows > 1:
+        asm.stream(AluFn.ADD, a=out, a_base=0, n=nw, b_mode=BMode.LOCAL, b_val=0, b_stride=1,
+                   d_mode=DMode.WRITE, d_ref=out, d_base=0, d_stride=1)
+
+
 #: Up to this many lanes a long-K matmul adds up an accumulator word's lanes in straight-line
 #: code (an LGET and an ADD each), beyond it in a loop (the program stays short).
 UNROLL_LANES = 8

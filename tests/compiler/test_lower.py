@@ -26,6 +26,7 @@ from rdakit.compiler.lower import (
     replay_refs,
 )
 from rdakit.compiler.lower.lowerer import ProgramTooLong
+from rdakit.compiler.lower.templates import AXPY_MAX_ROWS
 from rdakit.compiler.partition import STRATEGIES
 from rdakit.compiler.partition.external import mtkahypar_missing
 from rdakit.compiler.placement import place
@@ -35,6 +36,7 @@ from rdakit.hdl.spec.packets import MUOp
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.models.interp import Interpreter
 from rdakit.sim.runtime.job import prepare_interp, run_job_interp
+from tests.conftest import hostile
 
 EXAMPLES = 10 if os.environ.get("CI") else 40
 
@@ -344,6 +346,39 @@ def test_every_op_kind_and_shape(lanes, part):
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
+@hostile(20)
+@given(k=st.integers(1, 70), n=st.integers(1, 13), lanes=st.sampled_from([1, 4]),
+       local_words=st.sampled_from([4, 64]), seed=st.integers(0, 2**16))
+def test_one_row_times_a_run_time_operand_adds_up_its_rows(k, n, lanes, local_words, seed):
+    """``p @ V`` with one row ``p`` and ``V`` computed at run time: up to AXPY_MAX_ROWS rows of
+    V, each scaled by its scalar of ``p`` and added up (matmul_axpy; ``p`` read with READ
+    when it does not fit the local buffer beside the accumulator), beyond them V transposed
+    (matmul_nt). Sums wrap: values near the int32 limits. Bit-exact on the interpreter for
+    random interleavings."""
+    rng = np.random.default_rng(seed)
+    g = DataflowGraph("pv")
+    p = g.input("p", (1, k), "int32")
+    v = g.add("add", g.input("v", (k, n), "int32"), g.const("one", np.array([1], np.int32)),
+              name="v1")                                        # V made at run time
+    g.output("out", g.add("matmul", p, v, name="pv"))
+    g.validate()
+    inputs = {"p": rng.integers(-2**31, 2**31 - 1, (1, k), dtype=np.int64).astype(np.int32),
+              "v": rng.integers(-2**31, 2**31 - 2, (k, n), dtype=np.int64).astype(np.int32)}
+    params = fabric_params(2, 2, prog_len=2048, lanes=lanes, local_words=local_words)
+    try:
+        job, _ = compile_workload(g, params=params, partitioner="round_robin", place_steps=20,
+                                  inputs=inputs)
+    except LoweringError as e:
+        assert local_words * lanes < n, e           # not even the accumulator fits
+        return
+    kinds = {kind for info in job.programs.values() for _, kind, *_ in info.ops}
+    assert ("matmul_axpy" in kinds) == (k <= AXPY_MAX_ROWS)
+    outputs, result, _ = run_job_interp(job, schedule="random", seed=seed)
+    assert result.ok, result.errors
+    np.testing.assert_array_equal(job.decode(outputs, check_padding=True)["out"],
+                                  g.evaluate(inputs)["out"])
+
+
 def test_dynamic_graph_input():
     g = DataflowGraph("dyn")
     x = g.input("x", (6, 5), "int8", dynamic=True, expected_rows=3)
@@ -643,7 +678,7 @@ def test_reference_tables_grow_until_a_lowering_fits_them(monkeypatch):
     the first lowering asked for changes what else fits, the second lowering asks for larger
     ones, and the third fits them (this was an AssertionError, a traceback for the user). The
     job is bit-exact on the interpreter."""
-    from rdakit.compiler.lower import lowerer
+    from rdakit.compiler.lower import lowerer, passes
     from tests.conftest import assert_interpreter_matches
 
     asked = []
@@ -655,6 +690,8 @@ def test_reference_tables_grow_until_a_lowering_fits_them(monkeypatch):
         return out
 
     monkeypatch.setattr(lowerer.Lowerer, "run", counted)
+    # p @ V transposed, as when this was found (the axpy form settles this job in two).
+    monkeypatch.setattr(passes, "AXPY_MAX_ROWS", 0)
     params = fabric_params(4, 4, mu_words=16384, prog_len=4096, max_buffers=64)
     wl = workloads.decoder_step(d_model=64, cache_len=16, batch=16)
     job, _ = compile_workload(wl, params=params, partitioner="heft", order="schedule",
