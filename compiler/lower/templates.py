@@ -116,20 +116,24 @@ def row_loop(lw, g, name, r_ref, offsets, body):
 def matmul_nt(lw, g, op):
     """Per row of A: copy it to the local buffer, then one PACK_SUM stream over the rows of
     Bᵀ appends the row of the product. When every row of A fits the local buffer, one stream
-    copies them all first (a run-time number of rows: LEN words)."""
+    copies them all first (a run-time number of rows: LEN words). Bᵀ's rows may be columns
+    of a wider tensor read in place (``b_off``, ``b_stride``: passes._column_view)."""
     a, b = op.ins[:2]
     la, lb = lw.tensors[a].layout, lw.tensors[b].layout
     ra, base_a = lw.ref(g, a)
     rb, base_b = lw.ref(g, b)
     kw = la.cw
     if kw > g.local_top:
+        assert "b_off" not in op.attrs     # (a view only where a row of A fits: _column_view)
         matmul_long(lw, g, op)
         return
     lw.need_local(g, op, kw)
     asm, out = g.asm, g.out
+    base_b += op.attrs.get("b_off", 0)
+    stride = op.attrs.get("b_stride", kw)
 
     def product(row):
-        asm.stream(AluFn.MUL, a=rb, a_base=base_b, n=kw, outer=lb.rows, a_ostride=kw,
+        asm.stream(AluFn.MUL, a=rb, a_base=base_b, n=kw, outer=lb.rows, a_ostride=stride,
                    b_mode=BMode.LOCAL, b_val=row, b_stride=1, b_ostride=0,
                    d_mode=DMode.PACK_SUM, d_ref=out)
 
@@ -177,15 +181,18 @@ def matmul_axpy(lw, g, op):
     output, each later row times its scalar goes into a local accumulator (the first
     overwriting it, the rest LOCAL_ACC), the scalars loaded four at a time so that their four
     streams follow each other, and one stream adds the accumulator to the output. Sums wrap
-    like the reference's. (A transposed B, per column a PACK_SUM stream over B's rows, then
-    per row of A a dot product: about twice the cycles of one row.)"""
+    like the reference's. B may be columns of a wider tensor read in place (``b_off``,
+    ``b_stride``: passes._column_view). (A transposed B, per column a PACK_SUM stream over
+    B's rows, then per row of A a dot product: about twice the cycles of one row.)"""
     a, b = op.ins[:2]
     lb = lw.tensors[b].layout
     asm, out = g.asm, g.out
-    nw, rows = lb.cw, lb.rows
+    nw, rows = lw.tensors[op.out].layout.cw, lb.rows
     lw.need_local(g, op, nw, "the accumulator of a row of the product")
     (ta,) = stage(lw, g, op, nw, [a])
     rb, base_b = lw.ref(g, b)
+    base_b += op.attrs.get("b_off", 0)                  # B's columns of a wider tensor
+    stride = op.attrs.get("b_stride", nw)
     asm.li(R1, ta.start)
     regs = (R4, R5, R6, R7)
     for first in range(0, rows, len(regs)):
@@ -196,8 +203,8 @@ def matmul_axpy(lw, g, op):
             dst = (dict(d_mode=DMode.APPEND, d_ref=out) if k == 0 else
                    dict(d_mode=DMode.LOCAL if k == 1 else DMode.LOCAL_ACC, d_base=0,
                         d_stride=1))
-            asm.stream(AluFn.MUL, a=rb, a_base=base_b + k * nw, n=nw, b_mode=BMode.SCALAR,
-                       b_val=r, **dst)
+            asm.stream(AluFn.MUL, a=rb, a_base=base_b + k * stride, n=nw,
+                       b_mode=BMode.SCALAR, b_val=r, **dst)
     if rows > 1:
         asm.stream(AluFn.ADD, a=out, a_base=0, n=nw, b_mode=BMode.LOCAL, b_val=0, b_stride=1,
                    d_mode=DMode.WRITE, d_ref=out, d_base=0, d_stride=1)

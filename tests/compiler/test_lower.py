@@ -379,6 +379,47 @@ def test_one_row_times_a_run_time_operand_adds_up_its_rows(k, n, lanes, local_wo
                                   g.evaluate(inputs)["out"])
 
 
+@hostile(20)
+@given(rows=st.integers(1, 20), lanes=st.sampled_from([1, 4]), head=st.integers(1, 3),
+       heads=st.integers(1, 4), at=st.integers(0, 3), extra=st.integers(0, 2),
+       seed=st.integers(0, 2**16))
+def test_a_heads_columns_of_a_cache_are_read_in_place(rows, lanes, head, heads, at, extra,
+                                                      seed):
+    """Attention over one head's columns of run-time K and V (made by an add, ``heads`` heads
+    of ``head`` words side by side, plus ``extra`` columns in the last word): ``q @ K_h^T`` and
+    ``p @ V_h`` read the head's columns of K and V in place (no slice copies them) when the
+    head is whole words, and copy them when its columns share a word with another head's
+    (``extra`` lanes). Bit-exact on the interpreter."""
+    rng = np.random.default_rng(seed)
+    at = min(at, heads - 1)
+    width = head * lanes - (extra if lanes > extra else 0)      # extra: not whole words
+    cols = heads * head * lanes
+    g = DataflowGraph("heads")
+    one = g.const("one", np.array([1], np.int32))
+    k = g.add("add", g.input("k", (rows, cols), "int32"), one, name="k1")
+    v = g.add("add", g.input("v", (rows, cols), "int32"), one, name="v1")
+    start = at * head * lanes
+    kh = g.add("slice", k, name="kh", axis=1, start=start, stop=start + width)
+    vh = g.add("slice", v, name="vh", axis=1, start=start, stop=start + width)
+    q = g.input("q", (1, width), "int32")
+    g.output("s", g.add("matmul", q, g.add("transpose", kh, name="kt"), name="scores"))
+    g.output("o", g.add("matmul", g.input("p", (1, rows), "int32"), vh, name="pv"))
+    g.validate()
+    inputs = {n: rng.integers(-2**31, 2**31 - 2, g.type_of(n).shape, dtype=np.int64)
+              .astype(np.int32) for n in ("k", "v", "q", "p")}
+    params = fabric_params(2, 2, prog_len=2048, lanes=lanes)
+    job, _ = compile_workload(g, params=params, partitioner="round_robin", place_steps=20,
+                              inputs=inputs)
+    copies = [n for info in job.programs.values() for n, kind, *_ in info.ops
+              if kind == "slice_cols"]
+    assert sorted(copies) == ([] if width % lanes == 0 else ["kh", "vh"])
+    outputs, result, _ = run_job_interp(job, schedule="random", seed=seed)
+    assert result.ok, result.errors
+    got, want = job.decode(outputs, check_padding=True), g.evaluate(inputs)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
 def test_dynamic_graph_input():
     g = DataflowGraph("dyn")
     x = g.input("x", (6, 5), "int8", dynamic=True, expected_rows=3)
@@ -701,11 +742,13 @@ def test_reference_tables_grow_until_a_lowering_fits_them(monkeypatch):
     assert_interpreter_matches(job, wl.reference(wl.inputs))
 
 
-def test_a_batched_decoder_too_long_for_the_programs_is_a_fit_error():
-    """Twelve sequences' attention on two CUs, with and without streams between them: the
-    compiler's fit error, naming the CU and its program's length."""
+@pytest.mark.parametrize("streams", [True, False])
+def test_a_batched_decoder_too_long_for_the_programs_is_a_fit_error(streams):
+    """Sixteen sequences' attention on two CUs, with and without streams between them: the
+    compiler's fit error, naming the CU and its program's length. (Twelve fit since a head's
+    columns of the caches are read in place: no slice and no transpose copies them.)"""
     params = fabric_params(2, 2, mu_words=16384, prog_len=4096, max_buffers=64)
     with pytest.raises(ProgramTooLong, match=r"^The program of CU \(\d, \d\) .* is \d+ "
                                              r"instructions long but prog_len is 4096"):
-        compile_workload("decoder", sizes=dict(d_model=16, cache_len=4, batch=12),
-                         params=params, partitioner="heft", place_steps=500)
+        compile_workload("decoder", sizes=dict(d_model=16, cache_len=4, batch=16),
+                         params=params, partitioner="heft", place_steps=500, streams=streams)
