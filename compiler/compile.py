@@ -268,9 +268,12 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
         How candidates are ranked when there are several (``partitioner="fastest"``,
         ``split="auto"`` or ``order="auto"``): ``rank(job)`` gives a candidate's cycles, or
         ``None`` when it cannot tell (then the estimates rank them all); ``rank.name`` says
-        what it is for the summary. Default: the estimates (a few tens of % off on real
-        graphs, where a run of the performance model, which only a layer above the compiler
-        has, is within a few %: ``rdakit.sim.runtime.events.ModelRank``).
+        what it is for the summary. A rank with ``bounded = True`` is called ``rank(job,
+        bound=cycles)`` and may return any figure above ``bound`` (not ``None``) for a job it
+        finds slower than that, without finishing its run. Default: the estimates (a few
+        tens of % off on real graphs, where a run of the performance model, which only a
+        layer above the compiler has, is within a few %:
+        ``rdakit.sim.runtime.events.ModelRank``).
     first_fit : bool
         With several candidates, compile them in order only until one compiles, and return
         it unranked: whether the workload fits the fabric at all (``--fabric auto``), which
@@ -391,12 +394,20 @@ def _fastest(workload, *, strategies, split, rank, order, first_fit, **options):
                       key=lambda i: candidates[i][1].estimated_cycles)   # the first on ties
     best, ranked = by_estimate, ()
     if rank is not None and len(candidates) > 1:
-        cycles = []
-        for job, _ in candidates:
-            c = rank(job)
+        # A rank that takes a bound (``rank.bounded``) may stop a run once it is known to
+        # take longer than the fewest cycles so far (and say so with any larger figure): the
+        # estimate's choice is run first, to the end, so that the bound is low early.
+        bounded = getattr(rank, "bounded", False)
+        order = range(len(candidates))
+        if bounded:
+            order = [by_estimate, *(i for i in order if i != by_estimate)]
+        cycles, fewest = [None] * len(candidates), None
+        for i in order:
+            c = rank(candidates[i][0], bound=fewest) if bounded else rank(candidates[i][0])
             if c is None:
                 break
-            cycles.append(c)
+            cycles[i] = c
+            fewest = c if fewest is None else min(fewest, c)
         else:
             best = min(range(len(candidates)), key=cycles.__getitem__)
             ranked = (rank.name, cycles[best], len(candidates), cycles[by_estimate])

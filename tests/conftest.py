@@ -120,6 +120,8 @@ LONG = {
     # model; the ranking's unit test stays in it.
     "sim/test_events.py::test_split_auto_keeps_the_job_the_model_finds_fastest":
         "4.6 s (16 compiles and model runs of the d_model 64 decoder)",
+    "sim/test_events.py::test_a_bounded_rank_keeps_what_the_full_runs_keep":
+        "3 s (two rankings of 16 candidates; the bound's unit test stays in the inner loop)",
     "test_hostile_cli.py::test_class9_the_default_workload_compiles_on_the_default_fabric":
         "5.5 s (rdakit compile's 16 candidates of the default MLP, each run on the model)",
     # Measured (--durations) when the inner loop had grown to 2 min 01 s with issue 18's tests.

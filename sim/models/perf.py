@@ -33,6 +33,7 @@ What the model leaves out: ``docs/performance-model.md``.
 import bisect
 import collections
 import heapq
+import math
 import struct
 
 from rdakit.hdl.spec.bitstream import BitstreamError, LoadStatus, read_bitstream
@@ -326,9 +327,10 @@ class PerfInterpreter(Interpreter):
         self._seq += 1
         heapq.heappush(self._heap, (t, kind, self._seq, obj))
 
-    def run_timed(self):
+    def run_timed(self, until=None):
         """Run every enabled CU from cycle 0 to its halt; return the cycle the last one halted,
-        or ``None`` if one never halts."""
+        or ``None`` if one never halts. With ``until``, stop as soon as a CU is still running
+        past cycle ``until`` and return ``math.inf`` (a run known to take longer)."""
         start = self.timing.run_start
         for tc in self._timed.values():
             if not tc.m.halted:
@@ -337,6 +339,10 @@ class PerfInterpreter(Interpreter):
         heap = self._heap
         while heap:
             t, kind, _, obj = heapq.heappop(heap)
+            if until is not None and t > until and any(
+                    tc.halt_at is None or tc.halt_at > until
+                    for tc in self._timed.values() if tc.m.enabled):
+                return math.inf
             if kind == 0:
                 self._deliver(t, obj)
             else:

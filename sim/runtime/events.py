@@ -13,6 +13,7 @@ took: the :class:`~rdakit.compiler.cost.TimedCostModel` the estimates use.
 """
 
 import collections
+import math
 
 from rdakit.compiler.compile import bitstream_for, compile_workload, load_workload
 from rdakit.compiler.cost import CostModel, TimedCostModel
@@ -259,22 +260,33 @@ class ModelRank:
 
     name = "the performance model"
 
+    #: ``compile_workload`` passes the fewest cycles so far as ``bound``: a candidate still
+    #: running past it is stopped there (``math.inf``), a run cut short instead of finished.
+    bounded = True
+
     def __init__(self, max_steps=MAX_RANK_STEPS):
         self.max_steps = max_steps
         self.runs = {}             # the same bitstream and buffers -> the same run, run once
+        self.cut = {}              # ... -> the bound a run of it was stopped at
 
-    def __call__(self, job):
+    def __call__(self, job, bound=None):
         key = (bitstream_for(job), tuple(
             (b.name, b.mu, b.weight, None if b.data is None else b.data.tobytes())
             for b in job.buffers))
         if key not in self.runs:
-            self.runs[key] = self._run(job)
+            if bound is not None and self.cut.get(key, -1) >= bound:
+                return math.inf                   # already known to take longer
+            cycles = self._run(job, bound)
+            if cycles == math.inf and bound is not None:
+                self.cut[key] = bound
+                return cycles
+            self.runs[key] = cycles
         return self.runs[key]
 
-    def _run(self, job):
+    def _run(self, job, bound=None):
         timer, _ = prepare_interp(job, interpreter=OpTimer, max_steps=self.max_steps)
         try:
-            cycles = timer.run_timed()
+            cycles = timer.run_timed(until=bound)
         except StepLimitError:
             return None
-        return float("inf") if cycles is None else cycles
+        return math.inf if cycles is None else cycles

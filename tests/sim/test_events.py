@@ -2,9 +2,11 @@
 counts that add up to the interpreter's, per node and per CU; cycles per node that add up to
 the performance model's run; and estimates close to the RTL's cycles."""
 
+import math
+
 import pytest
 
-from rdakit.compiler.compile import compile_workload
+from rdakit.compiler.compile import bitstream_for, compile_workload
 from rdakit.compiler.cost import CostModel, TimedCostModel
 from rdakit.compiler.graph import MEMORY_KINDS, DataflowGraph
 from rdakit.hdl.spec.params import fabric_params
@@ -14,6 +16,7 @@ from rdakit.sim.runtime.events import (
     EVENTS,
     MAX_EVENT_NODES,
     ModelRank,
+    OpTimer,
     cost_model,
     cu_events,
     node_cycles,
@@ -159,10 +162,52 @@ def test_model_rank_is_the_performance_models_run(moe_job, monkeypatch):
     assert ModelRank(max_steps=10)(moe_job) is None          # too long to tell
     # The same job again (as another strategy's candidate) is not run again; another is.
     runs = []
-    monkeypatch.setattr(rank, "_run", lambda job: runs.append(job) or 7)
+    monkeypatch.setattr(rank, "_run", lambda job, bound=None: runs.append(job) or 7)
     assert rank(moe_job) == model.run_timed() and runs == []
     other, _ = compile_workload("moe", sizes=SMALLEST["moe"], params=P, partitioner="heft")
     assert rank(other) == 7 and runs == [other]
+
+
+def test_model_rank_stops_a_run_past_its_bound(moe_job):
+    """With a bound below a job's cycles the run stops once past it (math.inf: slower), a
+    bound at or above them gives the cycles; a cut run is not taken for the job's figure:
+    asked again without a bound (or with a higher one) it runs to the end."""
+    full, _ = prepare_interp(moe_job, interpreter=OpTimer)         # (counts its steps)
+    cycles = full.run_timed()
+    cut, _ = prepare_interp(moe_job, interpreter=OpTimer)
+    assert cut.run_timed(until=cycles // 2) == math.inf
+    assert cut.steps < full.steps                               # stopped early
+    rank = ModelRank()
+    assert rank(moe_job, bound=cycles // 2) == math.inf
+    runs = []
+    real = rank._run
+    rank._run = lambda job, bound=None: runs.append(bound) or real(job, bound)
+    assert rank(moe_job, bound=cycles // 4) == math.inf and runs == []   # known: no run
+    assert rank(moe_job, bound=cycles) == cycles and runs == [cycles]
+    assert rank(moe_job) == cycles and runs == [cycles]                 # the full run kept
+    assert ModelRank()(moe_job, bound=cycles - 1) > cycles - 1       # (any figure above)
+    assert ModelRank()(moe_job, bound=cycles + 100) == cycles
+
+
+def test_a_bounded_rank_keeps_what_the_full_runs_keep():
+    """Ranking with runs stopped at the fewest cycles so far keeps the job the full runs
+    keep, with the same figures in the summary (the estimate's choice is run to the end)."""
+    class Full:
+        name = ModelRank.name
+
+        def __init__(self):
+            self.model = ModelRank()
+
+        def __call__(self, job):
+            return self.model(job)
+
+    params = fabric_params(2, 2, mu_words=2048, prog_len=2048)
+    sizes = dict(SMALLEST["moe"], tokens=8)
+    kept = [compile_workload("moe", sizes=sizes, params=params, partitioner="fastest",
+                             order="auto", rank=rank) for rank in (ModelRank(), Full())]
+    (job_b, bounded), (job_f, full) = kept
+    assert bounded.ranked == full.ranked and bounded.how() == full.how()
+    assert bitstream_for(job_b) == bitstream_for(job_f)
 
 
 def test_split_auto_keeps_the_job_the_model_finds_fastest():
