@@ -398,11 +398,11 @@ def _fastest(workload, *, strategies, split, rank, order, first_fit, **options):
         # take longer than the fewest cycles so far (and say so with any larger figure): the
         # estimate's choice is run first, to the end, so that the bound is low early.
         bounded = getattr(rank, "bounded", False)
-        order = range(len(candidates))
+        turn = range(len(candidates))
         if bounded:
-            order = [by_estimate, *(i for i in order if i != by_estimate)]
+            turn = [by_estimate, *(i for i in turn if i != by_estimate)]
         cycles, fewest = [None] * len(candidates), None
-        for i in order:
+        for i in turn:
             c = rank(candidates[i][0], bound=fewest) if bounded else rank(candidates[i][0])
             if c is None:
                 break

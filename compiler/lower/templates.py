@@ -1324,6 +1324,31 @@ def combine_experts(lw, g, op, acc):
         asm.stream(AluFn.ADD, a=out, a_base=0, n=lo.words, b_mode=BMode.LOCAL, b_val=0,
                    b_stride=1, d_mode=DMode.WRITE, d_ref=out, d_base=0, d_stride=1)
 
+def expert_tables(lw, g, ys, refs, rows):
+    """The per-expert tables of a walk over the routing slots (:func:`combine_slots`,
+    :func:`combine_chunks`): expert ``e``'s reference at element ``refs + e`` of the local
+    buffer and the word of its next row at ``rows + e``."""
+    asm = g.asm
+    for e, y in enumerate(ys):
+        ry, by = lw.ref(g, y)
+        asm.li(R1, 0)
+        asm.emit(Op.LSET, ra=ry, rb=R1, imm=refs + e)
+        asm.li(R0, by)
+        asm.emit(Op.LSET, ra=R0, rb=R1, imm=rows + e)
+        g.refs.unpin(lw.key_of(y, g.xy)[0])
+
+
+def slot_operands(asm, gate, refs, rows, dw):
+    """With R4 a slot's expert (:func:`expert_tables`) and the slot's gate at element R1 +
+    ``gate``: R5 the expert's reference, R6 its next row, R7 the gate; the expert's next row
+    moved on by ``dw`` words."""
+    asm.emit(Op.LGET, rd=R5, rb=R4, imm=refs)
+    asm.emit(Op.LGET, rd=R6, rb=R4, imm=rows)
+    asm.emit(Op.LGET, rd=R7, rb=R1, imm=gate)
+    asm.alui(AluFn.ADD, R0, R6, dw)
+    asm.emit(Op.LSET, ra=R0, rb=R4, imm=rows)
+
+
 #: Output rows :func:`combine_chunks` accumulates in the local buffer at most (its code is
 #: unrolled over them).
 CHUNK_ROWS = 4
@@ -1348,13 +1373,7 @@ def combine_chunks(lw, g, op, tables):
     ti, tg = stage(lw, g, op, chunk * dw + tables, [idx, gate])
     refs = chunk * dw * lanes              # element offsets of the tables
     rows = refs + experts
-    for e, y in enumerate(ys):
-        ry, by = lw.ref(g, y)
-        asm.li(R1, 0)
-        asm.emit(Op.LSET, ra=ry, rb=R1, imm=refs + e)
-        asm.li(R0, by)
-        asm.emit(Op.LSET, ra=R0, rb=R1, imm=rows + e)
-        g.refs.unpin(lw.key_of(y, g.xy)[0])
+    expert_tables(lw, g, ys, refs, rows)
     gd = tg.start - ti.start
     step = li.cw * lanes
     shift = op.attrs["shift"]
@@ -1363,11 +1382,7 @@ def combine_chunks(lw, g, op, tables):
         """Slot ``j`` of the token at element R1 + ``at``, its product into local row
         ``row`` (slot 0: appended to the output)."""
         asm.emit(Op.LGET, rd=R4, rb=R1, imm=at + j)
-        asm.emit(Op.LGET, rd=R5, rb=R4, imm=refs)
-        asm.emit(Op.LGET, rd=R6, rb=R4, imm=rows)
-        asm.emit(Op.LGET, rd=R7, rb=R1, imm=at + j + gd)
-        asm.alui(AluFn.ADD, R0, R6, dw)
-        asm.emit(Op.LSET, ra=R0, rb=R4, imm=rows)
+        slot_operands(asm, at + j + gd, refs, rows, dw)
         dst = (dict(d_mode=DMode.APPEND, d_ref=out) if j == 0 else
                dict(d_mode=DMode.LOCAL if j == 1 else DMode.LOCAL_ACC, d_base=row * dw,
                     d_stride=1))
@@ -1431,13 +1446,7 @@ def combine_slots(lw, g, op, tables, check):
     if k > 1:
         asm.stream(AluFn.AND, a=ti.ref, a_base=base_i, a_stride=0, n=lo.words,
                    d_mode=DMode.LOCAL, d_base=0)
-    for e, y in enumerate(ys):
-        ry, by = lw.ref(g, y)
-        asm.li(R1, 0)
-        asm.emit(Op.LSET, ra=ry, rb=R1, imm=refs + e)
-        asm.li(R0, by)
-        asm.emit(Op.LSET, ra=R0, rb=R1, imm=rows + e)
-        g.refs.unpin(lw.key_of(y, g.xy)[0])
+    expert_tables(lw, g, ys, refs, rows)
     if check and k > 1:
         asm.li(R1, 0)
         asm.li(R0, -1)
@@ -1464,11 +1473,7 @@ def combine_slots(lw, g, op, tables, check):
                 asm.branch(Op.BZ, skip, ra=R0)
             if k > 1 and j < k - 1:
                 asm.emit(Op.LSET, ra=R1, rb=R4, imm=last)
-        asm.emit(Op.LGET, rd=R5, rb=R4, imm=refs)
-        asm.emit(Op.LGET, rd=R6, rb=R4, imm=rows)
-        asm.emit(Op.LGET, rd=R7, rb=R1, imm=at + j + gd)
-        asm.alui(AluFn.ADD, R0, R6, dw)
-        asm.emit(Op.LSET, ra=R0, rb=R4, imm=rows)
+        slot_operands(asm, at + j + gd, refs, rows, dw)
         return skip
 
     def fields(j):
