@@ -76,16 +76,14 @@ def _bmode(plan, operand, out):
     return None
 
 
-def _column_view(plan, x, k_words):
+def _column_view(plan, x):
     """``(tensor, attrs)`` a matmul reads for its operand ``x``: when ``x`` is whole words of
     the columns of a static run-time tensor (an attention head's columns of a KV cache, a
     ``slice_cols`` with no masked lane), that tensor, read in place from word ``b_off`` of each
     row, rows ``b_stride`` words apart (the slice's copy is then read by nobody and dropped);
-    else ``x`` itself and no attrs. Only when a row of A (``k_words``) fits half the local
-    buffer (the long-row form reads B otherwise)."""
+    else ``x`` itself and no attrs."""
     prod = plan.lop_of(x)
-    if (prod is None or prod.kind != "slice_cols" or prod.attrs["mask"]
-            or k_words > plan.params.cu.local_words // 2):
+    if prod is None or prod.kind != "slice_cols" or prod.attrs["mask"]:
         return x, {}
     (src,) = prod.ins
     ls = plan.tensors[src].layout
@@ -140,12 +138,12 @@ class Legalize(LoweringPass):
         if tb.kind == "const":
             bt = plan.const(f"{b}^T", tb.value.T, tb.mu_hint, tb.layout.dtype)
         elif prod is not None and prod.kind == "transpose":
-            bt, view = _column_view(plan, prod.ins[0], la.cw)
+            bt, view = _column_view(plan, prod.ins[0])
             plan.add_op(n, "matmul_nt", [a, bt], lay, n, cu, **view)
             return
         elif la.rows == 1 and not la.dynamic and not lb.dynamic and lb.rows <= AXPY_MAX_ROWS:
             # One row times a run-time B (attention's p @ V): B's rows scaled and added up.
-            b, view = _column_view(plan, b, la.cw)
+            b, view = _column_view(plan, b)
             plan.add_op(n, "matmul_axpy", [a, b], lay, n, cu, **view)
             return
         else:

@@ -124,7 +124,6 @@ def matmul_nt(lw, g, op):
     rb, base_b = lw.ref(g, b)
     kw = la.cw
     if kw > g.local_top:
-        assert "b_off" not in op.attrs     # (a view only where a row of A fits: _column_view)
         matmul_long(lw, g, op)
         return
     lw.need_local(g, op, kw)
@@ -224,13 +223,16 @@ def matmul_long(lw, g, op):
     column one stream ``Bᵀ[j, chunk] * chunk`` adds into the column's word (LOCAL_ACC,
     D_STRIDE 0: the streams follow each other with nothing between them to wait for); then
     each word's lanes are added up (LGET) and set in ``V``, appended a word of the product at a
-    time. Sums wrap like the reference's."""
+    time. Sums wrap like the reference's. Bᵀ's rows may be columns of a wider tensor read in
+    place (``b_off``, ``b_stride``: passes._column_view)."""
     a, b = op.ins[:2]
     la, lb = lw.tensors[a].layout, lw.tensors[b].layout
     ra, base_a = lw.ref(g, a)
     rb, base_b = lw.ref(g, b)
     asm, out = g.asm, g.out
     kw, lanes = la.cw, lw.lanes
+    stride = op.attrs.get("b_stride", kw)       # from one row of Bᵀ to the next
+    base_b += op.attrs.get("b_off", 0)
     ncols = lb.rows
     free = g.local_top
     half = max(free // 2, 1)
@@ -267,13 +269,13 @@ def matmul_long(lw, g, op):
 
                 def loop(head):
                     col()
-                    asm.alui(AluFn.ADD, R7, R7, kw)
+                    asm.alui(AluFn.ADD, R7, R7, stride)
                     asm.alui(AluFn.ADD, R0, R0, 1)
                     asm.branch(Op.LOOP, head, ra=R4)
                 asm.loop(loop)
-                asm.alui(AluFn.ADD, R7, R7, -nbb * kw)
+                asm.alui(AluFn.ADD, R7, R7, -nbb * stride)
         column_chunks(asm, kw, chunk, [(R7, R7), (R6, R1)], R3, columns)
-        asm.alui(AluFn.ADD, R7, R7, nbb * kw - moved)
+        asm.alui(AluFn.ADD, R7, R7, nbb * stride - moved)
         asm.li(R6, chunk * lanes)
 
     def put(first, n, close):
