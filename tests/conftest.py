@@ -34,6 +34,11 @@ from rdakit.sim.runtime.job import run_job_interp
 
 HERE = pathlib.Path(__file__).resolve().parent
 
+if __name__ != "conftest":
+    # A second copy of this module (``tests.conftest``) would have its own globals:
+    # ``--hostile-examples`` set in pytest's copy would not reach the tests that import it.
+    raise ImportError(f"import the tests' helpers as `conftest`, not as {__name__!r}")
+
 #: Tests marked ``slow`` here rather than in their files, by node id under ``tests/`` (with a
 #: parametrization in brackets for that one only), with the
 #: time each took alone on a 2-core machine.

@@ -373,3 +373,18 @@ def test_class9_the_default_workload_compiles_on_the_default_fabric(tmp_path, ca
     # ... and the defaults work together: inspect finds the fabric the bitstream is for.
     assert main(["inspect", str(tmp_path / "w.bit")]) == 0
     assert "tile (0, 0) CU enabled" in capsys.readouterr().out
+
+
+def test_hostile_examples_multiplies_every_property_test(tmp_path):
+    """``pytest --hostile-examples K`` runs K times the examples (the helper's scale is the
+    one pytest's conftest read, whatever module a test imports it from)."""
+    import subprocess
+    import sys
+    test = "tests/compiler/test_lower.py::test_one_row_times_a_run_time_operand_adds_up_its_rows"
+    root = pathlib.Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-p", "no:xdist", test, "--hostile-examples", "3",
+                          "--hypothesis-show-statistics"],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "60 passing" in run.stdout, run.stdout

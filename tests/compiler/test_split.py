@@ -4,6 +4,7 @@ values are refused."""
 
 import numpy as np
 import pytest
+from conftest import assert_interpreter_matches, hostile
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -15,7 +16,6 @@ from rdakit.compiler.lower import sample_inputs
 from rdakit.compiler.split import column_blocks, row_blocks, split_cols, split_graph, split_rows
 from rdakit.hdl.spec.isa import AluFn, Op
 from rdakit.hdl.spec.params import fabric_params
-from tests.conftest import assert_interpreter_matches, hostile
 
 
 def _mixed(rows):

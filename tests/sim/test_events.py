@@ -5,6 +5,7 @@ the performance model's run; and estimates close to the RTL's cycles."""
 import math
 
 import pytest
+from conftest import assert_interpreter_matches
 
 from rdakit.compiler.compile import bitstream_for, compile_workload
 from rdakit.compiler.cost import CostModel, TimedCostModel
@@ -24,7 +25,6 @@ from rdakit.sim.runtime.events import (
     op_events,
 )
 from rdakit.sim.runtime.job import prepare_interp, run_job_interp
-from tests.conftest import assert_interpreter_matches
 
 P = fabric_params(2, 2, prog_len=1024)
 
