@@ -213,8 +213,10 @@ class Assembler:
 
     def stream(self, fn, *, a, n, a_base=0, a_stride=1, outer=1, a_ostride=0,
                b_mode=BMode.ZERO, b_val=0, b_stride=0, b_ostride=0, d_mode=DMode.DISCARD,
-               d_ref=None, d_base=0, d_stride=1, shift=0, relu=False, rd=0):
-        """Configure and run one stream (only the fields it uses are written)."""
+               d_ref=None, d_base=0, d_stride=1, shift=0, relu=False, rd=0, run=True):
+        """Configure and run one stream (only the fields it uses are written). With ``run``
+        false, only configure it and return a function that emits its ``SRUN``: instructions
+        between them may reuse the registers its fields were read from."""
         F = StreamField
         self.field(F.A_REF, a)
         self.field(F.A_BASE, a_base)
@@ -245,7 +247,12 @@ class Assembler:
         if isinstance(a, Reg) and int(a) in self.self_regs:
             # A stream over the input queue writes the steps it ran after its reduction's.
             regs = regs | {(rd + len(regs)) % 16}
-        self._append(Op.SRUN, {"fn": fn.value, "rd": rd}, None, regs=regs)
+
+        def srun():
+            self._append(Op.SRUN, {"fn": fn.value, "rd": rd}, None, regs=regs)
+        if not run:
+            return srun
+        srun()
 
     def assemble(self, offset):
         """The instructions, with branch targets resolved for a program where this code

@@ -1380,46 +1380,65 @@ def combine_chunks(lw, g, op, tables):
     step = li.cw * lanes
     shift = op.attrs["shift"]
 
-    def slot(j, at, row):
-        """Slot ``j`` of the token at element R1 + ``at``, its product into local row
-        ``row`` (slot 0: appended to the output)."""
+    def scalars(j, at):
+        """R5-R7 of slot ``j`` of the token at element R1 + ``at``."""
         asm.emit(Op.LGET, rd=R4, rb=R1, imm=at + j)
         slot_operands(asm, at + j + gd, refs, rows, dw)
+
+    def product(j, row, run=True):
+        """Slot ``j``'s product into local row ``row`` (slot 0: appended to the output)."""
         dst = (dict(d_mode=DMode.APPEND, d_ref=out) if j == 0 else
                dict(d_mode=DMode.LOCAL if j == 1 else DMode.LOCAL_ACC, d_base=row * dw,
                     d_stride=1))
-        asm.stream(AluFn.MUL, a=R5, a_base=R6, n=dw, b_mode=BMode.SCALAR, b_val=R7,
-                   shift=shift, **dst)
+        return asm.stream(AluFn.MUL, a=R5, a_base=R6, n=dw, b_mode=BMode.SCALAR, b_val=R7,
+                          shift=shift, run=run, **dst)
 
-    def rows_of(count):
-        """``count`` tokens from the one at R1 (output word R3), then their local rows added
-        to their output rows."""
+    def rows_of(count, more):
+        """``count`` tokens from the one at R1 (output word R3; its slot 0's scalars read
+        already), then their local rows added to their output rows. An LGET waits for a
+        stream writing the local buffer, so the next token's slot 0 (with ``more``, also
+        the one after the last: R1 + ``count * step``) is read after the token's last stream
+        is configured and before it starts."""
         for t in range(count):
             for j in range(k):
-                slot(j, t * step, t)
+                if j:
+                    scalars(j, t * step)
+                if j < k - 1 or not (t < count - 1 or more):
+                    product(j, t)
+                    continue
+                srun = product(j, t, run=False)
+                scalars(0, (t + 1) * step)
+                srun()
         if k > 1:
             asm.stream(AluFn.ADD, a=out, a_base=R3, n=count * dw, b_mode=BMode.LOCAL,
                        b_val=0, b_stride=1, d_mode=DMode.WRITE, d_ref=out, d_base=R3,
                        d_stride=1)
 
+    def advance():
+        asm.alui(AluFn.ADD, R1, R1, chunk * step)
+        asm.alui(AluFn.ADD, R3, R3, chunk * dw)
+
     full, rest = divmod(lo.rows, chunk)
     asm.li(R1, ti.start)
     asm.li(R3, 0)
-    if full > 1:
-        asm.li(COUNT, full)
+    scalars(0, 0)
+    # The chunks that read the next one's first token: all but the last.
+    ahead = full if rest else full - 1
+    if ahead > 1:
+        asm.li(COUNT, ahead)
 
         def loop(head):
-            rows_of(chunk)
-            asm.alui(AluFn.ADD, R1, R1, chunk * step)
-            asm.alui(AluFn.ADD, R3, R3, chunk * dw)
+            rows_of(chunk, True)
+            advance()
             asm.branch(Op.LOOP, head, ra=COUNT)
         asm.loop(loop)
-    elif full:
-        rows_of(chunk)
-        asm.alui(AluFn.ADD, R1, R1, chunk * step)
-        asm.alui(AluFn.ADD, R3, R3, chunk * dw)
+    elif ahead:
+        rows_of(chunk, True)
+        advance()
     if rest:
-        rows_of(rest)
+        rows_of(rest, False)
+    else:
+        rows_of(chunk, False)
 
 
 def combine_slots(lw, g, op, tables, check):
@@ -1507,16 +1526,9 @@ def combine_slots(lw, g, op, tables, check):
                 if j < k - 1 or last:
                     run(j)
                     continue
-                F, f = StreamField, fields(j)
-                for field, v in ((F.A_REF, R5), (F.A_BASE, R6), (F.A_STRIDE, 1), (F.N, dw),
-                                 (F.OUTER, 1), (F.B_MODE, BMode.SCALAR.value),
-                                 (F.B_VAL, R7), (F.D_MODE, f["d_mode"].value),
-                                 (F.D_BASE, R3), (F.D_STRIDE, 1), (F.SHIFT, shift),
-                                 (F.POST, 0)):
-                    asm.field(field, v)
+                srun = asm.stream(AluFn.MUL, run=False, **fields(j))
                 scalars(0, step)
-                # The stream configured above (its registers are read again from here).
-                asm.emit(Op.SRUN, fn=AluFn.MUL.value, rd=SINK)
+                srun()
 
         def advance():
             asm.alui(AluFn.ADD, R1, R1, step)

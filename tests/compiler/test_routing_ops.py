@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from rdakit.compiler.compile import compile_workload
 from rdakit.compiler.graph import DataflowGraph
+from rdakit.hdl.spec.isa import Op
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.runtime.events import op_events
 from rdakit.sim.runtime.job import run_job_interp
@@ -54,6 +55,28 @@ def assert_exact(g, inputs, lanes, local_words, seed=0):
     assert sorted(got) == sorted(want)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    return job
+
+
+def read_ahead(job, node):
+    """How many streams in ``node``'s code are configured before an LGET and started after it
+    (the walk reading the next slot's scalars while the stream waits to start)."""
+    count = 0
+    for xy, info in job.programs.items():
+        program = job.config.tiles[xy].program
+        for name, _, _, a, b in info.ops:
+            if name != node:
+                continue
+            configured = read = False
+            for ins in program[a:b]:
+                if ins.op in (Op.SCFG, Op.SCFGI):
+                    configured, read = True, False
+                elif ins.op is Op.LGET and configured:
+                    read = True
+                elif ins.op is Op.SRUN:
+                    count += read
+                    configured = read = False
+    return count
 
 
 @st.composite
@@ -118,7 +141,9 @@ def test_combine_a_chunk_of_rows_at_a_time(tokens, experts, k, d, monkeypatch):
     """Top-k routings whose combined output does not fit 32 local words beside the tables and
     the staged indices and gates, but a few rows do: the slot walk a chunk of rows at a time
     (chunks of two rows and a last one of one row with 11 and 9 tokens; k = 1 with no local
-    row; one chunk and the rest, unrolled), bit-exact for several schedules."""
+    row; one chunk and the rest, unrolled), bit-exact for several schedules. Each token's
+    last stream waits to start until the next token's slot 0 is read (an LGET waits for a
+    stream writing the local buffer): in the loop's chunk and the last one."""
     from rdakit.compiler.lower import templates
 
     chunked = []
@@ -130,8 +155,9 @@ def test_combine_a_chunk_of_rows_at_a_time(tokens, experts, k, d, monkeypatch):
     inputs = {"x": rng.integers(-128, 128, (tokens, d)).astype(np.int8),
               "logits": rng.integers(-50, 50, (tokens, experts)).astype(np.int32)}
     for seed in range(3):
-        assert_exact(g, inputs, 4, 32, seed)
+        job = assert_exact(g, inputs, 4, 32, seed)
     assert chunked and set(chunked) == {"comb"}     # (the lowering may run twice)
+    assert read_ahead(job, "comb") >= 2
 
 
 MAIN = {"tokens": 4, "d_model": 8, "d_ff": 8, "experts": 4}
