@@ -14,6 +14,8 @@ tensor an op reads exists and every op comes after the ops producing what it rea
     Graph outputs into host buffers written by their producers (copies where needed).
 ``eliminate-dead``
     Ops nobody reads, then unread constants and inputs.
+``fuse-dispatch``
+    A mixture of experts' dispatch into the matmul that reads its rows, on the same CU.
 ``schedule-order``
     The ops in the order of the partitioner's list schedule (by start cycle), when it has one:
     each CU runs its ops in the order the estimate assumed.
@@ -34,7 +36,7 @@ from rdakit.compiler.lower.templates import AXPY_MAX_ROWS
 from rdakit.hdl.spec.isa import AluFn
 
 __all__ = ["LOWERABLE_KINDS", "LoweringPass", "Legalize", "FuseElementwise", "PlaceOutputs",
-           "EliminateDead", "ScheduleOrder", "CheckOrder", "PIPELINE"]
+           "EliminateDead", "FuseDispatch", "ScheduleOrder", "CheckOrder", "PIPELINE"]
 
 #: Op kinds the lowering turns into CU programs (every kind of the op table).
 LOWERABLE_KINDS = frozenset({
@@ -419,6 +421,42 @@ class EliminateDead(LoweringPass):
 
 
 @dataclasses.dataclass(frozen=True)
+class FuseDispatch(LoweringPass):
+    """A dispatch whose rows are read only by a matmul on its CU (their left operand) folds
+    into that matmul, ``matmul_routed``, when a row of the tokens fits the CU's local buffer
+    beside its constants: the routed rows go straight from the tokens' buffer to the local
+    buffer, not through an MU buffer of their own."""
+
+    name: ClassVar[str] = "fuse-dispatch"
+
+    def apply(self, plan):
+        from rdakit.compiler.lower.lowerer import Lowerer
+
+        readers = plan.readers()
+        by_name = {op.name: op for op in plan.lops}
+        free, fused = None, set()
+        for op in plan.lops:
+            if op.kind != "matmul_nt" or "b_off" in op.attrs or "b_stride" in op.attrs:
+                continue
+            a = op.ins[0]
+            d = by_name.get(plan.tensors[a].producer)
+            if (d is None or d.kind != "dispatch" or d.cu != op.cu or len(readers[a]) != 1
+                    or plan.tensors[a].kind != "runtime" or op.ins.count(a) != 1):
+                continue
+            x, idx = d.ins
+            if free is None:
+                free = Lowerer(plan, plan.params).local_free()
+            if plan.tensors[x].layout.cw > free.get(op.cu, plan.params.cu.local_words):
+                continue
+            op.kind, op.ins = "matmul_routed", [x, op.ins[1], idx]
+            op.attrs["expert"] = d.attrs["expert"]
+            op.nodes = [*d.nodes, *op.nodes]
+            del plan.tensors[a]
+            fused.add(d.name)
+        plan.lops[:] = [op for op in plan.lops if op.name not in fused]
+
+
+@dataclasses.dataclass(frozen=True)
 class ScheduleOrder(LoweringPass):
     """Order the ops by the start cycles of the partitioner's list schedule (``plan.start``;
     ties, and ops of no scheduled node, keep their graph order).
@@ -491,5 +529,5 @@ class CheckOrder(LoweringPass):
 
 
 #: The passes :func:`~rdakit.compiler.lower.lower` runs, in order.
-PIPELINE = (Legalize(), FuseElementwise(), PlaceOutputs(), EliminateDead(), ScheduleOrder(),
-            CheckOrder())
+PIPELINE = (Legalize(), FuseElementwise(), PlaceOutputs(), EliminateDead(), FuseDispatch(),
+            ScheduleOrder(), CheckOrder())

@@ -1144,32 +1144,46 @@ def route_test(asm, table, r_row, k, expert, targets):
 
 @template("dispatch")
 def dispatch(lw, g, op):
-    """Rows routed to the expert are appended, in token order (a run-time count). When the
-    indices fit the local buffer they are staged XORed with the expert (one stream), so a slot
-    naming it is one LGET and a BZ, and up to :data:`UNROLL_TOKENS` tokens are unrolled (no
-    loop counter, the row's word offset an immediate)."""
-    x, idx = op.ins
+    """Rows routed to the expert are appended, in token order (a run-time count): see
+    :func:`routed_rows`."""
+    x = op.ins[0]
+    rx, _ = lw.ref(g, x)
+    cw = lw.tensors[x].layout.cw
+    routed_rows(lw, g, op, 0, lambda word: g.asm.stream(
+        AluFn.PASS, a=rx, a_base=word, n=cw, d_mode=DMode.APPEND, d_ref=g.out),
+        unroll=UNROLL_TOKENS)
+
+
+def routed_rows(lw, g, op, scratch, row, unroll=1):
+    """``row(word)`` for each token the indices (``op.ins[1]``) route to ``op.attrs
+    ["expert"]``, in token order, ``word`` (an immediate or a register) the word of its row
+    of ``x`` (``op.ins[0]``) in x's buffer. When the indices fit the local buffer after the
+    op's ``scratch`` words they are staged XORed with the expert (one stream), so a slot
+    naming it is one LGET and a BZ, and up to ``unroll`` tokens are unrolled (no loop
+    counter, the row's word offset an immediate); else each slot is read and tested."""
+    x, idx = op.ins[0], op.ins[-1]
     lx, li = lw.tensors[x].layout, lw.tensors[idx].layout
     rx, bx = lw.ref(g, x)
-    asm, out = g.asm, g.out
+    asm = g.asm
     expert, lanes = op.attrs["expert"], lw.lanes
-    if not li.dynamic and li.words <= g.local_top:
+    if not li.dynamic and scratch + li.words <= g.local_top:
         ri, base = lw.ref(g, idx)
         asm.stream(AluFn.XOR, a=ri, a_base=base, n=li.words, b_mode=BMode.SCALAR,
-                   b_val=expert, d_mode=DMode.LOCAL, d_base=0)
+                   b_val=expert, d_mode=DMode.LOCAL, d_base=scratch)
+        at = scratch * lanes
 
-        def token(row, el, word):
-            """The token whose indices start at element ``row + el``, its row at ``word``."""
+        def token(reg, el, word):
+            """The token whose indices start at element ``reg + el``, its row at ``word``."""
             hit, nxt = asm.label(), asm.label()
             for j in range(li.cols):
-                asm.emit(Op.LGET, rd=R5, rb=row, imm=el + j)
+                asm.emit(Op.LGET, rd=R5, rb=reg, imm=at + el + j)
                 asm.branch(Op.BZ, hit, ra=R5)
             asm.branch(Op.JMP, nxt)
             asm.place(hit)
-            asm.stream(AluFn.PASS, a=rx, a_base=word, n=lx.cw, d_mode=DMode.APPEND, d_ref=out)
+            row(word)
             asm.place(nxt)
 
-        if lx.rows <= UNROLL_TOKENS:
+        if lx.rows <= unroll:
             asm.li(R3, 0)
             for t in range(lx.rows):
                 token(R3, t * li.cw * lanes, bx + t * lx.cw)
@@ -1177,16 +1191,39 @@ def dispatch(lw, g, op):
             row_loop(lw, g, x, rx, [(R1, bx, lx.cw), (R3, 0, li.cw * lanes)],
                      lambda: token(R3, 0, R1))
         return
-    (ti,) = stage(lw, g, op, 0, [idx])
+    (ti,) = stage(lw, g, op, scratch, [idx])
 
     def body():
         hit, nxt = asm.label(), asm.label()
-        route_test(asm, ti, R3, li.cols, op.attrs["expert"], [hit] * li.cols)
+        route_test(asm, ti, R3, li.cols, expert, [hit] * li.cols)
         asm.branch(Op.JMP, nxt)
         asm.place(hit)
-        asm.stream(AluFn.PASS, a=rx, a_base=R1, n=lx.cw, d_mode=DMode.APPEND, d_ref=out)
+        row(R1)
         asm.place(nxt)
     row_loop(lw, g, x, rx, [(R1, bx, lx.cw), ti.offsets(R3)], body)
+
+
+@template("matmul_routed")
+def matmul_routed(lw, g, op):
+    """The rows of ``x`` routed to an expert times ``Bᵀ`` (a dispatch folded into the matmul
+    that reads its rows: passes.FuseDispatch): per routed token (:func:`routed_rows`, the
+    indices staged after the row), its row of ``x`` is copied to the local buffer and one
+    PACK_SUM stream over the rows of ``Bᵀ`` appends its row of the product. The expert's rows
+    are never copied through an MU buffer, and the tokens' reads of ``x`` are spread over the
+    matmul instead of all taken at once by every expert's dispatch."""
+    x, bt, _ = op.ins
+    lx, lb = lw.tensors[x].layout, lw.tensors[bt].layout
+    rx, _ = lw.ref(g, x)
+    rb, base_b = lw.ref(g, bt)
+    kw, asm, out = lx.cw, g.asm, g.out
+    lw.need_local(g, op, kw, "a routed token's row")
+
+    def row(word):
+        asm.stream(AluFn.PASS, a=rx, a_base=word, n=kw, d_mode=DMode.LOCAL, d_base=0)
+        asm.stream(AluFn.MUL, a=rb, a_base=base_b, n=kw, outer=lb.rows, a_ostride=kw,
+                   b_mode=BMode.LOCAL, b_val=0, b_stride=1, b_ostride=0,
+                   d_mode=DMode.PACK_SUM, d_ref=out)
+    routed_rows(lw, g, op, kw, row)
 
 def routing_checked(lw, idx, experts):
     """Whether the routing indices ``idx`` need no check at run time: a ``topk`` over

@@ -601,9 +601,9 @@ def test_run_time_buffer_fits_in_no_mu():
             "may still be live there leave at most 0 words and 15 buffer slots free in any MU")):
         compile_("mlp", fabric_params(2, 2, prog_len=512, mu_words=64))
     with pytest.raises(LoweringError, match=re.escape(
-            "Tensor 'e2_in' (16 words, allocated by CU (1, 1)) fits in no MU: the buffers that "
-            "may still be live there leave at most 832 words and 0 buffer slots free in any "
-            "MU")):
+            "Tensor 'e2_fc1' (24 words, allocated by CU (1, 1)) fits in no MU: the buffers "
+            "that may still be live there leave at most 832 words and 0 buffer slots free in "
+            "any MU")):
         compile_("mixtral", fabric_params(2, 2, prog_len=4096, max_buffers=8))
 
 

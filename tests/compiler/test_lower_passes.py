@@ -11,6 +11,7 @@ from rdakit.compiler.lower.passes import (
     PIPELINE,
     CheckOrder,
     EliminateDead,
+    FuseDispatch,
     FuseElementwise,
     Legalize,
     LoweringPass,
@@ -23,9 +24,11 @@ from rdakit.hdl.spec.isa import AluFn, DMode, Instr, Op, StreamField
 
 def test_pipeline_is_named_frozen_passes_in_order():
     assert [p.name for p in PIPELINE] == ["legalize", "fuse-elementwise", "place-outputs",
-                                          "eliminate-dead", "schedule-order", "check-order"]
+                                          "eliminate-dead", "fuse-dispatch", "schedule-order",
+                                          "check-order"]
     assert [type(p) for p in PIPELINE] == [Legalize, FuseElementwise, PlaceOutputs,
-                                           EliminateDead, ScheduleOrder, CheckOrder]
+                                           EliminateDead, FuseDispatch, ScheduleOrder,
+                                           CheckOrder]
     for p in PIPELINE:
         assert isinstance(p, LoweringPass)
         with pytest.raises(dataclasses.FrozenInstanceError):

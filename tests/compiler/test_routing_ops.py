@@ -22,10 +22,11 @@ from rdakit.sim.runtime.job import run_job_interp
 I32 = np.iinfo(np.int32)
 
 
-def routing_graph(tokens, d, experts, k, shift, given_idx):
+def routing_graph(tokens, d, experts, k, shift, given_idx, weights=None):
     """``x`` routed by ``topk(logits)`` (or by the graph input ``idx`` when ``given_idx``:
     any values), gates ``take(logits, idx)`` (or the input ``gates``), each expert's rows
-    ``relu(dispatch)``, ``combine``; every result an output."""
+    ``relu(dispatch)`` (or, given ``weights``, ``dispatch @ weights[e]``), ``combine``; every
+    result an output."""
     g = DataflowGraph("routing")
     x = g.input("x", (tokens, d), "int8")
     if given_idx:
@@ -37,8 +38,13 @@ def routing_graph(tokens, d, experts, k, shift, given_idx):
         gates = g.add("take", logits, idx, name="gates")
         g.output("o_idx", idx)
         g.output("o_gates", gates)
-    ys = [g.add("relu", g.add("dispatch", x, idx, name=f"d{e}", expert=e, experts=experts),
-                name=f"y{e}") for e in range(experts)]
+    rows = [g.add("dispatch", x, idx, name=f"d{e}", expert=e, experts=experts)
+            for e in range(experts)]
+    if weights is None:
+        ys = [g.add("relu", r, name=f"y{e}") for e, r in enumerate(rows)]
+    else:
+        ys = [g.add("matmul", r, g.const(f"w{e}", weights[e]), name=f"y{e}")
+              for e, r in enumerate(rows)]
     g.output("o", g.add("combine", idx, gates, *ys, name="comb", shift=shift))
     return g.validate()
 
@@ -116,6 +122,40 @@ def test_random_routings_are_bit_exact(case):
     """Random sizes, lanes, local buffers and routings: every output equals numpy's."""
     g, inputs, lanes, local_words, seed = case
     assert_exact(g, inputs, lanes, local_words, seed)
+
+
+@hostile(30)
+@given(case=routings(), n=st.integers(1, 6), one_cu=st.booleans())
+def test_a_dispatch_folds_into_the_matmul_reading_its_rows(case, n, one_cu):
+    """Each expert ``dispatch(x) @ W_e``: on one CU (or where the partitioner put both on
+    one), the dispatch folds into the matmul (``matmul_routed``: the routed rows go from x
+    to the local buffer, no buffer of their own) whenever a row of x fits the local buffer
+    beside the constants; bit-exact for random routings (out of range and repeated indices
+    too), sizes, lanes and local buffers, under random interleavings."""
+    g, inputs, lanes, local_words, seed = case
+    tokens, d = inputs["x"].shape
+    experts = sum(1 for node in g.order() if g.kind(node) == "dispatch")
+    rng = np.random.default_rng(seed)
+    weights = rng.integers(-128, 128, (experts, d, n)).astype(np.int8)
+    given_idx = "idx" in inputs
+    shift = g.nx.nodes["comb"]["attrs"]["shift"]
+    g = routing_graph(tokens, d, experts, inputs.get("idx", np.zeros((1, 1))).shape[1]
+                      if given_idx else g.type_of("tk").shape[1], shift, given_idx, weights)
+    rows, cols = (1, 2) if one_cu else (2, 2)
+    params = fabric_params(rows, cols, prog_len=4096, lanes=lanes, local_words=local_words,
+                           mu_words=8192, max_buffers=64)
+    job, _ = compile_workload(g, params=params, partitioner="round_robin", place_steps=20,
+                              split=1, inputs=inputs)
+    outputs, result, _ = run_job_interp(job, schedule="random", seed=seed)
+    assert result.ok, result.errors
+    got, want = job.decode(outputs, check_padding=True), g.evaluate(inputs)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    kinds = collections.Counter(kind for info in job.programs.values()
+                                for _, kind, *_ in info.ops)
+    assert kinds["matmul_routed"] + kinds["dispatch"] == experts
+    if one_cu and -(-d // lanes) <= local_words - lanes:     # beside the transposes' identity
+        assert kinds["matmul_routed"] == experts
 
 
 @pytest.mark.parametrize("lanes", [1, 4])
