@@ -219,7 +219,7 @@ def load_workload(workload, sizes=None):
 def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", seed=0,
                      place_steps=20000, inputs=None, cost=None, schedule_cost=None,
                      order="graph", progress=None, split=None, streams=True, rank=None,
-                     first_fit=False):
+                     first_fit=False, passes=None):
     """Compile a workload for a fabric.
 
     Parameters
@@ -278,6 +278,8 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
         With several candidates, compile them in order only until one compiles, and return
         it unranked: whether the workload fits the fabric at all (``--fabric auto``), which
         the full compilation answers alike (it passes over the candidates that do not fit).
+    passes : sequence of LoweringPass, optional
+        The lowering's passes (default :data:`~rdakit.compiler.lower.passes.PIPELINE`).
 
     Returns
     -------
@@ -305,7 +307,8 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
                         place_steps=place_steps, inputs=inputs, cost=cost,
                         schedule_cost=schedule_cost, order=order, progress=progress,
                         strategies=FASTEST if partitioner == "fastest" else (partitioner,),
-                        split=split, streams=streams, rank=rank, first_fit=first_fit)
+                        split=split, streams=streams, rank=rank, first_fit=first_fit,
+                        passes=passes)
     check_strategy(partitioner)
     check_steps("place_steps", place_steps)
     if not isinstance(seed, int) or isinstance(seed, bool):
@@ -329,7 +332,8 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
                      strategy=result.strategy, hops=placement.hops(len(cus)),
                      order=np.arange(wg.n) if order == "graph" else None)
     job = lower(graph, placed if order == "schedule" else result.parts, placement, params,
-                inputs=wl.inputs if inputs is None else inputs, streams=streams)
+                inputs=wl.inputs if inputs is None else inputs, streams=streams,
+                **({} if passes is None else {"passes": passes}))
     if job.streamed:
         # The edges the lowering sent as streams overlap their two ends: the estimate again.
         placed = measure(wg, result.targets, result.parts, schedule_cost,

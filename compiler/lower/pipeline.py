@@ -35,7 +35,7 @@ def _parts_by_name(graph, parts):
     return {n: int(p) for n, p in zip(order, parts.tolist(), strict=True)}
 
 
-def lower(graph, parts, placement, params, *, inputs=None, streams=False):
+def lower(graph, parts, placement, params, *, inputs=None, streams=False, passes=PIPELINE):
     """Lower a placed dataflow graph to a job for the fabric ``params`` describes.
 
     Parameters
@@ -54,6 +54,9 @@ def lower(graph, parts, placement, params, *, inputs=None, streams=False):
     streams : bool
         Lower the edges that qualify (:mod:`rdakit.compiler.lower.streams`) as streams
         between CUs instead of buffers in MUs.
+    passes : sequence of LoweringPass
+        The passes run on the plan, in order (default
+        :data:`~rdakit.compiler.lower.passes.PIPELINE`).
 
     Returns
     -------
@@ -83,7 +86,7 @@ def lower(graph, parts, placement, params, *, inputs=None, streams=False):
     plan = Plan(graph, part_of, placement, params)
     if getattr(parts, "start", None) is not None:
         plan.start = {parts.graph.label(i): float(s) for i, s in enumerate(parts.start)}
-    for lowering_pass in PIPELINE:
+    for lowering_pass in passes:
         lowering_pass.apply(plan)
     # Constant pools in each CU's home MU first; when that leaves no MU room for a run-time
     # buffer, where the placement put the constants (they pile up in fewer MUs).

@@ -16,6 +16,7 @@ from rdakit.sim.models.perf import PerfInterpreter
 from rdakit.sim.runtime.events import (
     EVENTS,
     MAX_EVENT_NODES,
+    TIMED_PASSES,
     ModelRank,
     OpTimer,
     cost_model,
@@ -86,6 +87,26 @@ def test_timed_cost_model_times_every_compute_node():
     compute = {n for n in job.graph.order() if job.graph.kind(n) not in MEMORY_KINDS}
     assert {row[0] for row in model.cycles} == compute
     assert model.fixed_cycles > 0
+
+
+def test_the_timed_model_times_each_dispatch_on_its_own():
+    """On one CU every dispatch would fold into its expert's matmul, leaving it the work
+    share of a copy; the timed model lowers without that fold, so a dispatch costs what it
+    costs on a CU of its own (the estimate of a partition that separates them)."""
+    one = fabric_params(1, 2, prog_len=4096, mu_words=1 << 16, max_buffers=64)
+
+    def dispatch_cycles(passes):
+        job, _ = compile_workload("moe", sizes=SMALLEST["moe"], params=one,
+                                  partitioner="round_robin", place_steps=1, passes=passes)
+        kinds = {kind for info in job.programs.values() for _, kind, *_ in info.ops}
+        cycles, _ = node_cycles(job)
+        return kinds, sum(c for n, c in cycles.items() if job.graph.kind(n) == "dispatch")
+
+    kinds, alone = dispatch_cycles(TIMED_PASSES)
+    assert "dispatch" in kinds and "matmul_routed" not in kinds
+    kinds, folded = dispatch_cycles(None)
+    assert "matmul_routed" in kinds and "dispatch" not in kinds
+    assert alone > 2 * folded
 
 
 def test_a_workload_that_does_not_fit_one_cu_falls_back_to_the_work_model():
