@@ -28,7 +28,10 @@ class Ref:
 @dataclasses.dataclass
 class HostBuffer:
     """A buffer the host allocates (in this order) in MU ``mu`` with total weight ``weight``
-    and fills with ``data`` (n × lanes int32, or ``None`` for an empty buffer)."""
+    and fills with ``data`` (n × lanes int32, or ``None`` for an empty buffer), or, for a
+    *reference table*, with the references of the host buffers ``refs`` names (allocated
+    before it), one a word in lane 0: a CU's references beyond those its initial registers
+    pass (:meth:`contents`)."""
 
     name: str
     mu: tuple
@@ -36,6 +39,17 @@ class HostBuffer:
     weight: int = 1
     #: Weight the CUs return; the host returns the rest after reading the outputs.
     cu_returns: int = 0
+    #: A reference table: the host buffers whose references it holds, word by word.
+    refs: tuple = ()
+
+    def contents(self, refs, lanes):
+        """What the host fills the buffer with (``None``: nothing), given the references of
+        the buffers allocated before it (``refs``: name -> reference)."""
+        if not self.refs:
+            return self.data
+        table = np.zeros((len(self.refs), lanes), np.int32)
+        table[:, 0] = [refs[name] for name in self.refs]
+        return table
 
 
 @dataclasses.dataclass

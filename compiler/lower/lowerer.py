@@ -58,13 +58,25 @@ class ProgramTooLong(LoweringError):
         self.prog_len = prog_len
 
 
+#: Host buffer references a CU's initial registers pass: r8..r14, then r0..r6 (r7 holds
+#: the table's MU ID in the prologue that copies them into the reference table).
+MAX_REGISTER_REFS = len(REF_REGS) + TEMPS - 1
+
+
+def table_name(xy):
+    """The name of the host buffer holding the references of CU ``xy`` beyond its registers."""
+    return f"refs@{xy[0]},{xy[1]}"
+
+
 class CUGen:
     """The program of one CU under construction: its assembler, its reference registers, the
     buffers it holds and its local-buffer constants.
 
     The references of the host buffers it uses are passed in its initial registers: r8..r14
     first, then r0..r6 (copied into the reference table by the prologue; r7 holds the table's
-    MU ID there).
+    MU ID there). Beyond :data:`MAX_REGISTER_REFS` the host passes the rest in a reference
+    table of its own (:attr:`host_table`, a host buffer in r15 whose word ``i`` holds the
+    ``i``-th reference after r8..r14), which the CU's spills then append to.
     """
 
     def __init__(self, xy, params, host_keys):
@@ -74,14 +86,18 @@ class CUGen:
         self.refs = RefFile(self.asm, f"CU {self.xy}")
         self.init_regs = {}
         self.extras = []
-        if len(host_keys) > len(REF_REGS) + TEMPS - 1:
-            raise LoweringError(f"CU {self.xy} reads or writes {len(host_keys)} host buffers, "
-                                f"but at most {len(REF_REGS) + TEMPS - 1} references can be "
-                                f"passed in its registers")
+        #: The host buffers whose references the host passes in a table (r15), in slot order.
+        self.host_table = ()
+        if len(host_keys) > MAX_REGISTER_REFS:
+            self.host_table = tuple(host_keys[len(REF_REGS):])
+            self.init_regs[int(TABLE)] = table_name(self.xy)
         for i, key in enumerate(host_keys):
             if i < len(REF_REGS):
                 r = REF_REGS[i]
                 self.refs.preload(key, r)
+            elif self.host_table:
+                self.refs.preload_slot(key, i - len(REF_REGS))
+                continue
             else:
                 r = i - len(REF_REGS)
                 self.refs.preload_slot(key, r)
@@ -804,6 +820,7 @@ class Lowerer:
             prologue = []
             if g.refs.table:
                 m = g.table_mu = self.table_mu[cu]
+            if g.refs.table and not g.host_table:
                 prologue += [Instr(Op.LI, rd=int(ARG), imm=params.mu_id(*m)),
                              Instr(Op.ALLOC, rd=int(TABLE), ra=int(ARG), imm=1)]
                 for r in g.extras:
@@ -857,6 +874,11 @@ class Lowerer:
             output_layouts[name] = (buf, lay)
             if buf == name:
                 buffers.append(HostBuffer(buf, self.mu_of[buf], None, 1))
+        # The reference tables the host fills, after the buffers they name; the CU returns
+        # its weight at its end.
+        buffers += [HostBuffer(table_name(cu), self.table_mu[cu], None, 1, cu_returns=1,
+                               refs=g.host_table)
+                    for cu, g in self.gens.items() if g.host_table]
         outputs = list(dict.fromkeys(buf for buf, _ in output_layouts.values()))
         mu_usage = {}
         for m in self.acct.mus:

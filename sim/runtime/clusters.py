@@ -118,8 +118,9 @@ async def setup_buffers(hosts, job, refs=None):
     for b in job.buffers:
         host = hosts[b.mu[2]]
         refs[b.name] = await host.alloc(b.mu, b.weight)
-        if b.data is not None:
-            await host.append_vectors(refs[b.name], b.data)
+        data = b.contents(refs, host.params.cu.lanes)
+        if data is not None:
+            await host.append_vectors(refs[b.name], data)
     return refs
 
 

@@ -74,8 +74,9 @@ async def run_job(host, job, *, max_cycles=2_000_000, counters=True, on_stage=No
         stage("fill")
         for b in job.buffers:
             refs[b.name] = await host.alloc(b.mu, b.weight)
-            if b.data is not None:
-                await host.append_vectors(refs[b.name], b.data)
+            data = b.contents(refs, job.params.cu.lanes)
+            if data is not None:
+                await host.append_vectors(refs[b.name], data)
         stage("load")
         status, load_cycles = await host.load(write_bitstream(job.bind(refs)))
         if status is not LoadStatus.OK:
@@ -160,7 +161,9 @@ def prepare_interp(job, *, interpreter=None, **kwargs):
     interp = (interpreter or Interpreter)(job.params, job.bind(placeholders), **kwargs)
     refs = {}
     for b in job.buffers:
-        data = b.data if b.data is not None else np.zeros((0, job.params.cu.lanes), np.int32)
+        data = b.contents(refs, job.params.cu.lanes)
+        if data is None:
+            data = np.zeros((0, job.params.cu.lanes), np.int32)
         refs[b.name] = interp.load_buffer(b.mu, data, weight=b.weight)
     for xy, tile in job.config.tiles.items():
         for r, v in tile.regs.items():

@@ -17,6 +17,7 @@ from rdakit.compiler import graph as graph_module
 from rdakit.compiler import workloads
 from rdakit.compiler.compile import bitstream_for, compile_workload, placement_fabric
 from rdakit.compiler.graph import DataflowGraph, OpSpec
+from rdakit.compiler.job import Ref
 from rdakit.compiler.lower import (
     LoweringError,
     TensorLayout,
@@ -277,6 +278,55 @@ def test_other_lane_counts(lanes):
         outputs, result, interp = run_job_interp(job)
         assert result.ok, result.errors
         check_outputs(job, outputs)
+
+
+def many_inputs(n, rows=2, cols=5):
+    """``n`` inputs concatenated by one op (one CU holds all their references) and summed
+    row-wise into a second output."""
+    g = DataflowGraph("many")
+    xs = [g.input(f"x{i}", (rows, cols), "int32") for i in range(n)]
+    cat = g.add("concat", *xs, name="stacked", axis=0)
+    g.output("cat", cat)
+    g.output("sum", g.add("reduce_sum", cat, name="rows", axis=-1))
+    return g.validate()
+
+
+@pytest.mark.parametrize("refcount", ["weighted", "counter"])
+@pytest.mark.parametrize("n", [11, 12, 13, 30])
+def test_references_beyond_the_registers_come_in_a_host_table(n, refcount):
+    """A CU that reads or writes more host buffers than its registers pass (14) gets the rest
+    in a reference table the host fills (a host buffer in r15, the CU's weight returned at its
+    end); up to 14, none. Bit-exact under random interleavings, every buffer freed."""
+    from rdakit.compiler.lower.lowerer import MAX_REGISTER_REFS, table_name
+    g = many_inputs(n)
+    rng = np.random.default_rng(n)
+    inputs = {f"x{i}": rng.integers(-2**31, 2**31 - 1, (2, 5), dtype=np.int64).astype(np.int32)
+              for i in range(n)}
+    params = fabric_params(1, 2, prog_len=1024, mu_words=4096, max_buffers=64,
+                           refcount=refcount)
+    job, _ = compile_workload(g, params=params, partitioner="round_robin", place_steps=1,
+                              inputs=inputs)
+    (cu,) = job.programs
+    tables = [b for b in job.buffers if b.refs]
+    held = n + 2                                     # the inputs and the two outputs
+    if held <= MAX_REGISTER_REFS:
+        assert not tables
+    else:
+        (table,) = tables
+        assert table.name == table_name(cu) and job.buffers[-1] is table
+        assert len(table.refs) == held - 7 and (table.weight, table.cu_returns) == (1, 1)
+        assert job.config.tiles[cu].regs[15] == Ref(table.name)
+    for seed in range(2):
+        outputs, result, interp = run_job_interp(job, schedule="random", seed=seed)
+        assert result.ok, result.errors
+        # Live after the run: only what the host still holds a weight of (the outputs); the
+        # table, like every run-time buffer, was freed.
+        mus = [interp.mu(*m) for m in params.tiles("M")]
+        assert sum(m.allocs - m.frees for m in mus) == sum(b.weight > b.cu_returns
+                                                          for b in job.buffers)
+        got, want = job.decode(outputs, check_padding=True), g.evaluate(inputs)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 def test_small_mailbox_reuses_slots_with_credits():
@@ -656,14 +706,18 @@ def test_unsupported_shapes():
         compile_workload(g, params=P2, place_steps=10)
 
 
-def test_too_many_host_buffers_for_one_cu():
+def test_more_host_buffers_than_one_cus_registers_pass():
+    # Refused before the host filled reference tables ("CU (0, 0) reads or writes 16 host
+    # buffers, but at most 14 references can be passed in its registers").
     def build(g):
         g.output("y", g.add("concat", *[g.input(f"x{i}", (1, 4), "int32") for i in range(15)],
                             name="c", axis=0))
-    with pytest.raises(LoweringError, match=re.escape(
-            "CU (0, 0) reads or writes 16 host buffers, but at most 14 references can be "
-            "passed in its registers")):
-        compile_workload(_graph("gm", build), params=P2, place_steps=10)
+    g = _graph("gm", build)
+    job, _ = compile_workload(g, params=P2, place_steps=10)
+    assert [len(b.refs) for b in job.buffers if b.refs] == [16 - 7]
+    outputs, result, _ = run_job_interp(job, schedule="random", seed=3)
+    assert result.ok, result.errors
+    np.testing.assert_array_equal(job.decode(outputs)["y"], g.evaluate(job.workload.inputs)["y"])
 
 
 def test_weight_too_wide_and_other_fabric_errors():

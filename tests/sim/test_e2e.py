@@ -34,6 +34,15 @@ def _sizes_args(name):
     return out
 
 
+#: A graph whose one op (a concat of 18 inputs) reads more host buffers than a CU's
+#: registers pass: the rest come in a reference table the host fills.
+MANY_INPUTS = ("from rdakit.compiler.graph import DataflowGraph\n"
+               "def build():\n"
+               "    g = DataflowGraph('many')\n"
+               "    xs = [g.input(f'x{i}', (2, 5), 'int32') for i in range(18)]\n"
+               "    g.output('y', g.add('concat', *xs, name='stacked', axis=0))\n"
+               "    return g\n")
+
 #: Two sequences decoded in one step (``decoder_step(batch=...)``).
 BATCHED_DECODER = {**SMALLEST["decoder"], "batch": 2}
 
@@ -293,14 +302,19 @@ def test_run_many_needs_one_fabric():
     # 4x4: minutes to convert and build per simulator; run with -m slow.
     pytest.param(FABRIC_4X4, marks=pytest.mark.slow),
 ], ids=["2x2", "4x4"])
-def test_every_workload_on_the_rtl(simulator, fabric):
+def test_every_workload_on_the_rtl(simulator, fabric, tmp_path):
     """Each built-in workload, compiled for the fabric, runs on the Verilog bit-exactly: its
     outputs equal numpy's and the functional interpreter's, and every buffer is freed. On
     Verilator both drivers run it (the harness executable, the flows' default, and the cocotb
-    testbench) and agree on every figure of every row, cycle for cycle."""
+    testbench) and agree on every figure of every row, cycle for cycle. With them, a graph
+    whose one op reads more host buffers than a CU's registers pass (the rest in a reference
+    table the host fills)."""
     require_simulator(simulator)
+    many = tmp_path / "many_inputs.py"
+    many.write_text(MANY_INPUTS)
     specs = [RunSpec(name, sizes, fabric) for name, sizes in SMALLEST.items()]
-    specs += [RunSpec("decoder", BATCHED_DECODER, fabric), RunSpec("moe", CHUNKED_MOE, fabric)]
+    specs += [RunSpec("decoder", BATCHED_DECODER, fabric), RunSpec("moe", CHUNKED_MOE, fabric),
+              RunSpec(str(many), {}, fabric)]
     results = e2e.run_many(specs, sim=simulator)
     assert len(results) == len(specs)
     for spec, rows in zip(specs, results, strict=True):
