@@ -175,13 +175,13 @@ def decoder_step(*, d_model=64, heads=4, d_ff=128, cache_len=8, batch=1, seed=0)
     output projection and the feed-forward block take the ``batch`` tokens as the rows of one
     matmul; attention is per sequence, over its own cache.
 
-    Inputs ``x`` (batch, d_model) and the caches ``k_cache`` and ``v_cache`` (batch *
-    cache_len, d_model; sequence ``i``'s entries are rows ``i * cache_len`` to ``(i + 1) *
-    cache_len``), all int8. Outputs ``y`` (batch, d_model) and the caches with one more entry
-    per sequence, ``k_cache_out`` and ``v_cache_out`` (batch * (cache_len + 1), d_model, laid
-    out alike: each sequence's ``append``, one after another), which are the caches of the next
-    step. With several sequences and an empty cache (``cache_len=0``) there are no cache
-    inputs.
+    Inputs ``x`` (batch, d_model) and the caches ``k_cache`` and ``v_cache`` (cache_len,
+    d_model), all int8; with several sequences each has caches of its own, ``s{i}_k_cache``
+    and ``s{i}_v_cache`` for sequence ``i`` (a server keeps each sequence's cache apart, so
+    each grows in place). Outputs ``y`` (batch, d_model) and the caches with one more entry,
+    ``k_cache_out`` and ``v_cache_out`` (``s{i}_k_cache_out`` and ``s{i}_v_cache_out``), which
+    are the caches of the next step. With several sequences and an empty cache
+    (``cache_len=0``) there are no cache inputs.
 
     Parameters
     ----------
@@ -209,31 +209,23 @@ def decoder_step(*, d_model=64, heads=4, d_ff=128, cache_len=8, batch=1, seed=0)
     g = DataflowGraph(f"decoder_d{d_model}_h{heads}_f{d_ff}_t{cache_len}{batched}")
     x = g.input("x", (batch, d_model), "int8")
     cached = batch == 1 or cache_len > 0
-    caches = {n: g.input(n, (batch * cache_len, d_model), "int8")
-              for n in ("k_cache", "v_cache") if cached}
+    pres = [""] if batch == 1 else [f"s{i}_" for i in range(batch)]
+    caches = {f"{pre}{n}": g.input(f"{pre}{n}", (cache_len, d_model), "int8")
+              for pre in pres for n in ("k_cache", "v_cache") if cached}
     proj = {}
     for n in ("q", "k", "v"):
         m = g.add("matmul", x, g.const(f"w{n}", w[f"w{n}"]), name=f"{n}_proj")
         proj[n] = _requant(g, m, s_in, n)
     seq_ctx, appended = [], {"k": [], "v": []}
-    for i in range(batch):
-        pre = "" if batch == 1 else f"s{i}_"
+    for i, pre in enumerate(pres):
         new = {n: proj[n] if batch == 1 else
                g.add("slice", proj[n], name=f"{pre}{n}", axis=0, start=i, stop=i + 1)
                for n in ("q", "k", "v")}
         for n in ("k", "v"):
-            if batch == 1:
-                appended[n].append(g.add("append", caches[f"{n}_cache"], new[n],
-                                         name=f"{n}_append"))
-            elif cached:
-                old = g.add("slice", caches[f"{n}_cache"], name=f"{pre}{n}_cache", axis=0,
-                            start=i * cache_len, stop=(i + 1) * cache_len)
-                appended[n].append(g.add("append", old, new[n], name=f"{pre}{n}_append"))
-            else:
-                appended[n].append(new[n])
-        if batch == 1:
-            for n in ("k", "v"):
-                g.output(f"{n}_cache_out", appended[n][0])
+            appended[n].append(g.add("append", caches[f"{pre}{n}_cache"], new[n],
+                                     name=f"{pre}{n}_append") if cached else new[n])
+        for n in ("k", "v"):
+            g.output(f"{pre}{n}_cache_out", appended[n][-1])
         ctx = []
         for h in range(heads):
             cols = {"axis": 1, "start": h * dh, "stop": (h + 1) * dh}
@@ -247,8 +239,6 @@ def decoder_step(*, d_model=64, heads=4, d_ff=128, cache_len=8, batch=1, seed=0)
             ctx.append(_requant(g, g.add("matmul", p, vh, name=f"{pre}h{h}_pv"), s_ctx,
                                 f"{pre}h{h}_ctx"))
         seq_ctx.append(g.add("concat", *ctx, name=f"{pre}ctx", axis=1))
-    for n in ("k", "v") if batch > 1 else ():
-        g.output(f"{n}_cache_out", g.add("concat", *appended[n], name=f"{n}_cache_all", axis=0))
     c = seq_ctx[0] if batch == 1 else g.add("concat", *seq_ctx, name="ctx", axis=0)
     o = _requant(g, g.add("matmul", c, g.const("wo", w["wo"]), name="o_proj"), s_in, "o")
     h1 = g.add("clip", g.add("add", x, o, name="res1_add"), name="res1", dtype="int8")
@@ -262,10 +252,9 @@ def decoder_step(*, d_model=64, heads=4, d_ff=128, cache_len=8, batch=1, seed=0)
         xv = inputs["x"]
         q, k, v = (_rq(_mm(xv, w[f"w{n}"]), s_in) for n in ("q", "k", "v"))
         k_all, v_all, ctx = [], [], []
-        for i in range(batch):
-            old = slice(i * cache_len, (i + 1) * cache_len)
-            kc = inputs["k_cache"][old] if cached else k[:0]
-            vc = inputs["v_cache"][old] if cached else v[:0]
+        for i, pre in enumerate(pres):
+            kc = inputs[f"{pre}k_cache"] if cached else k[:0]
+            vc = inputs[f"{pre}v_cache"] if cached else v[:0]
             k_all.append(np.concatenate([kc, k[i:i + 1]]))
             v_all.append(np.concatenate([vc, v[i:i + 1]]))
             for h in range(heads):
@@ -279,13 +268,13 @@ def decoder_step(*, d_model=64, heads=4, d_ff=128, cache_len=8, batch=1, seed=0)
         f = _rq(np.maximum(_mm(h1, w["w1"]), 0), s_in)
         f2 = _rq(_mm(f, w["w2"]), s_ff)
         y = np.clip(h1.astype(np.int32) + f2, -128, 127).astype(np.int8)
-        return {"y": y, "k_cache_out": np.concatenate(k_all),
-                "v_cache_out": np.concatenate(v_all)}
+        return {"y": y, **{f"{pre}{n}_cache_out": c for pre, kv in zip(pres, zip(k_all, v_all))
+                           for n, c in zip(("k", "v"), kv)}}
 
     def inputs():
         out = {"x": _activations(rng, (batch, d_model))}
         for n in caches:
-            out[n] = _activations(rng, (batch * cache_len, d_model))
+            out[n] = _activations(rng, (cache_len, d_model))
         return out
 
     return Workload(g.name, g.validate(), inputs, reference,
