@@ -268,8 +268,10 @@ def decoder_step(*, d_model=64, heads=4, d_ff=128, cache_len=8, batch=1, seed=0)
         f = _rq(np.maximum(_mm(h1, w["w1"]), 0), s_in)
         f2 = _rq(_mm(f, w["w2"]), s_ff)
         y = np.clip(h1.astype(np.int32) + f2, -128, 127).astype(np.int8)
-        return {"y": y, **{f"{pre}{n}_cache_out": c for pre, kv in zip(pres, zip(k_all, v_all))
-                           for n, c in zip(("k", "v"), kv)}}
+        caches = {}
+        for pre, kc, vc in zip(pres, k_all, v_all, strict=True):
+            caches[f"{pre}k_cache_out"], caches[f"{pre}v_cache_out"] = kc, vc
+        return {"y": y, **caches}
 
     def inputs():
         out = {"x": _activations(rng, (batch, d_model))}
