@@ -42,6 +42,13 @@ class HostBuffer:
     #: A reference table: the host buffers whose references it holds, word by word.
     refs: tuple = ()
 
+    @property
+    def words(self):
+        """Words the host fills it with (a reference table: one a reference)."""
+        if self.refs:
+            return len(self.refs)
+        return 0 if self.data is None else len(self.data)
+
     def contents(self, refs, lanes):
         """What the host fills the buffer with (``None``: nothing), given the references of
         the buffers allocated before it (``refs``: name -> reference)."""

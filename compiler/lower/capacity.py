@@ -10,8 +10,6 @@ reset fabric, refusing what the MUs would refuse. Both compute from
 
 import heapq
 
-import numpy as np
-
 from rdakit.compiler.lower.layout import LoweringError
 from rdakit.hdl.spec.packets import MUStatus
 from rdakit.hdl.spec.params import AllocMode
@@ -313,7 +311,7 @@ def replay_refs(job):
         status, buf = fresh.alloc(b.weight)
         if status is not MUStatus.OK:
             raise LoweringError(f"MU {mu} refuses host buffer {b.name!r}: {status.name}")
-        for _ in range(0 if b.data is None else len(np.asarray(b.data))):
+        for _ in range(b.words):
             status = fresh.append(buf)
             if status is not MUStatus.OK:
                 raise LoweringError(f"MU {mu} cannot hold host buffer {b.name!r}: "

@@ -886,8 +886,7 @@ class Lowerer:
             u = max(self.acct.host[m][0], self.acct.peak[m][0])
             s = max(self.acct.host[m][1], self.acct.peak[m][1])
             mu_usage[m] = {"host_buffers": host,
-                           "host_words": sum(0 if b.data is None else len(b.data)
-                                             for b in buffers if tuple(b.mu) == m),
+                           "host_words": sum(b.words for b in buffers if tuple(b.mu) == m),
                            "bound_words": self.acct.unit_words(u), "bound_slots": s}
         # Multiply-accumulates of the matmuls at the sizes these inputs give (an expert's
         # rows are the tokens routed to it, not the bound of its dynamic tensor).
