@@ -20,6 +20,7 @@ import numpy as np
 from rdakit.compiler.cost import CostModel
 from rdakit.compiler.graph import DataflowGraph
 from rdakit.compiler.lower import LoweringError, lower, replay_refs, sample_inputs
+from rdakit.compiler.lower.passes import PIPELINE
 from rdakit.compiler.partition import (
     STRATEGIES,
     PartitionError,
@@ -333,7 +334,7 @@ def compile_workload(workload, *, sizes=None, params, partitioner="multilevel", 
                      order=np.arange(wg.n) if order == "graph" else None)
     job = lower(graph, placed if order == "schedule" else result.parts, placement, params,
                 inputs=wl.inputs if inputs is None else inputs, streams=streams,
-                **({} if passes is None else {"passes": passes}))
+                passes=PIPELINE if passes is None else passes)
     if job.streamed:
         # The edges the lowering sent as streams overlap their two ends: the estimate again.
         placed = measure(wg, result.targets, result.parts, schedule_cost,

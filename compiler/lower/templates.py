@@ -112,6 +112,15 @@ def row_loop(lw, g, name, r_ref, offsets, body):
 
 # Templates.
 
+def pack_row(asm, out, rb, base_b, kw, rows, stride, local):
+    """One PACK_SUM stream appending a row of the product to ``out``: the row of A of ``kw``
+    words at word ``local`` of the local buffer against each of ``rows`` rows of Bᵀ (buffer
+    ``rb`` from word ``base_b``, ``stride`` words apart)."""
+    asm.stream(AluFn.MUL, a=rb, a_base=base_b, n=kw, outer=rows, a_ostride=stride,
+               b_mode=BMode.LOCAL, b_val=local, b_stride=1, b_ostride=0,
+               d_mode=DMode.PACK_SUM, d_ref=out)
+
+
 @template("matmul_nt")
 def matmul_nt(lw, g, op):
     """Per row of A: copy it to the local buffer, then one PACK_SUM stream over the rows of
@@ -132,9 +141,7 @@ def matmul_nt(lw, g, op):
     stride = op.attrs.get("b_stride", kw)
 
     def product(row):
-        asm.stream(AluFn.MUL, a=rb, a_base=base_b, n=kw, outer=lb.rows, a_ostride=stride,
-                   b_mode=BMode.LOCAL, b_val=row, b_stride=1, b_ostride=0,
-                   d_mode=DMode.PACK_SUM, d_ref=out)
+        pack_row(asm, out, rb, base_b, kw, lb.rows, stride, row)
 
     if la.rows > 1 and la.words <= g.local_top:
         # Every row of A fits: one stream stages them all, then one PACK_SUM stream a row.
@@ -1155,7 +1162,7 @@ def dispatch(lw, g, op):
 
 
 def routed_rows(lw, g, op, scratch, row, unroll=1):
-    """``row(word)`` for each token the indices (``op.ins[1]``) route to ``op.attrs
+    """``row(word)`` for each token the indices (``op``'s last input) route to ``op.attrs
     ["expert"]``, in token order, ``word`` (an immediate or a register) the word of its row
     of ``x`` (``op.ins[0]``) in x's buffer. When the indices fit the local buffer after the
     op's ``scratch`` words they are staged XORed with the expert (one stream), so a slot
@@ -1220,9 +1227,7 @@ def matmul_routed(lw, g, op):
 
     def row(word):
         asm.stream(AluFn.PASS, a=rx, a_base=word, n=kw, d_mode=DMode.LOCAL, d_base=0)
-        asm.stream(AluFn.MUL, a=rb, a_base=base_b, n=kw, outer=lb.rows, a_ostride=kw,
-                   b_mode=BMode.LOCAL, b_val=0, b_stride=1, b_ostride=0,
-                   d_mode=DMode.PACK_SUM, d_ref=out)
+        pack_row(asm, out, rb, base_b, kw, lb.rows, kw, 0)
     routed_rows(lw, g, op, kw, row)
 
 def routing_checked(lw, idx, experts):
