@@ -336,6 +336,10 @@ def test_references_beyond_the_registers_come_in_a_host_table(n, refcount):
         assert table.name == table_name(cu) and job.buffers[-1] is table
         assert len(table.refs) == held - 7 and (table.weight, table.cu_returns) == (1, 1)
         assert job.config.tiles[cu].regs[15] == Ref(table.name)
+        # Its words count where the host's words are counted (the replay appends them).
+        assert job.mu_usage[tuple(table.mu)]["host_words"] == len(table.refs) + sum(
+            len(b.data) for b in job.buffers
+            if tuple(b.mu) == tuple(table.mu) and b.data is not None)
     for seed in range(2):
         outputs, result, interp = run_job_interp(job, schedule="random", seed=seed)
         assert result.ok, result.errors
