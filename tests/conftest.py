@@ -388,6 +388,9 @@ def rand32(rng, shape, bits=31):
 
 
 def relu_shift(x, shift, post):
-    """The stream engine's output stage: arithmetic shift right, then ReLU if ``post``."""
+    """The stream engine's output stage: arithmetic shift right, then ReLU if ``post & 1``,
+    then saturation to int8 if ``post & 2``."""
     y = wrap32(x) >> shift
-    return np.maximum(y, 0) if post else y
+    if post & 1:
+        y = np.maximum(y, 0)
+    return np.clip(y, -128, 127) if post & 2 else y

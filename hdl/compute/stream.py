@@ -45,7 +45,7 @@ from rdakit.hdl.compute.credits import CreditCounter, CreditReturn
 from rdakit.hdl.spec.config import CU_MAP, config_bus_signature
 from rdakit.hdl.spec.cu import EXEC_STAGES, WQ_DEPTH
 from rdakit.hdl.spec.flit import flit_layout
-from rdakit.hdl.spec.isa import INSTR_LAYOUT, BMode, DMode
+from rdakit.hdl.spec.isa import INSTR_LAYOUT, BMode, DMode, Post
 from rdakit.hdl.spec.packets import (
     STREAM_CREDIT,
     STREAM_LAST,
@@ -424,21 +424,34 @@ class StreamEngine(wiring.Component):
             m.d.sync += [s2_f.eq(Cat(f_lanes)), s2.eq(s1)]
         m.d.comb += [loc_d.addr.eq(s1.didx[:wbits]), loc_d.en.eq(s1_valid)]
 
-        # --- S2: shift, ReLU and deliver --------------------------------------------------------
-        shift = sf.shift[:5]
-        relu = sf.post[0]
-        r_lanes = []
-        for i in range(L):
-            sh = Signal(32, name=f"lane{i}_shifted")
-            m.d.comb += sh.eq(s2_f.word_select(i, 32).as_signed() >> shift)
-            r = Signal(32, name=f"lane{i}_result")
-            m.d.comb += r.eq(Mux(relu & sh[31], 0, sh))
-            r_lanes.append(r)
+        # --- S2: shift, ReLU, saturation and deliver ---------------------------------------------
+        # PACK_SUM applies SHIFT and POST to each inner loop's sum, not to each step: its sum
+        # adds the lanes of fn(a, b) (a tree of its own, so that the output stage of a step
+        # and that of a sum are never in one path).
+        def output_stage(v, name):
+            """``v >> SHIFT``, then ReLU and saturation to int8 as POST says (isa.post)."""
+            sh = Signal(32, name=f"{name}_shifted")
+            m.d.comb += sh.eq(v.as_signed() >> sf.shift[:5])
+            rl = Signal(32, name=f"{name}_relu")
+            m.d.comb += rl.eq(Mux(sf.post[Post.RELU.bit_length() - 1] & sh[31], 0, sh))
+            r = Signal(32, name=f"{name}_result")
+            with m.If(sf.post[Post.SAT8.bit_length() - 1] & (rl.as_signed() > 127)):
+                m.d.comb += r.eq(127)
+            with m.Elif(sf.post[Post.SAT8.bit_length() - 1] & (rl.as_signed() < -128)):
+                m.d.comb += r.eq(-128)
+            with m.Else():
+                m.d.comb += r.eq(rl)
+            return r
+
+        f_words = [s2_f.word_select(i, 32) for i in range(L)]
+        r_lanes = [output_stage(f, f"lane{i}") for i, f in enumerate(f_words)]
         r_word = Cat(r_lanes)
 
         # Reductions over the lanes of one result: the sum, and the largest (first on ties).
         lane_sum = Signal(32)
         m.d.comb += lane_sum.eq(sum(r_lanes[1:], r_lanes[0]))
+        f_sum = Signal(32)
+        m.d.comb += f_sum.eq(sum(f_words[1:], f_words[0]))
         level = [(r, Const(i, max(lbits, 1))) for i, r in enumerate(r_lanes)]
         while len(level) > 1:
             nxt = []
@@ -454,6 +467,9 @@ class StreamEngine(wiring.Component):
         red_idx = Signal(32)
         pack_acc = Signal(32)
         m.d.comb += [self.acc.eq(red_acc), self.index.eq(red_idx)]
+        total = Signal(32)                  # PACK_SUM: the inner loop's sum so far
+        m.d.comb += total.eq(pack_acc + f_sum)
+        sum_out = output_stage(total, "sum")
         s2_go = s2_valid & in_stream
         stream_local_we = s2_go & local_dest
         with m.If(s2_go):
@@ -478,15 +494,13 @@ class StreamEngine(wiring.Component):
                         m.d.sync += [red_acc.eq(word_max),
                                      red_idx.eq(Cat(word_max_lane[:lbits], s2.k))]
                 with m.Case(DMode.PACK_SUM.value):
-                    total = Signal(32)
-                    m.d.comb += total.eq(pack_acc + lane_sum)
                     with m.If(s2.last_inner):
                         v_new = Signal(32 * L)
                         m.d.comb += v_new.eq(self.v)
                         if L == 1:
-                            m.d.comb += v_new.eq(total)
+                            m.d.comb += v_new.eq(sum_out)
                         else:
-                            m.d.comb += v_new.word_select(s2.lane[:lbits], 32).eq(total)
+                            m.d.comb += v_new.word_select(s2.lane[:lbits], 32).eq(sum_out)
                         m.d.sync += pack_acc.eq(0)
                         m.d.comb += self.v_we.eq(1)
                         with m.If((s2.lane == L - 1) | s2.last):

@@ -20,7 +20,8 @@ import re
 from amaranth.lib import data, enum
 
 __all__ = [
-    "Op", "AluFn", "StreamField", "BMode", "DMode", "INSTR_LAYOUT", "INSTR_BITS", "OP_INFO",
+    "Op", "AluFn", "StreamField", "Post", "post", "BMode", "DMode", "INSTR_LAYOUT",
+    "INSTR_BITS", "OP_INFO",
     "Instr", "encode", "decode", "assemble", "disassemble", "alu", "AssemblyError",
 ]
 
@@ -100,8 +101,11 @@ class StreamField(enum.Enum, shape=4):
     A stream runs ``OUTER`` times an inner loop of ``N`` steps. Step ``(o, i)`` reads vector
     word ``A_BASE + o*A_OSTRIDE + i*A_STRIDE`` of buffer ``A_REF``; its second operand is
     chosen by ``B_MODE``; the result of every lane is
-    ``post(fn(a, b) >> SHIFT)`` (arithmetic shift; ``post`` is ReLU if ``POST & 1``);
-    ``D_MODE`` says where results go. ``k`` counts steps over the whole stream.
+    ``post(fn(a, b) >> SHIFT)`` (arithmetic shift; ``post``, by the bits of ``POST``
+    (:class:`Post`): ReLU, then saturation to int8, :func:`post`); ``D_MODE`` says where
+    results go. ``k`` counts steps over the whole stream. In ``PACK_SUM`` a step's result is
+    ``fn(a, b)`` and ``SHIFT`` and ``POST`` apply to each inner loop's sum instead (a
+    matmul's requantization, ``clip(relu(sum >> s))``, in the stream that computes it).
 
     An ``A_REF`` whose low ``2 * coord_bits`` bits are this CU's own ID (``SELF``) names no
     MU buffer but the CU's *input queue*: operand A of each step is the next word another CU's
@@ -130,6 +134,25 @@ class StreamField(enum.Enum, shape=4):
     POST = 15
 
 
+class Post(enum.IntFlag):
+    """Bits of the ``POST`` stream field: what follows a result's ``SHIFT``, in this order."""
+
+    RELU = 1     #: max(v, 0)
+    SAT8 = 2     #: clamp to [-128, 127] (int8)
+
+
+def post(v, shift, bits):
+    """Reference semantics of a stream's output stage on one signed value: ``v >> shift``
+    (arithmetic, ``shift`` modulo 32), then ReLU if ``bits & Post.RELU``, then saturation to
+    int8 if ``bits & Post.SAT8``; a signed result."""
+    v >>= shift & 31
+    if bits & Post.RELU and v < 0:
+        v = 0
+    if bits & Post.SAT8:
+        v = min(max(v, -128), 127)
+    return v
+
+
 class BMode(enum.Enum, shape=2):
     """Second operand of a stream step."""
 
@@ -149,8 +172,9 @@ class DMode(enum.Enum, shape=4):
     SUM = 5        #: rd = sum of every lane of every result
     MAX = 6        #: rd = largest element (signed)
     ARGMAX = 7     #: rd = largest element, r[rd+1] = its index k*lanes + lane (first one)
-    PACK_SUM = 8   #: per outer iteration, the sum of its results goes to the next lane of V;
-    #:              a full V is appended to D_REF, and a partial one at the end (zero-padded)
+    PACK_SUM = 8   #: per outer iteration, the sum of its results (then SHIFT and POST) goes to
+    #:              the next lane of V; a full V is appended to D_REF, and a partial one at
+    #:              the end (zero-padded)
     QUEUE = 9      #: each result goes to the input queue of the CU whose ID is D_REF (as SEND
     #:              names it), one credit a word; the stream's last result is marked last
 

@@ -58,7 +58,8 @@ Semantics chosen where ``docs/compute-unit.md`` leaves room (the RTL must make t
   write), and then writes its result. A stream whose writes alias its own later reads (an MU
   word or a local word written at step ``k`` and read at a later step) therefore sees the new
   value here; the hardware issues reads ahead and may not, so such a stream is undefined.
-  ``SHIFT`` is taken modulo 32 (like the ALU's shifts); ``POST`` uses bit 0 only. ``N = 0``,
+  ``SHIFT`` is taken modulo 32 (like the ALU's shifts); ``POST`` uses bits 0 and 1 only
+  (:class:`~rdakit.hdl.spec.isa.Post`), and in ``PACK_SUM`` both apply to each sum. ``N = 0``,
   ``OUTER = 0``, a ``B_MODE`` that is not a :class:`~rdakit.hdl.spec.isa.BMode` or a ``D_MODE``
   that is not a :class:`~rdakit.hdl.spec.isa.DMode`, are ``BAD_STREAM``. ``rd`` is written only by
   ``SUM``, ``MAX`` and ``ARGMAX`` (and ``r[rd+1]`` by ``ARGMAX``); ``V`` is changed only by
@@ -91,7 +92,7 @@ import numpy as np
 
 from rdakit.hdl.spec.bitstream import FabricConfig
 from rdakit.hdl.spec.config import CU_STATUS_BITS
-from rdakit.hdl.spec.isa import AluFn, BMode, DMode, Op, StreamField, alu
+from rdakit.hdl.spec.isa import AluFn, BMode, DMode, Op, Post, StreamField, alu, post
 from rdakit.hdl.spec.packets import MUOp, MUStatus, host_tag_bit
 from rdakit.hdl.spec.params import FabricParams
 from rdakit.hdl.spec.vector import MASK32, pack_vector, unpack_vector, vector_lanes
@@ -178,10 +179,13 @@ _VECTOR_ALU = {
 _VECTOR_ALU.update({fn.value: f for fn, f in list(_VECTOR_ALU.items())})
 
 
-def _vector_post(res, shift, relu):
-    """A step's lanes after the stream's ``SHIFT`` (arithmetic) and ``POST`` (ReLU), unsigned:
-    ``_signed(v) >> shift``, 0 if negative and ``relu``, modulo 2**32."""
-    if relu:
+def _vector_post(res, shift, bits):
+    """A step's lanes after the stream's ``SHIFT`` and ``POST`` (:func:`~rdakit.hdl.spec.\
+isa.post`), unsigned: ``_signed(v) >> shift``, 0 if negative and ``Post.RELU``, clamped to
+    int8 if ``Post.SAT8``, modulo 2**32."""
+    if bits & Post.SAT8:
+        return [post((v ^ _H) - _H, shift, bits) & _M for v in res]
+    if bits:
         return [0 if v & _H else v >> shift for v in res]
     if shift:
         return [(((v ^ _H) - _H) >> shift) & _M for v in res]
@@ -727,7 +731,7 @@ class Interpreter:
         local = cu.local
         lw = len(local)
         shift = f[_SF.SHIFT.value] & 31
-        relu = f[_SF.POST.value] & 1
+        bits = f[_SF.POST.value] & (Post.RELU | Post.SAT8)
         a_ref, a_base = f[_SF.A_REF.value], f[_SF.A_BASE.value]
         a_stride, a_ostride = f[_SF.A_STRIDE.value], f[_SF.A_OSTRIDE.value]
         b_val, b_stride, b_ostride = (f[_SF.B_VAL.value], f[_SF.B_STRIDE.value],
@@ -748,7 +752,10 @@ class Interpreter:
         zero = [0] * lanes
         scalar = [b_val] * lanes
         vector_alu = _VECTOR_ALU[fn]       # fn is a 4-bit field: every value is an AluFn
-        post = _vector_post
+        step_post = _vector_post
+        if dmode is DMode.PACK_SUM:
+            # SHIFT and POST apply to each inner loop's sum, not to each step.
+            sum_shift, sum_bits, shift, bits = shift, bits, 0, 0
         lane_format = struct.Struct(f"<{lanes}I")
         unpack_lanes, pack_lanes = lane_format.unpack, lane_format.pack
         nbytes = 4 * lanes
@@ -782,7 +789,7 @@ class Interpreter:
                     b = local[(b_val + o * b_ostride + i * b_stride) % lw]
                 else:
                     b = scalar
-                res = post(vector_alu(a, b), shift, relu)
+                res = step_post(vector_alu(a, b), shift, bits)
 
                 if dmode is DMode.WRITE:
                     self._request(cu, MUOp.WRITE, d_ref, index=d_base + k * d_stride,
@@ -815,7 +822,7 @@ class Interpreter:
                     break
             if dmode is DMode.PACK_SUM:
                 lane = o % lanes
-                cu.V[lane] = acc & MASK32
+                cu.V[lane] = post(_signed(acc & MASK32), sum_shift, sum_bits) & MASK32
                 if lane == lanes - 1:
                     self._append_v(cu, d_ref)
             if ended:

@@ -446,7 +446,7 @@ def test_errors_of_the_sequencer():
 # --- Streams --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dmode", [DMode.WRITE, DMode.APPEND], ids=lambda m: m.name)
-@pytest.mark.parametrize("shift, post", [(0, 0), (3, 1)])
+@pytest.mark.parametrize("shift, post", [(0, 0), (3, 1), (24, 2), (24, 3)])
 def test_elementwise_to_an_mu(dmode, shift, post):
     # out = post((a reversed * b) >> shift): a read backwards, b from the local buffer, out
     # written from word 2 with stride 2 (WRITE) or appended.
@@ -573,7 +573,8 @@ def test_sum_dot_product(words):
     np.testing.assert_array_equal(s.V, [99, 0, 0, 0])       # V untouched
 
 
-@pytest.mark.parametrize("rows, shift, post", [(1, 0, 0), (6, 4, 1), (9, 0, 0)])
+@pytest.mark.parametrize("rows, shift, post", [(1, 0, 0), (6, 4, 1), (9, 0, 0), (6, 20, 2),
+                                              (9, 19, 3)])
 def test_matrix_vector_product_with_pack_sum(rows, shift, post):
     # y = W x: W is rows x 8 (two words a row), x in local words 0..1; one outer iteration a
     # row, four sums a word of the result. V holds junk first: PACK_SUM starts from 0.
@@ -594,7 +595,7 @@ def test_matrix_vector_product_with_pack_sum(rows, shift, post):
     """, regs={1: MU_A_ID}, local={0: x[:LANES].tolist(), 1: x[LANES:].tolist()},
         buffers={"W": (MU_B, W.reshape(2 * rows, LANES))}, refs={2: "W"}, read_local=False)
     assert res.ok, res.errors
-    y = wrap32(relu_shift(W * x, shift, post).astype(np.int64).sum(axis=1))
+    y = relu_shift(wrap32((W * x).sum(axis=1)), shift, post)   # SHIFT and POST: each sum
     padded = np.zeros(-(-rows // LANES) * LANES, dtype=np.int32)
     padded[:rows] = y
     np.testing.assert_array_equal(res.mus[MU_A][s.regs[3]], padded.reshape(-1, LANES))

@@ -53,8 +53,9 @@ def reference(cfg, fn, a_mem, local):
                 b = np.full(LANES, cfg["b_val"], dtype=np.int64)
             else:
                 b = np.zeros(LANES, dtype=np.int64)
-            r = relu_shift(_NP_FN[fn](a.astype(np.int64), b.astype(np.int64)), cfg["shift"],
-                           cfg["post"]).astype(np.int64)
+            r = _NP_FN[fn](a.astype(np.int64), b.astype(np.int64))
+            if DMode(cfg["d_mode"]) != DMode.PACK_SUM:      # PACK_SUM: SHIFT and POST a sum
+                r = relu_shift(r, cfg["shift"], cfg["post"]).astype(np.int64)
             d = (cfg["d_base"] + k * cfg["d_stride"]) % (1 << 32)
             mode = DMode(cfg["d_mode"])
             if mode == DMode.LOCAL:
@@ -67,7 +68,8 @@ def reference(cfg, fn, a_mem, local):
                 appended.append(wrap32(r))
             results.append(wrap32(r))
         if DMode(cfg["d_mode"]) == DMode.PACK_SUM:
-            pack.append(int(wrap32(sum(int(x.sum()) for x in results[-cfg["n"]:]))))
+            total = wrap32(sum(int(x.sum()) for x in results[-cfg["n"]:]))
+            pack.append(int(relu_shift(total, cfg["shift"], cfg["post"])))
             if len(pack) == LANES or o == cfg["outer"] - 1:
                 appended.append(wrap32(pack + [0] * (LANES - len(pack))))
                 pack = []
@@ -283,6 +285,12 @@ CONFIGS = {
                     d_mode=DMode.APPEND.value), AluFn.PASS),
     "pack_sum": (dict(a_base=0, a_stride=1, n=3, outer=6, a_ostride=3, d_ref=0b01,
                       d_mode=DMode.PACK_SUM.value, shift=4), AluFn.ADD),
+    "pack_sum_requant": (dict(a_base=0, a_stride=1, n=3, outer=6, a_ostride=3, d_ref=0b01,
+                              d_mode=DMode.PACK_SUM.value, b_mode=BMode.SCALAR.value,
+                              b_val=-7, shift=6, post=3), AluFn.MUL),
+    "mul_shift_saturate_append": (dict(a_base=0, a_stride=1, n=6, outer=1,
+                                       b_mode=BMode.SCALAR.value, b_val=5, shift=6, post=2,
+                                       d_ref=0b01, d_mode=DMode.APPEND.value), AluFn.MUL),
 }
 
 

@@ -402,7 +402,7 @@ def preload(it, xy, **buffers):
 
 
 @pytest.mark.parametrize("dmode", [DMode.WRITE, DMode.APPEND], ids=lambda m: m.name)
-@pytest.mark.parametrize("shift, post", [(0, 0), (3, 1), (31, 0), (31, 1)])
+@pytest.mark.parametrize("shift, post", [(0, 0), (3, 1), (31, 0), (31, 1), (24, 2), (24, 3)])
 def test_elementwise_to_an_mu(dmode, shift, post):
     # out = post((a reversed * b) >> shift), a read backwards with stride -1, out written from
     # word 2 with stride 2 (WRITE) or appended.
@@ -510,11 +510,11 @@ def test_sum_dot_product(words):
 
 
 @pytest.mark.parametrize("rows", [1, 6, 8, 9])
-@pytest.mark.parametrize("shift, post", [(0, 0), (4, 1)])
+@pytest.mark.parametrize("shift, post", [(0, 0), (4, 1), (20, 2), (19, 3)])
 def test_matrix_vector_product_with_pack_sum(rows, shift, post):
-    # y = W x: W is rows x 8 (two words a row, row-major), x in local words 0..1. One outer
-    # iteration a row; PACK_SUM packs four sums a word. V holds junk first: PACK_SUM starts
-    # from 0.
+    # y = post(W x >> shift): W is rows x 8 (two words a row, row-major), x in local words
+    # 0..1. One outer iteration a row; PACK_SUM packs four sums a word, SHIFT and POST applied
+    # to each sum (ReLU, saturation to int8). V holds junk first: PACK_SUM starts from 0.
     cols = 2 * LANES
     rng = np.random.default_rng(rows + shift)
     W = rand32(rng, (rows, cols))
@@ -533,8 +533,7 @@ def test_matrix_vector_product_with_pack_sum(rows, shift, post):
     preload(it, (0, 0), r2=W.reshape(2 * rows, LANES))
     res = it.run()
     assert res.ok
-    terms = relu_shift(W * x, shift, post).astype(np.int64)
-    y = wrap32(terms.sum(axis=1))
+    y = relu_shift(wrap32((W * x).sum(axis=1)), shift, post)
     padded = np.zeros(-(-rows // LANES) * LANES, dtype=np.int32)
     padded[:rows] = y
     np.testing.assert_array_equal(it.read_buffer(MU, res.cu(0, 0).regs[3]),

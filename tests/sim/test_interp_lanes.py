@@ -1,6 +1,7 @@
 """The interpreter computes a stream step's lanes a vector at a time (issue 21, M3): for every
 ALU function, SHIFT and POST, the lanes equal what ``alu`` and the stream's post-processing give
-lane by lane (``docs/compute-unit.md``: ``_signed(alu(fn, a, b)) >> shift``, ReLU, mod 2**32)."""
+lane by lane (``docs/compute-unit.md``: ``_signed(alu(fn, a, b)) >> shift``, ReLU, saturation
+to int8, mod 2**32)."""
 
 from conftest import hostile
 from hypothesis import given
@@ -16,25 +17,27 @@ WORD = st.one_of(st.sampled_from([0, 1, 2, 31, 32, 0x7fff_ffff, 0x8000_0000, 0xf
 B_WORD = st.one_of(WORD, st.integers(-(1 << 40), 1 << 40))
 
 
-def _lane_by_lane(fn, a, b, shift, relu):
+def _lane_by_lane(fn, a, b, shift, post):
     out = []
     for x, y in zip(a, b, strict=True):
         v = _signed(alu(fn, x, y)) >> shift
-        if relu and v < 0:
+        if post & 1 and v < 0:
             v = 0
+        if post & 2:
+            v = -128 if v < -128 else 127 if v > 127 else v
         out.append(v & 0xffff_ffff)
     return out
 
 
 @hostile(200)
 @given(fn=st.sampled_from(list(AluFn)), lanes=st.integers(1, 8), data=st.data(),
-       shift=st.one_of(st.just(0), st.integers(0, 31)), relu=st.booleans(),
+       shift=st.one_of(st.just(0), st.integers(0, 31)), post=st.integers(0, 3),
        by_value=st.booleans())
-def test_vector_lanes_equal_alu_lane_by_lane(fn, lanes, data, shift, relu, by_value):
+def test_vector_lanes_equal_alu_lane_by_lane(fn, lanes, data, shift, post, by_value):
     a = tuple(data.draw(st.lists(WORD, min_size=lanes, max_size=lanes)))
     b = data.draw(st.lists(B_WORD, min_size=lanes, max_size=lanes))
-    got = _vector_post(_VECTOR_ALU[fn.value if by_value else fn](a, b), shift, relu)
-    assert list(got) == _lane_by_lane(fn, a, b, shift, relu)
+    got = _vector_post(_VECTOR_ALU[fn.value if by_value else fn](a, b), shift, post)
+    assert list(got) == _lane_by_lane(fn, a, b, shift, post)
 
 
 def test_every_alu_function_has_a_vector_form():
