@@ -5,7 +5,7 @@ import collections
 
 from rdakit.compiler.lower.layout import MASK32
 from rdakit.compiler.lower.registers import Reg
-from rdakit.hdl.spec.isa import AluFn, BMode, DMode, Instr, Op, StreamField
+from rdakit.hdl.spec.isa import AluFn, BMode, DMode, Instr, Op, Post, StreamField
 
 __all__ = ["Assembler"]
 
@@ -213,7 +213,8 @@ class Assembler:
 
     def stream(self, fn, *, a, n, a_base=0, a_stride=1, outer=1, a_ostride=0,
                b_mode=BMode.ZERO, b_val=0, b_stride=0, b_ostride=0, d_mode=DMode.DISCARD,
-               d_ref=None, d_base=0, d_stride=1, shift=0, relu=False, rd=0, run=True):
+               d_ref=None, d_base=0, d_stride=1, shift=0, relu=False, sat=False, rd=0,
+               run=True):
         """Configure and run one stream (only the fields it uses are written). With ``run``
         false, only configure it and return a function that emits its ``SRUN``: instructions
         between them may reuse the registers its fields were read from."""
@@ -240,7 +241,7 @@ class Assembler:
             self.field(F.D_BASE, d_base)
             self.field(F.D_STRIDE, d_stride)
         self.field(F.SHIFT, shift)
-        self.field(F.POST, int(relu))
+        self.field(F.POST, int(Post.RELU if relu else 0) | int(Post.SAT8 if sat else 0))
         rd = int(rd)
         reduces = {DMode.SUM: {rd}, DMode.MAX: {rd}, DMode.ARGMAX: {rd, rd + 1}}
         regs = reduces.get(d_mode, set())

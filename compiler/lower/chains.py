@@ -9,21 +9,23 @@ into the stage before when that gives the same values (see the Lowering section 
 import dataclasses
 
 from rdakit.compiler.lower.layout import MASK32
-from rdakit.hdl.spec.isa import AluFn, alu
+from rdakit.hdl.spec.isa import SAT8_MAX, SAT8_MIN, AluFn, Post, alu, post
 
 __all__ = ["Stage", "Clip", "append_stage", "chain_zero"]
 
-
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """One stream pass of an elementwise chain: ``post(fn(a, b) >> shift)``; ``imm`` is the
-    scalar second operand (None: zero, or the chain's tensor operand for the first stage)."""
+    """One stream pass of an elementwise chain: ``post(fn(a, b) >> shift)`` (``post``: ReLU
+    if ``relu``, then saturation to int8 if ``sat``, :func:`~rdakit.hdl.spec.isa.post`);
+    ``imm`` is the scalar second operand (None: zero, or the chain's tensor operand for the
+    first stage)."""
 
     fn: AluFn
     imm: int | None = None
     shift: int = 0
     relu: bool = False
     tensor: bool = False
+    sat: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,11 @@ def append_stage(stages, s):
     last = stages[-1] if stages else None
     if isinstance(s, Clip):
         lo, hi = s.lo, s.hi
+        if last is not None and hi == SAT8_MAX and lo in (SAT8_MIN, 0):
+            # The int8 range (or its ReLU half) after any stage is the stage's saturation:
+            # clip(v, -128, 127) = sat(v), clip(v, 0, 127) = sat(relu(v)).
+            stages[-1] = dataclasses.replace(last, relu=last.relu or lo == 0, sat=True)
+            return stages
         if last is not None and last.fn is AluFn.PASS and not last.tensor and not (
                 last.relu and hi < 0):
             # clip(v >> k) = min(max(v, lo << k), hi << k) >> k (floor is monotonic); after a
@@ -67,8 +74,9 @@ def append_stage(stages, s):
             stages.append(Stage(AluFn.MAX, lo))
             stages.append(Stage(AluFn.MIN, hi))
         return stages
-    if last is not None and s.fn is AluFn.PASS and not s.tensor:
-        # A shift or a ReLU after any stage folds into it: relu(v >> a) >> b = relu(v >> a+b).
+    if last is not None and s.fn is AluFn.PASS and not s.tensor and not (last.sat and s.shift):
+        # A shift or a ReLU after any stage folds into it: relu(v >> a) >> b = relu(v >> a+b)
+        # (not a shift after a saturation; a ReLU commutes with it).
         stages[-1] = dataclasses.replace(last, shift=min(31, last.shift + s.shift),
                                          relu=last.relu or s.relu)
         return stages
@@ -84,8 +92,7 @@ def chain_zero(stages, known_b):
             return None
         b = s.imm if s.imm is not None else 0
         r = alu(s.fn, v, b)
-        r = (r - (1 << 32) if r & (1 << 31) else r) >> (s.shift & 31)
-        if s.relu and r < 0:
-            r = 0
+        r = post(r - (1 << 32) if r & (1 << 31) else r, s.shift,
+                 (Post.RELU if s.relu else 0) | (Post.SAT8 if s.sat else 0))
         v = r & MASK32
     return v

@@ -10,6 +10,9 @@ tensor an op reads exists and every op comes after the ops producing what it rea
     right-hand side transposed, a slice at an odd column becomes a selection matmul, ...).
 ``fuse-elementwise``
     Chains of elementwise ops on one CU into one op of several stream passes.
+``fuse-epilogue``
+    A chain that is one output stage (a requantization) into the matmul producing what it
+    reads: applied to each sum by the matmul's PACK_SUM streams.
 ``place-outputs``
     Graph outputs into host buffers written by their producers (copies where needed).
 ``eliminate-dead``
@@ -36,7 +39,7 @@ from rdakit.compiler.lower.templates import AXPY_MAX_ROWS
 from rdakit.hdl.spec.isa import AluFn
 
 __all__ = ["LOWERABLE_KINDS", "LoweringPass", "Legalize", "FuseElementwise", "PlaceOutputs",
-           "EliminateDead", "FuseDispatch", "ScheduleOrder", "CheckOrder", "PIPELINE"]
+           "EliminateDead", "FuseDispatch", "FuseEpilogue", "ScheduleOrder", "CheckOrder", "PIPELINE"]
 
 #: Op kinds the lowering turns into CU programs (every kind of the op table).
 LOWERABLE_KINDS = frozenset({
@@ -347,6 +350,48 @@ class FuseElementwise(LoweringPass):
 
 
 @dataclasses.dataclass(frozen=True)
+class FuseEpilogue(LoweringPass):
+    """Fold an elementwise chain of one output stage (``post(v >> shift)``: a requantization
+    ``clip(relu(v >> s), -128, 127)``, a shift, a ReLU) into the ``matmul_nt`` producing
+    what it reads, on its CU, when nothing else reads the product and a row of A fits the
+    CU's free local buffer (one PACK_SUM stream a row of the product): the stream applies
+    ``SHIFT`` and ``POST`` to each sum (``attrs["epilogue"]``), and the chain's passes over
+    the product go."""
+
+    name: ClassVar[str] = "fuse-epilogue"
+
+    def apply(self, plan):
+        from rdakit.compiler.lower.lowerer import Lowerer
+
+        outputs = {src for _, src in plan.outputs}
+        readers = plan.readers()
+        by_name = {op.name: op for op in plan.lops}
+        free, folded = None, set()
+        for op in plan.lops:
+            if op.kind != "ew" or op.attrs["mode"] is not None or len(op.attrs["stages"]) != 1:
+                continue
+            (s,) = op.attrs["stages"]
+            if s.fn is not AluFn.PASS or s.tensor:
+                continue
+            prev = by_name.get(plan.tensors[op.ins[0]].producer)
+            if (prev is None or prev.kind != "matmul_nt" or prev.cu != op.cu
+                    or "epilogue" in prev.attrs or prev.out in outputs
+                    or len(readers[prev.out]) != 1):
+                continue
+            if free is None:
+                free = Lowerer(plan, plan.params).local_free()
+            if plan.tensors[prev.ins[0]].layout.cw > free.get(op.cu, 0):
+                continue                # the long form: K in chunks, no PACK_SUM a row
+            prev.attrs["epilogue"] = s
+            prev.nodes.extend(op.nodes)
+            del plan.tensors[prev.out]
+            prev.out = op.out
+            plan.tensors[op.out].producer = prev.name
+            folded.add(op.name)
+        plan.lops[:] = [op for op in plan.lops if op.name not in folded]
+
+
+@dataclasses.dataclass(frozen=True)
 class PlaceOutputs(LoweringPass):
     """Graph outputs become host buffers written by their producer (copies where a tensor
     is already in a host buffer or feeds several outputs)."""
@@ -529,5 +574,5 @@ class CheckOrder(LoweringPass):
 
 
 #: The passes :func:`~rdakit.compiler.lower.lower` runs, in order.
-PIPELINE = (Legalize(), FuseElementwise(), PlaceOutputs(), EliminateDead(), FuseDispatch(),
-            ScheduleOrder(), CheckOrder())
+PIPELINE = (Legalize(), FuseElementwise(), FuseEpilogue(), PlaceOutputs(), EliminateDead(),
+            FuseDispatch(), ScheduleOrder(), CheckOrder())

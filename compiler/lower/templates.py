@@ -112,13 +112,17 @@ def row_loop(lw, g, name, r_ref, offsets, body):
 
 # Templates.
 
-def pack_row(asm, out, rb, base_b, kw, rows, stride, local):
+def pack_row(asm, out, rb, base_b, kw, rows, stride, local, epilogue=None):
     """One PACK_SUM stream appending a row of the product to ``out``: the row of A of ``kw``
     words at word ``local`` of the local buffer against each of ``rows`` rows of Bᵀ (buffer
-    ``rb`` from word ``base_b``, ``stride`` words apart)."""
+    ``rb`` from word ``base_b``, ``stride`` words apart); each sum through the output stage
+    ``epilogue`` (a :class:`~rdakit.compiler.lower.chains.Stage`, passes.FuseEpilogue) if
+    given."""
+    post = {} if epilogue is None else dict(shift=epilogue.shift, relu=epilogue.relu,
+                                            sat=epilogue.sat)
     asm.stream(AluFn.MUL, a=rb, a_base=base_b, n=kw, outer=rows, a_ostride=stride,
                b_mode=BMode.LOCAL, b_val=local, b_stride=1, b_ostride=0,
-               d_mode=DMode.PACK_SUM, d_ref=out)
+               d_mode=DMode.PACK_SUM, d_ref=out, **post)
 
 
 @template("matmul_nt")
@@ -132,16 +136,18 @@ def matmul_nt(lw, g, op):
     ra, base_a = lw.ref(g, a)
     rb, base_b = lw.ref(g, b)
     kw = la.cw
-    if kw > g.local_top:
+    epilogue = op.attrs.get("epilogue")
+    if kw > g.local_top and epilogue is None:
         matmul_long(lw, g, op)
         return
-    lw.need_local(g, op, kw)
+    lw.need_local(g, op, kw, "a row of A (its product's output stage fused: "
+                  "passes.FuseEpilogue)" if epilogue is not None else "")
     asm, out = g.asm, g.out
     base_b += op.attrs.get("b_off", 0)
     stride = op.attrs.get("b_stride", kw)
 
     def product(row):
-        pack_row(asm, out, rb, base_b, kw, lb.rows, stride, row)
+        pack_row(asm, out, rb, base_b, kw, lb.rows, stride, row, epilogue)
 
     if la.rows > 1 and la.words <= g.local_top:
         # Every row of A fits: one stream stages them all, then one PACK_SUM stream a row.
@@ -466,7 +472,7 @@ def ew(lw, g, op):
     def rows():
         return lo.rows if not lo.dynamic else rows_of(g, R2, cw, R3, R4)
 
-    kw = dict(shift=s0.shift, relu=s0.relu, d_mode=DMode.APPEND, d_ref=out)
+    kw = dict(shift=s0.shift, relu=s0.relu, sat=s0.sat, d_mode=DMode.APPEND, d_ref=out)
     if ew_one_pass(lw, op, g.local_top):
         kw.update(lw.queue_dst(g, op) or {})
     if mode is None:
@@ -495,7 +501,8 @@ def ew(lw, g, op):
 
             def row(head):
                 asm.stream(s0.fn, a=out, a_base=R1, n=c, b_mode=BMode.LOCAL, b_val=0,
-                           b_stride=1, shift=s0.shift, relu=s0.relu, d_mode=DMode.WRITE,
+                           b_stride=1, shift=s0.shift, relu=s0.relu, sat=s0.sat,
+                           d_mode=DMode.WRITE,
                            d_ref=out, d_base=R1, d_stride=1)
                 asm.alui(AluFn.ADD, R1, R1, cw)
                 asm.branch(Op.LOOP, head, ra=R5)
@@ -548,7 +555,7 @@ def ew(lw, g, op):
         if i == len(stages) and not masked:
             dst.update(lw.queue_dst(g, op) or {})
         asm.stream(s.fn, a=out, a_base=0, n=n, b_mode=bm, b_val=s.imm or 0, shift=s.shift,
-                   relu=s.relu, **dst)
+                   relu=s.relu, sat=s.sat, **dst)
     if masked:
         mask = g.local[f"mask{lo.cols}"]
         dst = dict(d_mode=DMode.WRITE, d_ref=out, d_base=0, d_stride=1)
@@ -1227,7 +1234,7 @@ def matmul_routed(lw, g, op):
 
     def row(word):
         asm.stream(AluFn.PASS, a=rx, a_base=word, n=kw, d_mode=DMode.LOCAL, d_base=0)
-        pack_row(asm, out, rb, base_b, kw, lb.rows, kw, 0)
+        pack_row(asm, out, rb, base_b, kw, lb.rows, kw, 0, op.attrs.get("epilogue"))
     routed_rows(lw, g, op, kw, row)
 
 def routing_checked(lw, idx, experts):

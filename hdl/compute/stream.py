@@ -45,7 +45,7 @@ from rdakit.hdl.compute.credits import CreditCounter, CreditReturn
 from rdakit.hdl.spec.config import CU_MAP, config_bus_signature
 from rdakit.hdl.spec.cu import EXEC_STAGES, WQ_DEPTH
 from rdakit.hdl.spec.flit import flit_layout
-from rdakit.hdl.spec.isa import INSTR_LAYOUT, BMode, DMode, Post
+from rdakit.hdl.spec.isa import INSTR_LAYOUT, SAT8_MAX, SAT8_MIN, BMode, DMode, Post
 from rdakit.hdl.spec.packets import (
     STREAM_CREDIT,
     STREAM_LAST,
@@ -435,10 +435,11 @@ class StreamEngine(wiring.Component):
             rl = Signal(32, name=f"{name}_relu")
             m.d.comb += rl.eq(Mux(sf.post[Post.RELU.bit_length() - 1] & sh[31], 0, sh))
             r = Signal(32, name=f"{name}_result")
-            with m.If(sf.post[Post.SAT8.bit_length() - 1] & (rl.as_signed() > 127)):
-                m.d.comb += r.eq(127)
-            with m.Elif(sf.post[Post.SAT8.bit_length() - 1] & (rl.as_signed() < -128)):
-                m.d.comb += r.eq(-128)
+            sat = sf.post[Post.SAT8.bit_length() - 1]
+            with m.If(sat & (rl.as_signed() > SAT8_MAX)):
+                m.d.comb += r.eq(SAT8_MAX)
+            with m.Elif(sat & (rl.as_signed() < SAT8_MIN)):
+                m.d.comb += r.eq(SAT8_MIN)
             with m.Else():
                 m.d.comb += r.eq(rl)
             return r

@@ -20,8 +20,8 @@ import re
 from amaranth.lib import data, enum
 
 __all__ = [
-    "Op", "AluFn", "StreamField", "Post", "post", "BMode", "DMode", "INSTR_LAYOUT",
-    "INSTR_BITS", "OP_INFO",
+    "Op", "AluFn", "StreamField", "Post", "post", "SAT8_MIN", "SAT8_MAX", "BMode", "DMode",
+    "INSTR_LAYOUT", "INSTR_BITS", "OP_INFO",
     "Instr", "encode", "decode", "assemble", "disassemble", "alu", "AssemblyError",
 ]
 
@@ -134,6 +134,10 @@ class StreamField(enum.Enum, shape=4):
     POST = 15
 
 
+#: The range ``Post.SAT8`` clamps a result to (int8).
+SAT8_MIN, SAT8_MAX = -128, 127
+
+
 class Post(enum.IntFlag):
     """Bits of the ``POST`` stream field: what follows a result's ``SHIFT``, in this order."""
 
@@ -149,7 +153,7 @@ def post(v, shift, bits):
     if bits & Post.RELU and v < 0:
         v = 0
     if bits & Post.SAT8:
-        v = min(max(v, -128), 127)
+        v = min(max(v, SAT8_MIN), SAT8_MAX)
     return v
 
 

@@ -34,7 +34,7 @@ def choose(workload, argv, prog_len=32):
 
 @pytest.fixture(scope="module")
 def mlp():
-    """The built-in MLP at its default sizes: 4096-word MUs on 2x2, programs of 55 and 57
+    """The built-in MLP at its default sizes: 4096-word MUs on 2x2, programs of 44
     instructions."""
     return load_workload("mlp")
 
@@ -59,7 +59,7 @@ def test_auto_takes_the_next_program_length_where_programs_were_too_long(mlp, mo
     kw, said = choose(mlp, ["--fabric", "2x2"])
     assert (kw["rows"], kw["cols"], kw["mu_words"], kw["prog_len"]) == (2, 2, 4096, 64)
     assert said == ("fabric 2x2 with 4096-word MUs and prog_len 64: the smallest that fits "
-                    "mlp_b4_64x128x64 (one CU's program is 57 instructions, more than prog_len "
+                    "mlp_b4_64x128x64 (one CU's program is 48 instructions, more than prog_len "
                     "32; --fabric 2x2 --mu-words 4096 --prog-len 64 gives the same)")
     # 1024 and 2048 words do not hold its buffers whatever the program length: not tried again.
     assert tried == [(1024, 32), (2048, 32), (4096, 32), (8192, 32), (16384, 32), (32768, 32),
@@ -71,7 +71,7 @@ def test_a_program_length_the_user_gives_is_kept(mlp):
         choose(mlp, ["--fabric", "2x2", "--prog-len", "32"])
     assert str(e.value) == (
         "mlp does not fit the 2x2 fabric with MUs of 1024 to 65536 words; on 2x2 with "
-        "65536-word MUs: The program of CU (1, 1) (2 ops: 'fc0', 'bias0') is 57 instructions "
+        "65536-word MUs: The program of CU (1, 1) (2 ops: 'fc0', 'bias0') is 48 instructions "
         "long but prog_len is 32 (a larger --prog-len, fabric or another partitioner may fit)")
 
 
@@ -93,7 +93,7 @@ def test_inspect_finds_a_bitstream_with_the_chosen_program_length(mlp):
 
 
 def test_nothing_fits_names_the_program_lengths_tried(mlp):
-    # Programs of 57 instructions, lengths 16 and 32 only: the 32 is not compiled (57 > 32).
+    # Programs of 48 instructions, lengths 16 and 32 only: the 32 is not compiled (48 > 32).
     candidates = [kw for kw in fabric_candidates(fabric_args(["--fabric", "2x2"], prog_len=16))
                   if kw["prog_len"] <= 32]
     with pytest.raises(UserError) as e:
@@ -102,5 +102,5 @@ def test_nothing_fits_names_the_program_lengths_tried(mlp):
     assert str(e.value) == (
         "mlp does not fit the 2x2 fabric with MUs of 1024 to 65536 words and programs of 16 to "
         "32 instructions; on 2x2 with 65536-word MUs: The program of CU (1, 1) (2 ops: 'fc0', "
-        "'bias0') is 57 instructions long but prog_len is 16 (a larger --prog-len, fabric or "
+        "'bias0') is 48 instructions long but prog_len is 16 (a larger --prog-len, fabric or "
         "another partitioner may fit)")

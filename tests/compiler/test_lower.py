@@ -605,13 +605,15 @@ def _run_stages(stages, v):
         for s in stages:
             r = alu(s.fn, x, 0 if s.imm is None else s.imm)
             r = (r - (1 << 32) if r & (1 << 31) else r) >> s.shift
-            x = (0 if s.relu and r < 0 else r) & 0xffff_ffff
+            r = 0 if s.relu and r < 0 else r
+            x = (min(max(r, -128), 127) if s.sat else r) & 0xffff_ffff
         out.append(x - (1 << 32) if x & (1 << 31) else x)
     return np.array(out, dtype=np.int64)
 
 
 _OPS = st.one_of(st.just(("relu",)), st.tuples(st.just("shr"), st.integers(0, 31)),
-                 st.tuples(st.just("clip"), st.integers(-200, 200), st.integers(0, 300)))
+                 st.tuples(st.just("clip"), st.integers(-200, 200), st.integers(0, 300)),
+                 st.sampled_from([("clip", -128, 255), ("clip", 0, 127)]))   # saturations
 
 
 @settings(max_examples=EXAMPLES * 5, deadline=None)
@@ -640,11 +642,20 @@ def test_requantization_fuses_into_few_passes():
     for s in (_Stage(AluFn.ADD, tensor=True), _Stage(AluFn.PASS, relu=True),
               _Stage(AluFn.PASS, shift=4), _Clip(-128, 127)):
         stages = _append_stage(stages, s)
-    assert stages == [_Stage(AluFn.ADD, None, 4, True, True), _Stage(AluFn.MIN, 127)]
+    # The int8 range is the stage's saturation (POST's SAT8): one pass.
+    assert stages == [_Stage(AluFn.ADD, None, 4, True, True, sat=True)]
     stages = []
     for s in (_Stage(AluFn.PASS, relu=True), _Stage(AluFn.PASS, shift=3), _Clip(0, 127)):
         stages = _append_stage(stages, s)
-    assert stages == [_Stage(AluFn.MIN, 127 << 3, 3, True)]
+    assert stages == [_Stage(AluFn.PASS, None, 3, True, sat=True)]
+    stages = []
+    for s in (_Stage(AluFn.PASS, shift=3), _Clip(-100, 100)):      # not int8: MAX and MIN
+        stages = _append_stage(stages, s)
+    assert stages == [_Stage(AluFn.MAX, -100 << 3), _Stage(AluFn.MIN, 100 << 3, 3)]
+    stages = []
+    for s in (_Stage(AluFn.PASS), _Clip(-128, 127), _Stage(AluFn.PASS, shift=2)):
+        stages = _append_stage(stages, s)       # a shift after a saturation: a pass of its own
+    assert stages == [_Stage(AluFn.PASS, sat=True), _Stage(AluFn.PASS, shift=2)]
 
 
 # --- what does not fit ------------------------------------------------------------------------
@@ -675,7 +686,7 @@ def test_run_time_buffer_fits_in_no_mu():
             "may still be live there leave at most 0 words and 15 buffer slots free in any MU")):
         compile_("mlp", fabric_params(2, 2, prog_len=512, mu_words=64))
     with pytest.raises(LoweringError, match=re.escape(
-            "Tensor 'e2_fc1' (24 words, allocated by CU (1, 1)) fits in no MU: the buffers "
+            "Tensor 'e4_act' (24 words, allocated by CU (1, 1)) fits in no MU: the buffers "
             "that may still be live there leave at most 832 words and 0 buffer slots free in "
             "any MU")):
         compile_("mixtral", fabric_params(2, 2, prog_len=4096, max_buffers=8))
@@ -857,12 +868,12 @@ def test_a_16_sequence_decoder_step_settles_its_reference_tables(monkeypatch):
 
 @pytest.mark.parametrize("streams", [True, False])
 def test_a_batched_decoder_too_long_for_the_programs_is_a_fit_error(streams):
-    """Sixteen sequences' attention on two CUs, with and without streams between them: the
-    compiler's fit error, naming the CU and its program's length. (Fourteen fit since each
-    sequence's caches grow in place, twelve since a head's columns of the caches are read in
-    place.)"""
+    """Seventeen sequences' attention on two CUs, with and without streams between them: the
+    compiler's fit error, naming the CU and its program's length. (Sixteen fit since the
+    requantizations run in the matmuls' streams, fourteen since each sequence's caches grow
+    in place, twelve since a head's columns of the caches are read in place.)"""
     params = fabric_params(2, 2, mu_words=16384, prog_len=4096, max_buffers=64)
     with pytest.raises(ProgramTooLong, match=r"^The program of CU \(\d, \d\) .* is \d+ "
                                              r"instructions long but prog_len is 4096"):
-        compile_workload("decoder", sizes=dict(d_model=16, cache_len=4, batch=16),
+        compile_workload("decoder", sizes=dict(d_model=16, cache_len=4, batch=17),
                          params=params, partitioner="heft", place_steps=500, streams=streams)

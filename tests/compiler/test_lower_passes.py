@@ -13,6 +13,7 @@ from rdakit.compiler.lower.passes import (
     EliminateDead,
     FuseDispatch,
     FuseElementwise,
+    FuseEpilogue,
     Legalize,
     LoweringPass,
     PlaceOutputs,
@@ -23,12 +24,12 @@ from rdakit.hdl.spec.isa import AluFn, DMode, Instr, Op, StreamField
 
 
 def test_pipeline_is_named_frozen_passes_in_order():
-    assert [p.name for p in PIPELINE] == ["legalize", "fuse-elementwise", "place-outputs",
-                                          "eliminate-dead", "fuse-dispatch", "schedule-order",
-                                          "check-order"]
-    assert [type(p) for p in PIPELINE] == [Legalize, FuseElementwise, PlaceOutputs,
-                                           EliminateDead, FuseDispatch, ScheduleOrder,
-                                           CheckOrder]
+    assert [p.name for p in PIPELINE] == ["legalize", "fuse-elementwise", "fuse-epilogue",
+                                          "place-outputs", "eliminate-dead", "fuse-dispatch",
+                                          "schedule-order", "check-order"]
+    assert [type(p) for p in PIPELINE] == [Legalize, FuseElementwise, FuseEpilogue,
+                                           PlaceOutputs, EliminateDead, FuseDispatch,
+                                           ScheduleOrder, CheckOrder]
     for p in PIPELINE:
         assert isinstance(p, LoweringPass)
         with pytest.raises(dataclasses.FrozenInstanceError):

@@ -1,0 +1,83 @@
+"""A matmul's requantization in the stream that computes it (passes.FuseEpilogue): an
+elementwise chain that is one output stage (``clip(relu(v >> s), -128, 127)``, a shift, a
+ReLU, the int8 range) folds into the ``matmul_nt`` producing what it reads, and the PACK_SUM
+streams apply SHIFT and POST to each sum. Bit-exact against numpy for random sizes, lanes,
+local buffers and chains, under random interleavings; the fold happens exactly where it may."""
+
+import collections
+
+import numpy as np
+from conftest import hostile
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rdakit.compiler.compile import compile_workload
+from rdakit.compiler.graph import DataflowGraph
+from rdakit.hdl.spec.params import fabric_params
+from rdakit.sim.runtime.job import run_job_interp
+
+#: Chains after the matmul: (ops, whether they are one output stage, so they fold).
+CHAINS = {
+    "requant_relu": ([("relu",), ("shr",), ("clip", -128, 127)], True),
+    "requant": ([("shr",), ("clip", -128, 127)], True),
+    "relu_half": ([("shr",), ("clip", 0, 127)], True),
+    "shift": ([("shr",)], True),
+    "relu": ([("relu",)], True),
+    "narrow_clip": ([("shr",), ("clip", -100, 100)], False),     # MAX and MIN: two passes
+    "add_bias": ([("add",), ("shr",)], False),                   # a tensor operand
+}
+
+
+def graph(rows, k, n, chain, shift, runtime_a, rng):
+    g = DataflowGraph("epilogue")
+    a = g.input("a", (rows, k), "int8")
+    if runtime_a:
+        a = g.add("relu", a, name="a_relu")      # A computed on the fabric, not a host buffer
+    y = g.add("matmul", a, g.const("w", rng.integers(-128, 128, (k, n)).astype(np.int8)),
+              name="mm")
+    for i, (kind, *args) in enumerate(CHAINS[chain][0]):
+        if kind == "shr":
+            y = g.add("shr", y, name=f"c{i}", shift=shift)
+        elif kind == "clip":
+            y = g.add("clip", y, name=f"c{i}", lo=args[0], hi=args[1], dtype="int8"
+                      if args == [-128, 127] else "int32")
+        elif kind == "add":
+            y = g.add("add", y, g.const("bias", rng.integers(-9, 9, (1, n)).astype(np.int32)),
+                      name=f"c{i}")
+        else:
+            y = g.add(kind, y, name=f"c{i}")
+    g.output("y", y)
+    return g.validate()
+
+
+@hostile(30)
+@given(rows=st.integers(1, 6), k=st.integers(1, 40), n=st.integers(1, 12),
+       chain=st.sampled_from(sorted(CHAINS)), shift=st.integers(0, 20),
+       lanes=st.sampled_from([1, 4]), local_words=st.sampled_from([8, 16, 64]),
+       runtime_a=st.booleans(), one_cu=st.booleans(), seed=st.integers(0, 2**16))
+def test_a_requantization_runs_in_the_matmul_stream(rows, k, n, chain, shift, lanes,
+                                                    local_words, runtime_a, one_cu, seed):
+    rng = np.random.default_rng(seed)
+    g = graph(rows, k, n, chain, shift, runtime_a, rng)
+    inputs = {"a": rng.integers(-128, 128, (rows, k)).astype(np.int8)}
+    params = fabric_params(1, 2, lanes=lanes, local_words=local_words, prog_len=4096,
+                           mu_words=8192) if one_cu else fabric_params(
+        2, 2, lanes=lanes, local_words=local_words, prog_len=4096, mu_words=8192)
+    job, _ = compile_workload(g, params=params, partitioner="round_robin", place_steps=20,
+                              split=1, inputs=inputs)
+    outputs, result, _ = run_job_interp(job, schedule="random", seed=seed)
+    assert result.ok, result.errors
+    np.testing.assert_array_equal(job.decode(outputs, check_padding=True)["y"],
+                                  g.evaluate(inputs)["y"])
+    ops = {name: (kind, cu) for cu, info in job.programs.items()
+           for name, kind, *_ in info.ops}
+    kinds = collections.Counter(kind for kind, _ in ops.values())
+    chain_cus = {cu for name, (kind, cu) in ops.items() if name.startswith("c")}
+    # Where the fold may happen: the chain is one output stage on the matmul's CU, and a row
+    # of A fits the local buffer beside the constants (a lane mask, the transposes' identity).
+    foldable = CHAINS[chain][1] and -(-k // lanes) <= local_words - 2 * lanes
+    if one_cu and foldable:
+        assert kinds["ew"] == (1 if runtime_a else 0), kinds     # (a_relu is one)
+        assert not chain_cus
+    if not CHAINS[chain][1]:
+        assert chain_cus                                         # never folded
