@@ -38,8 +38,9 @@ from rdakit.compiler.lower.plan import LOp
 from rdakit.compiler.lower.templates import AXPY_MAX_ROWS
 from rdakit.hdl.spec.isa import AluFn
 
-__all__ = ["LOWERABLE_KINDS", "LoweringPass", "Legalize", "FuseElementwise", "PlaceOutputs",
-           "EliminateDead", "FuseDispatch", "FuseEpilogue", "ScheduleOrder", "CheckOrder", "PIPELINE"]
+__all__ = ["LOWERABLE_KINDS", "LoweringPass", "Legalize", "FuseElementwise", "FuseEpilogue",
+           "PlaceOutputs", "EliminateDead", "FuseDispatch", "ScheduleOrder", "CheckOrder",
+           "PIPELINE"]
 
 #: Op kinds the lowering turns into CU programs (every kind of the op table).
 LOWERABLE_KINDS = frozenset({
