@@ -150,9 +150,9 @@ class TimedCostModel(CostModel):
 
     cycles: tuple = ()
     fixed_cycles: float = 0.0
-    overlap: float = 0.95
-    lead: float = 0.1
-    edge_cycles: int = 30
+    overlap: float = 0.975
+    lead: float = 0.2
+    edge_cycles: int = 20
     stream_start: int = 20
     stream_tail: int = 10
 

@@ -142,6 +142,7 @@ class OpTimer(PerfInterpreter):
     def __init__(self, *args, max_steps=50_000_000, progress=None, **kw):
         super().__init__(*args, **kw)
         self.starts = collections.defaultdict(list)
+        self.stream_ends = collections.defaultdict(list)    # (index into starts, done cycle)
         self.max_steps = max_steps
         self._chunk = max(1, max_steps // 20)
         self._progress = progress
@@ -156,6 +157,11 @@ class OpTimer(PerfInterpreter):
             if self._progress is not None:
                 self._progress("timing ops", self.steps, self.max_steps)
         super()._step(cu)
+
+    def _schedule_stream(self, tc, t, ins, steps):
+        super()._schedule_stream(tc, t, ins, steps)
+        xy = tc.m.xy
+        self.stream_ends[xy].append((len(self.starts[xy]) - 1, tc.streams[-1].done))
 
     def run_ops(self):
         """Run the job to its end; return each CU's halt cycle. Raises ``DeadlockError`` if a
@@ -182,12 +188,29 @@ def node_cycles(job, *, max_steps=50_000_000, progress=None):
         starts = timer.starts.get(xy, [])
         halt = halts[xy]
         op_at = {pc: name for name, _, _, a, b in info.ops for pc in range(a, b)}
-        for (pc, t), (_, t_next) in zip(starts, [*starts[1:], (None, halt)], strict=True):
+        # Runs of instructions of one op (or of none: prologue, epilogue), each ending when
+        # its last instruction does or its last stream is done, whichever is later; a run
+        # is charged from its start, or the end of the run before it if that is later (the
+        # wait of an op's first instruction for the stream of the op before it is that op's).
+        done = collections.defaultdict(int)
+        for i, end in timer.stream_ends.get(xy, []):
+            done[i] = max(done[i], end + 1)
+        runs = []
+        for i, (pc, t) in enumerate(starts):
             name = op_at.get(pc)
-            if name is None:
-                fixed[xy] += t_next - t
+            t_next = starts[i + 1][1] if i + 1 < len(starts) else halt
+            if runs and runs[-1][0] == name:
+                runs[-1][2] = max(runs[-1][2], t_next, done[i])
             else:
-                per_op[name] += t_next - t
+                runs.append([name, t, max(t_next, done[i])])
+        before = 0
+        for name, t, end in runs:
+            cycles = max(0, end - max(t, before))
+            before = max(before, end)
+            if name is None:
+                fixed[xy] += cycles
+            else:
+                per_op[name] += cycles
     cycles = collections.Counter()
     for name, n, share in _node_shares(job):
         cycles[n] += per_op.get(name, 0) * share
