@@ -53,8 +53,8 @@ def append_stage(stages, s):
             # clip(v, -128, 127) = sat(v), clip(v, 0, 127) = sat(relu(v)).
             stages[-1] = dataclasses.replace(last, relu=last.relu or lo == 0, sat=True)
             return stages
-        if last is not None and last.fn is AluFn.PASS and not last.tensor and not (
-                last.relu and hi < 0):
+        if (last is not None and last.fn is AluFn.PASS and not last.tensor and not last.sat
+                and not (last.relu and hi < 0)):
             # clip(v >> k) = min(max(v, lo << k), hi << k) >> k (floor is monotonic); after a
             # ReLU (and hi >= 0) the lower bound is 0 if lo <= 0, and the ReLU is moot if lo > 0.
             k = last.shift

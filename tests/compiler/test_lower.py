@@ -668,7 +668,7 @@ def _graph(name, build):
 
 def test_program_too_long():
     with pytest.raises(LoweringError, match=re.escape(
-            "The program of CU (1, 1) (2 ops: 'fc0', 'bias0') is 47 instructions long but "
+            "The program of CU (1, 1) (2 ops: 'fc0', 'bias0') is 48 instructions long but "
             "prog_len is 32")):
         compile_("mlp", fabric_params(2, 2, prog_len=32))
 
