@@ -175,11 +175,13 @@ class OpTimer(PerfInterpreter):
 
 def node_cycles(job, *, max_steps=50_000_000, progress=None):
     """The cycles of ``job`` on the performance model, per graph node: ``(cycles, fixed)``.
-    An instruction's cycles run from its start to the next one's on its CU (the last one's to
-    the CU's halt), so an op's cycles are its own code's and what it waits for (a round trip,
-    the tail of a stream, another CU); a lowered op's cycles go to the compute nodes it
-    implements in proportion to their work. ``fixed`` are the cycles no op has (prologues and
-    epilogues), on the busiest CU. Raises ``StepLimitError`` past ``max_steps`` steps (see
+    An op's cycles on its CU run from its first instruction's start to its last one's end (the
+    next instruction's start, or the halt) or its last stream's end, whichever is later, less
+    what the op before it already counted: so an op's cycles are its own code's and what it
+    waits for (a round trip, another CU), and the tail of its own streams, which the next op's
+    first instruction may wait for (streams between CUs aside); a lowered op's cycles go to
+    the compute nodes it implements in proportion to their work. ``fixed`` are the cycles no
+    op has (prologues and epilogues), on the busiest CU. Raises ``StepLimitError`` past ``max_steps`` steps (see
     :class:`OpTimer`) and ``DeadlockError`` if a CU never halts."""
     timer, _ = prepare_interp(job, interpreter=OpTimer, max_steps=max_steps, progress=progress)
     halts = timer.run_ops()
