@@ -181,8 +181,8 @@ def node_cycles(job, *, max_steps=50_000_000, progress=None):
     waits for (a round trip, another CU), and the tail of its own streams, which the next op's
     first instruction may wait for (streams between CUs aside); a lowered op's cycles go to
     the compute nodes it implements in proportion to their work. ``fixed`` are the cycles no
-    op has (prologues and epilogues), on the busiest CU. Raises ``StepLimitError`` past ``max_steps`` steps (see
-    :class:`OpTimer`) and ``DeadlockError`` if a CU never halts."""
+    op has (prologues and epilogues), on the busiest CU. Raises ``StepLimitError`` past
+    ``max_steps`` steps (see :class:`OpTimer`) and ``DeadlockError`` if a CU never halts."""
     timer, _ = prepare_interp(job, interpreter=OpTimer, max_steps=max_steps, progress=progress)
     halts = timer.run_ops()
     per_op, fixed = collections.Counter(), collections.Counter()
