@@ -56,8 +56,9 @@ class CostModel:
     """
 
     #: The share of an op's cycles a CU may spend on it before its inputs from other CUs have
-    #: arrived (:func:`list_schedule`); the work model has none.
+    #: arrived (:func:`list_schedule`), at most ``lead_cycles``; the work model has none.
     lead = 0.0
+    lead_cycles = 0
     #: An edge sent as a stream between CUs (:func:`list_schedule`'s ``streamed``): its
     #: consumer may start ``stream_start`` cycles after its producer starts, and ends at least
     #: ``stream_tail`` cycles after its producer ends; the work model charges neither.
@@ -133,10 +134,11 @@ class TimedCostModel(CostModel):
         The share of an op's one-CU cycles it costs on the fabric: on one CU an op's time
         includes waiting for the op before it (its last stream's tail), which on the fabric
         is often a wait for another CU that the transfer already charges.
-    lead : float
+    lead, lead_cycles : float, int
         The share of an op's cycles its CU may spend on it before its inputs from other CUs
-        have arrived: its output's ALLOC and the configuration of its first stream come
-        before the RECV of a remote input.
+        have arrived, at most ``lead_cycles``: its output's ALLOC and the configuration of its
+        first stream come before the RECV of a remote input (a few instructions, whatever
+        the op's length).
     stream_start, stream_tail : int
         An edge sent as a stream between CUs overlaps its two ends: the consumer may start
         ``stream_start`` cycles after the producer starts (the producer's last pass sends
@@ -151,7 +153,8 @@ class TimedCostModel(CostModel):
     cycles: tuple = ()
     fixed_cycles: float = 0.0
     overlap: float = 0.975
-    lead: float = 0.2
+    lead: float = 0.3
+    lead_cycles: int = 20
     edge_cycles: int = 20
     stream_start: int = 20
     stream_tail: int = 10
@@ -170,6 +173,10 @@ class TimedCostModel(CostModel):
             raise TypeError(f"overlap must be a number in (0, 1], not {self.overlap!r}")
         if not isinstance(self.lead, int | float) or not 0 <= self.lead < 1:
             raise TypeError(f"lead must be a number in [0, 1), not {self.lead!r}")
+        if (not isinstance(self.lead_cycles, int) or isinstance(self.lead_cycles, bool)
+                or self.lead_cycles < 0):
+            raise TypeError(f"lead_cycles must be a non-negative integer, not "
+                            f"{self.lead_cycles!r}")
         object.__setattr__(self, "_table", table)
 
     def transfer_cycles(self, nbytes, hops):
@@ -278,7 +285,7 @@ def list_schedule(wg, parts, k, cost, *, hops=None, loads=None, order=None, stre
           else np.asarray(streamed, dtype=bool)).tolist()
     s_start, s_tail = cost.stream_start, cost.stream_tail
     w = wg.node_weight.tolist()
-    lead = cost.lead
+    lead, lead_cycles = cost.lead, cost.lead_cycles
     pl = parts.tolist()
     avail = loads.astype(np.int64).tolist()
     start = [0] * wg.n
@@ -298,7 +305,7 @@ def list_schedule(wg, parts, k, cost, *, hops=None, loads=None, order=None, stre
         if w[v]:
             p = pl[v]
             if lead:
-                ready -= int(lead * w[v])
+                ready -= min(int(lead * w[v]), lead_cycles)
             if streams_from > ready:
                 ready = streams_from
             s = ready if ready > avail[p] else avail[p]

@@ -68,12 +68,14 @@ def test_timed_cost_model_charges_the_timed_cycles():
 def test_lead_starts_an_op_before_its_remote_inputs_arrive():
     # fc0 and bias0 on unit 0, their consumer act0_shr on unit 1: it starts when bias0's tensor
     # has been handed over, less the share `lead` of its own cycles (its ALLOC and
-    # configuration); a consumer on the producer's unit has nothing to overlap.
+    # configuration), at most `lead_cycles`; a consumer on the producer's unit has nothing to
+    # overlap.
     wl = workloads.mlp(batch=4, sizes=(64, 32))
     g = wl.graph
     timed = dict(fc0=200, bias0=20, act0_shr=100, act0=10)
-    def schedule(lead, parts):
-        cost = TimedCostModel(lanes=4, cycles=tuple(timed.items()), overlap=1, lead=lead)
+    def schedule(lead, parts, lead_cycles=1000):
+        cost = TimedCostModel(lanes=4, cycles=tuple(timed.items()), overlap=1, lead=lead,
+                              lead_cycles=lead_cycles)
         wg = WeightedGraph.from_dataflow(g, cost)
         order = np.arange(wg.n)
         p = np.array([parts.get(n, 0) for n in wg.names])
@@ -84,6 +86,7 @@ def test_lead_starts_an_op_before_its_remote_inputs_arrive():
     assert start == ready + cost.transfer_cycles(1, cost.mean_hops)
     start_lead, _, _ = schedule(0.25, {"act0_shr": 1, "act0": 1})
     assert start_lead == start - 25
+    assert schedule(0.25, {"act0_shr": 1, "act0": 1}, lead_cycles=20)[0] == start - 20
     assert schedule(0.25, {})[0] == schedule(0.0, {})[0] == ready
 
 
@@ -123,6 +126,8 @@ def test_a_streamed_edge_overlaps_its_two_ends():
     (dict(fixed_cycles=-3), r"fixed_cycles must be a non-negative number, not -3"),
     (dict(lead=1), r"lead must be a number in \[0, 1\), not 1"),
     (dict(lead=-0.5), r"lead must be a number in \[0, 1\), not -0.5"),
+    (dict(lead_cycles=-1), r"lead_cycles must be a non-negative integer, not -1"),
+    (dict(lead_cycles=2.5), r"lead_cycles must be a non-negative integer, not 2.5"),
 ])
 def test_timed_cost_model_validation(kw, message):
     with pytest.raises(TypeError, match=f"^{message}$"):
