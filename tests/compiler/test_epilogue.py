@@ -81,3 +81,38 @@ def test_a_requantization_runs_in_the_matmul_stream(rows, k, n, chain, shift, la
         assert not chain_cus
     if not CHAINS[chain][1]:
         assert chain_cus                                         # never folded
+
+
+def test_a_shift_relu_or_clip_stays_with_the_op_it_reads(monkeypatch):
+    """The multilevel partition of the smallest MLP on 2x2 puts its first layer's clip on the
+    other CU (a pass and a hand-over there for a node it sees as a few cycles);
+    ``fuse_chains`` moves it back to its chain's CU, where the lowering folds it, and the
+    job is faster on the performance model."""
+    from rdakit.compiler import compile as compile_mod
+    from rdakit.sim.flows.e2e import SMALLEST
+    from rdakit.sim.runtime.events import ModelRank
+
+    params = fabric_params(2, 2, prog_len=1024)
+
+    def cus(job):
+        return {n: cu for _, _, cu, nodes in job.lowered for n in nodes}
+
+    def cut_chains(job):
+        g, at = job.graph, cus(job)
+        return [n for n in g.order() if g.kind(n) in compile_mod.FUSED_KINDS
+                and g.kind(g.inputs_of(n)[0]) not in ("input", "const")
+                and list(g.nx.successors(g.inputs_of(n)[0])) == [n]
+                and at[n] != at[g.inputs_of(n)[0]]]
+
+    def compiled():
+        return compile_workload("mlp", sizes=SMALLEST["mlp"], params=params,
+                                partitioner="multilevel", place_steps=2000)[0]
+
+    job = compiled()
+    assert not cut_chains(job)
+    with monkeypatch.context() as m:
+        m.setattr(compile_mod, "fuse_chains", lambda graph, result, cost: result)
+        raw = compiled()
+    assert cut_chains(raw) == ["act0"]
+    rank = ModelRank()
+    assert rank(job) < rank(raw)
