@@ -311,6 +311,25 @@ class Legalize(LoweringPass):
     _sigmoid = _tanh = _intop
 
 
+def _sole_producer(plan, op, kind, by_name, outputs, readers):
+    """The op of ``kind`` producing ``op``'s first input on ``op``'s CU, when ``op`` alone
+    reads that tensor and it is no graph output (so ``op`` may fold into it), else None."""
+    prev = by_name.get(plan.tensors[op.ins[0]].producer)
+    if (prev is None or prev.kind != kind or prev.cu != op.cu or prev.out in outputs
+            or len(readers[prev.out]) != 1):
+        return None
+    return prev
+
+
+def _absorb(plan, prev, op):
+    """``prev`` takes ``op`` in: its nodes, and its output in place of ``prev``'s own, which
+    only ``op`` read (the caller drops ``op`` from the plan)."""
+    prev.nodes.extend(op.nodes)
+    del plan.tensors[prev.out]
+    prev.out = op.out
+    plan.tensors[op.out].producer = prev.name
+
+
 @dataclasses.dataclass(frozen=True)
 class FuseElementwise(LoweringPass):
     """Fold chains of elementwise ops on one CU into one op of several stream passes
@@ -331,15 +350,11 @@ class FuseElementwise(LoweringPass):
         for op in plan.lops:
             if op.kind != "ew" or op.attrs["mode"] is not None:
                 continue
-            prev = by_name.get(plan.tensors[op.ins[0]].producer)
-            if (prev is None or prev.kind != "ew" or prev.cu != op.cu
-                    or prev.out in outputs or len(readers[prev.out]) != 1):
+            prev = _sole_producer(plan, op, "ew", by_name, outputs, readers)
+            if prev is None:
                 continue
             prev.attrs["raw"].extend(op.attrs["raw"])
-            prev.nodes.extend(op.nodes)
-            del plan.tensors[prev.out]
-            prev.out = op.out
-            plan.tensors[op.out].producer = prev.name
+            _absorb(plan, prev, op)
             folded.add(op.name)
         plan.lops[:] = [op for op in plan.lops if op.name not in folded]
         for op in plan.lops:
@@ -374,20 +389,15 @@ class FuseEpilogue(LoweringPass):
             (s,) = op.attrs["stages"]
             if s.fn is not AluFn.PASS or s.tensor:
                 continue
-            prev = by_name.get(plan.tensors[op.ins[0]].producer)
-            if (prev is None or prev.kind != "matmul_nt" or prev.cu != op.cu
-                    or "epilogue" in prev.attrs or prev.out in outputs
-                    or len(readers[prev.out]) != 1):
+            prev = _sole_producer(plan, op, "matmul_nt", by_name, outputs, readers)
+            if prev is None or "epilogue" in prev.attrs:
                 continue
             if free is None:
                 free = Lowerer(plan, plan.params).local_free()
             if plan.tensors[prev.ins[0]].layout.cw > free.get(op.cu, 0):
                 continue                # the long form: K in chunks, no PACK_SUM a row
             prev.attrs["epilogue"] = s
-            prev.nodes.extend(op.nodes)
-            del plan.tensors[prev.out]
-            prev.out = op.out
-            plan.tensors[op.out].producer = prev.name
+            _absorb(plan, prev, op)
             folded.add(op.name)
         plan.lops[:] = [op for op in plan.lops if op.name not in folded]
 
