@@ -227,7 +227,7 @@ class Assembler:
         if isinstance(outer, Reg) or outer != 1:
             self.field(F.A_OSTRIDE, a_ostride)
         self.field(F.B_MODE, b_mode.value)
-        if b_mode is BMode.LOCAL:
+        if b_mode in (BMode.LOCAL, BMode.ELEM):
             self.field(F.B_VAL, b_val)
             self.field(F.B_STRIDE, b_stride)
             if isinstance(outer, Reg) or outer != 1:
@@ -235,9 +235,9 @@ class Assembler:
         elif b_mode is BMode.SCALAR:
             self.field(F.B_VAL, b_val)
         self.field(F.D_MODE, d_mode.value)
-        if d_mode in (DMode.WRITE, DMode.APPEND, DMode.PACK_SUM, DMode.QUEUE):
+        if d_mode in (DMode.WRITE, DMode.APPEND, DMode.PACK_SUM, DMode.QUEUE, DMode.OUTER_SUM):
             self.field(F.D_REF, d_ref)
-        if d_mode in (DMode.WRITE, DMode.LOCAL, DMode.LOCAL_ACC):
+        if d_mode in (DMode.WRITE, DMode.LOCAL, DMode.LOCAL_ACC, DMode.OUTER_SUM):
             self.field(F.D_BASE, d_base)
             self.field(F.D_STRIDE, d_stride)
         self.field(F.SHIFT, shift)

@@ -35,6 +35,9 @@ from rdakit.hdl.compute.common import (
 from rdakit.hdl.spec.config import CU_MAP, CU_STATUS, CU_STATUS_BITS, config_bus_signature
 from rdakit.hdl.spec.cu import (  # noqa: F401 (AFTER_STREAM and the rest: named here too)
     AFTER_STREAM,
+    B_LOCAL_MODES,
+    D_LOCAL_READS,
+    D_LOCAL_WRITES,
     FENCED,
     MU_INSTRUCTIONS,
     MU_OP,
@@ -509,9 +512,9 @@ class Sequencer(wiring.Component):
                         touches = {
                             "a_ref": Const(1),   # (A_REF is always read; its bit is unused)
                             "d_ref": d_mode.matches(*D_MU_MODES),
-                            "local_r": ((sf[S.B_MODE] == BMode.LOCAL.value)
-                                        | (d_mode == DMode.LOCAL_ACC.value)),
-                            "local_w": d_mode.matches(DMode.LOCAL.value, DMode.LOCAL_ACC.value),
+                            "local_r": (sf[S.B_MODE].matches(*B_LOCAL_MODES)
+                                        | d_mode.matches(*D_LOCAL_READS)),
+                            "local_w": d_mode.matches(*D_LOCAL_WRITES),
                             "v": d_mode == DMode.PACK_SUM.value,
                         }
                         for i, cond in enumerate((idle, ~idle)):

@@ -1,29 +1,29 @@
 """The compute unit's stream engine: the SIMD datapath that runs the streams SRUN hands over.
 
-It holds two streams: one executing and one waiting behind it (the sequencer hands the next
-over while one runs). An issue stage walks ``(o, i)`` and offers a READ (tag 1) on ``mu_req``
-each cycle while fewer than ``outstanding`` reads are unconsumed (issued and not yet popped);
-once the executing stream's reads are out it walks the waiting stream's (a prefetch) if that
-stream does not read the buffer the executing one writes and its responses cannot overtake
-the executing one's (it reads the same MU, or none of the executing stream's reads is still
+It holds two streams: one executing and one waiting behind it (the sequencer hands the next over
+while one runs). An issue stage walks ``(o, i)`` and offers a READ (tag 1) on ``mu_req`` each
+cycle while fewer than ``outstanding`` reads are unconsumed (issued and not yet popped); once
+the executing stream's reads are out it walks the waiting stream's (a prefetch) if that stream
+does not read the buffer the executing one writes and its responses cannot overtake the
+executing one's (it reads the same MU, or none of the executing stream's reads is still
 unanswered); otherwise its reads start when it starts executing. Read responses go into a
 response FIFO of ``outstanding + 1`` entries, so a response is always accepted. The execute
 pipeline has three stages (S0, then ``EXEC_STAGES``): S0 pops the head of the FIFO and reads
 operand B from the local buffer; S1 computes ``fn(a, b)`` in every lane (the multiplier) and
-reads the LOCAL_ACC destination; S2 computes ``post(f >> SHIFT)`` and delivers it (local buffer
-write, reduction, ``V`` for PACK_SUM, or a write queue for MU writes and appends). Every step
-sees the local buffer as the steps before it left it: the read ports are transparent to the
-write port, which covers the destination read in S1 (the step ahead writes in that cycle) and
-a B read two steps behind a write; a step whose B is the word the step just ahead of it (in S1)
-writes waits one cycle in S0. The write queue takes a result only when it has room for every
+reads the LOCAL_ACC or OUTER_SUM destination; S2 computes ``post(f >> SHIFT)`` and delivers it
+(local buffer write, reduction, ``V`` for PACK_SUM, or a write queue for MU writes and appends).
+Every step sees the local buffer as the steps before it left it: the read ports are transparent
+to the write port, which covers the destination read in S1 (the step ahead writes in that cycle)
+and a B read two steps behind a write; a step whose B is the word the step just ahead of it (in
+S1) writes waits one cycle in S0. The write queue takes a result only when it has room for every
 result in S1 and S2 too. MU writes and appends (tag 2) leave from the write queue with priority
 over reads, so a step that writes takes two request cycles; the stream is ``done`` when every
 step has been executed and every write issued (writes are posted: ``writes_pending`` counts
-their acknowledgements across streams). Streams between CUs (``docs/compute-unit.md``): a
-stream whose ``A_REF`` names this CU pops its input queue instead of the response FIFO, and a
-QUEUE stream's results leave the write queue through ``msg_out`` with a credit each
-(:mod:`rdakit.hdl.compute.credits`). See :mod:`rdakit.hdl.compute.unit` for the
-timing and the readings of the spec.
+their acknowledgements across streams). Streams between CUs (``docs/compute-unit.md``): a stream
+whose ``A_REF`` names this CU pops its input queue instead of the response FIFO, and a QUEUE
+stream's results leave the write queue through ``msg_out`` with a credit each
+(:mod:`rdakit.hdl.compute.credits`). See :mod:`rdakit.hdl.compute.unit` for the timing and the
+readings of the spec.
 """
 
 from amaranth.hdl import Cat, Const, Module, Mux, ResetInserter, Signal, unsigned
@@ -43,7 +43,7 @@ from rdakit.hdl.compute.common import (
 )
 from rdakit.hdl.compute.credits import CreditCounter, CreditReturn
 from rdakit.hdl.spec.config import CU_MAP, config_bus_signature
-from rdakit.hdl.spec.cu import EXEC_STAGES, WQ_DEPTH
+from rdakit.hdl.spec.cu import B_LOCAL_MODES, D_LOCAL_WRITES, EXEC_STAGES, WQ_DEPTH
 from rdakit.hdl.spec.flit import flit_layout
 from rdakit.hdl.spec.isa import INSTR_LAYOUT, SAT8_MAX, SAT8_MIN, BMode, DMode, Post
 from rdakit.hdl.spec.packets import (
@@ -351,7 +351,8 @@ class StreamEngine(wiring.Component):
         # stream (ARGMAX), its destination word, whether it ends an inner loop (PACK_SUM) or
         # the stream, and the lane of ``V`` its inner loop fills (PACK_SUM).
         tag_layout = data.StructLayout({"k": 32, "didx": 32, "last_inner": 1, "last": 1,
-                                        "lane": max(lbits, 1)})
+                                        "lane": max(lbits, 1), "b_lane": max(lbits, 1),
+                                        "first_outer": 1, "last_outer": 1})
         c_o, c_i, c_k = Signal(32), Signal(32), Signal(32)
         b_row, b_idx, d_idx = Signal(32), Signal(32), Signal(32)
         c_done = Signal()
@@ -370,9 +371,14 @@ class StreamEngine(wiring.Component):
         # writes in S2; the read port is transparent to that write one cycle later): when
         # step k - 1 writes the word B reads, step k waits a cycle. (The LOCAL_ACC
         # destination is read in S1, where the transparency covers step k - 1's write.)
-        local_dest = d_mode.matches(DMode.LOCAL.value, DMode.LOCAL_ACC.value)
-        b_hazard = (s1_valid & local_dest & (sf.b_mode == BMode.LOCAL.value)
-                    & (s1.didx[:wbits] == b_idx[:wbits]))
+        local_dest = d_mode.matches(*D_LOCAL_WRITES)
+        # B's word: ``b_idx`` counts words, or elements for ELEM (a lane of a word).
+        b_elem = sf.b_mode == BMode.ELEM.value
+        b_addr = Signal(max(wbits, 1))
+        m.d.comb += b_addr.eq(Mux(b_elem, b_idx[lbits:lbits + wbits], b_idx[:wbits])
+                              if wbits else 0)
+        b_hazard = (s1_valid & local_dest & sf.b_mode.matches(*B_LOCAL_MODES)
+                    & (s1.didx[:wbits] == b_addr[:wbits]))
         src_rdy = Mux(a_queue, qfifo.r_rdy, rfifo.r_rdy)
         can_pop = in_stream & ~c_done & ~fault & src_rdy & wq_room & ~b_hazard
         with m.If(can_pop & head_bad):
@@ -386,7 +392,7 @@ class StreamEngine(wiring.Component):
             # stale responses are dropped between streams; the input queue keeps its words
             rfifo.r_en.eq(rpop | ~in_stream),
             qfifo.r_en.eq(pop & a_queue),
-            loc_b.addr.eq(b_idx[:wbits]), loc_b.en.eq(pop),
+            loc_b.addr.eq(b_addr[:wbits]), loc_b.en.eq(pop),
             self.count.eq(c_k),
         ]
         last_inner = c_i + 1 == n_val
@@ -400,11 +406,16 @@ class StreamEngine(wiring.Component):
                 s1.k.eq(c_k), s1.didx.eq(d_idx), s1.last_inner.eq(last_inner | eos),
                 s1.last.eq((last_inner & (c_o + 1 == outer_val)) | eos),
                 s1.lane.eq(c_o[:max(lbits, 1)] if lbits else 0),
+                s1.b_lane.eq(b_idx[:lbits] if lbits else 0), s1.first_outer.eq(c_o == 0),
+                s1.last_outer.eq(c_o + 1 == outer_val),
                 c_k.eq(c_k + 1), d_idx.eq(d_idx + sf.d_stride),
             ]
             with m.If(last_inner):
                 m.d.sync += [c_i.eq(0), b_row.eq(b_row + sf.b_ostride),
                              b_idx.eq(b_row + sf.b_ostride)]
+                with m.If(d_mode == DMode.OUTER_SUM.value):
+                    # Each outer iteration adds into the same words.
+                    m.d.sync += d_idx.eq(sf.d_base)
                 with m.If(c_o + 1 == outer_val):
                     m.d.sync += c_done.eq(1)
                 with m.Else():
@@ -416,8 +427,15 @@ class StreamEngine(wiring.Component):
 
         # --- S1: fn(a, b) in every lane; read the LOCAL_ACC destination -----------------------
         b_mode = sf.b_mode
-        b_word = Mux(b_mode == BMode.LOCAL.value, loc_b.data,
-                     Mux(b_mode == BMode.SCALAR.value, Cat([sf.b_val] * L), 0))
+        b_word = Signal(32 * L)
+        b_elem_word = Cat([lane(loc_b.data, s1.b_lane, L)] * L)
+        with m.Switch(b_mode):
+            with m.Case(BMode.LOCAL.value):
+                m.d.comb += b_word.eq(loc_b.data)
+            with m.Case(BMode.SCALAR.value):
+                m.d.comb += b_word.eq(Cat([sf.b_val] * L))
+            with m.Case(BMode.ELEM.value):
+                m.d.comb += b_word.eq(b_elem_word)
         f_lanes = [alu(m, fn, s1_a.word_select(i, 32), b_word.word_select(i, 32),
                        f"lane{i}_alu") for i in range(L)]
         with m.If(s1_valid):
@@ -445,7 +463,13 @@ class StreamEngine(wiring.Component):
             return r
 
         f_words = [s2_f.word_select(i, 32) for i in range(L)]
-        r_lanes = [output_stage(f, f"lane{i}") for i, f in enumerate(f_words)]
+        # OUTER_SUM: the sum over the outer loop so far (the first outer iteration starts it);
+        # the output stage applies to it, in the last outer iteration only.
+        outer_sum = d_mode == DMode.OUTER_SUM.value
+        sums = [Mux(s2.first_outer, f, (f + loc_d.data.word_select(i, 32))[:32])
+                for i, f in enumerate(f_words)]
+        stage_in = [Mux(outer_sum, s, f) for s, f in zip(sums, f_words, strict=True)]
+        r_lanes = [output_stage(f, f"lane{i}") for i, f in enumerate(stage_in)]
         r_word = Cat(r_lanes)
 
         # Reductions over the lanes of one result: the sum, and the largest (first on ties).
@@ -472,7 +496,7 @@ class StreamEngine(wiring.Component):
         m.d.comb += total.eq(pack_acc + f_sum)
         sum_out = output_stage(total, "sum")
         s2_go = s2_valid & in_stream
-        stream_local_we = s2_go & local_dest
+        stream_local_we = s2_go & local_dest & ~(outer_sum & s2.last_outer)
         with m.If(s2_go):
             with m.Switch(d_mode):
                 with m.Case(DMode.WRITE.value, DMode.APPEND.value):
@@ -488,6 +512,12 @@ class StreamEngine(wiring.Component):
                         loc_w.addr.eq(s2.didx[:wbits]), loc_w.en.eq((1 << L) - 1),
                         loc_w.data.eq(Mux(d_mode == DMode.LOCAL.value, r_word, acc_word)),
                     ]
+                with m.Case(DMode.OUTER_SUM.value):
+                    with m.If(s2.last_outer):
+                        m.d.comb += [wq.w_en.eq(1), wq.w_data.eq(r_word)]
+                    with m.Else():
+                        m.d.comb += [loc_w.addr.eq(s2.didx[:wbits]),
+                                     loc_w.en.eq((1 << L) - 1), loc_w.data.eq(Cat(sums))]
                 with m.Case(DMode.SUM.value):
                     m.d.sync += red_acc.eq(red_acc + lane_sum)
                 with m.Case(DMode.MAX.value, DMode.ARGMAX.value):

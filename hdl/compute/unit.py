@@ -27,8 +27,9 @@ Stream engine (:class:`rdakit.hdl.compute.stream.StreamEngine`)
     responses go into a response FIFO of ``outstanding + 1`` entries (``amaranth.lib.fifo``), so a
     response is always accepted. The execute pipeline has three stages: S0 pops the head of the
     FIFO and reads operand B from the local buffer; S1 computes ``fn(a, b)`` in every lane and
-    reads the LOCAL_ACC destination; S2 computes ``post(f >> SHIFT)`` and delivers it (local
-    buffer write, reduction, ``V`` for PACK_SUM, or a write queue for MU writes and appends).
+    reads the LOCAL_ACC or OUTER_SUM destination; S2 computes ``post(f >> SHIFT)`` and delivers
+    it (local buffer write, reduction, ``V`` for PACK_SUM, or a write queue for MU writes and
+    appends).
     The local buffer read ports are transparent to its write port and a step whose B is the word
     the step just ahead of it writes waits a cycle in S0, so every step sees the writes of the
     steps before it (the sequential semantics of the spec hold whatever the strides). MU writes
@@ -73,7 +74,8 @@ Readings of the spec (where it leaves a choice)
   the program memory (its low 16 bits). Program words never written read as 0 (NOP).
 * ``SHIFT`` is taken modulo 32, like the ALU's shifts; ``POST`` bit 0 selects ReLU, the other
   bits are ignored.
-* ``B_MODE`` above 2 or ``D_MODE`` above 8 is BAD_STREAM, like ``N = 0`` or ``OUTER = 0``.
+* A ``B_MODE`` that is not a ``BMode`` or a ``D_MODE`` that is not a ``DMode`` (above 3 and
+  above 10) is BAD_STREAM, like ``N = 0`` or ``OUTER = 0``.
 * PACK_SUM clears ``V`` when the stream starts and after every append, so the unused lanes of the
   last, partial word are 0 and ``V`` is 0 when the stream is done. SRUN leaves ``rd`` unchanged for
   D modes other than SUM, MAX and ARGMAX.

@@ -3,15 +3,23 @@ sequencer and the stream engine are built from and what the performance model
 (:mod:`rdakit.sim.models.perf`), the docs' tables and the tests import, defined once here so
 that the golden models never import a hardware component."""
 
-from rdakit.hdl.spec.isa import DMode, Op
+from rdakit.hdl.spec.isa import BMode, DMode, Op
 from rdakit.hdl.spec.packets import MUOp
 
 __all__ = ["MU_OP", "MU_INSTRUCTIONS", "FENCED", "POSTED", "NONBLOCKING", "STREAM_TOUCHES",
-           "STREAM_TOUCH_DOC", "STREAM_HAZARDS", "AFTER_STREAM", "D_MU_MODES", "WQ_DEPTH",
+           "STREAM_TOUCH_DOC", "STREAM_HAZARDS", "AFTER_STREAM", "D_MU_MODES", "D_LOCAL_WRITES",
+           "D_LOCAL_READS", "B_LOCAL_MODES", "WQ_DEPTH",
            "EXEC_STAGES", "credit_batch"]
 
-#: The D_MODE values whose results go to an MU (D_REF).
-D_MU_MODES = (DMode.WRITE.value, DMode.APPEND.value, DMode.PACK_SUM.value)
+#: The D_MODE values whose results go to an MU (D_REF; OUTER_SUM's last outer iteration's).
+D_MU_MODES = (DMode.WRITE.value, DMode.APPEND.value, DMode.PACK_SUM.value,
+              DMode.OUTER_SUM.value)
+#: The D_MODE values that write the local buffer, and those of them that read the word they
+#: write (an accumulation).
+D_LOCAL_WRITES = (DMode.LOCAL.value, DMode.LOCAL_ACC.value, DMode.OUTER_SUM.value)
+D_LOCAL_READS = (DMode.LOCAL_ACC.value, DMode.OUTER_SUM.value)
+#: The B_MODE values that read operand B from the local buffer.
+B_LOCAL_MODES = (BMode.LOCAL.value, BMode.ELEM.value)
 
 def credit_batch(queue_words):
     """How many credits a consumer gathers before it returns them in one message while its
@@ -60,7 +68,8 @@ NONBLOCKING = (Op.ALLOC, Op.READ, Op.LEN)
 #: engine takes the stream). Each is a bit of the scoreboard's entry for the stream:
 #: ``a_ref``, the MU buffer it reads (A_REF); ``d_ref``, the MU buffer it writes or appends to
 #: (D_REF, for a D_MODE of ``D_MU_MODES``); ``local_r`` and ``local_w``, the local buffer read
-#: (B_MODE LOCAL, D_MODE LOCAL_ACC) and written (LOCAL, LOCAL_ACC); ``v``, the staging vector
+#: (B_MODE LOCAL or ELEM, D_MODE LOCAL_ACC or OUTER_SUM) and written (LOCAL, LOCAL_ACC,
+#: OUTER_SUM); ``v``, the staging vector
 #: (PACK_SUM).
 STREAM_TOUCHES = ("a_ref", "d_ref", "local_r", "local_w", "v")
 
@@ -68,8 +77,8 @@ STREAM_TOUCHES = ("a_ref", "d_ref", "local_r", "local_w", "v")
 STREAM_TOUCH_DOC = {
     "a_ref": "reads the MU buffer the instruction names (A_REF) and has reads still to issue",
     "d_ref": "writes or appends to the MU buffer the instruction names (D_REF)",
-    "local_r": "reads the local buffer (B_MODE LOCAL, D_MODE LOCAL_ACC)",
-    "local_w": "writes the local buffer (D_MODE LOCAL, LOCAL_ACC)",
+    "local_r": "reads the local buffer (B_MODE LOCAL or ELEM, D_MODE LOCAL_ACC or OUTER_SUM)",
+    "local_w": "writes the local buffer (D_MODE LOCAL, LOCAL_ACC, OUTER_SUM)",
     "v": "builds V (D_MODE PACK_SUM)",
     "any": "any stream",
 }

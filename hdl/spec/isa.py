@@ -105,7 +105,8 @@ class StreamField(enum.Enum, shape=4):
     (:class:`Post`): ReLU, then saturation to int8, :func:`post`); ``D_MODE`` says where
     results go. ``k`` counts steps over the whole stream. In ``PACK_SUM`` a step's result is
     ``fn(a, b)`` and ``SHIFT`` and ``POST`` apply to each inner loop's sum instead (a
-    matmul's requantization, ``clip(relu(sum >> s))``, in the stream that computes it).
+    matmul's requantization, ``clip(relu(sum >> s))``, in the stream that computes it); in
+    ``OUTER_SUM``, to each sum over the outer loop.
 
     An ``A_REF`` whose low ``2 * coord_bits`` bits are this CU's own ID (``SELF``) names no
     MU buffer but the CU's *input queue*: operand A of each step is the next word another CU's
@@ -163,6 +164,9 @@ class BMode(enum.Enum, shape=2):
     ZERO = 0     #: b = 0
     LOCAL = 1    #: b = local[B_VAL + o*B_OSTRIDE + i*B_STRIDE]
     SCALAR = 2   #: b = B_VAL in every lane
+    ELEM = 3     #: b = element e = B_VAL + o*B_OSTRIDE + i*B_STRIDE of the local buffer in
+    #:              every lane (lane e mod lanes of word e / lanes, as LGET names it): a
+    #:              scalar per step, such as attention's p[o] times row o of V
 
 
 class DMode(enum.Enum, shape=4):
@@ -181,6 +185,11 @@ class DMode(enum.Enum, shape=4):
     #:              the end (zero-padded)
     QUEUE = 9      #: each result goes to the input queue of the CU whose ID is D_REF (as SEND
     #:              names it), one credit a word; the stream's last result is marked last
+    OUTER_SUM = 10  #: per inner step i, its results added up over the outer loop (lane-wise)
+    #:               in local word D_BASE + i*D_STRIDE (the first outer iteration writes
+    #:               it); the last outer iteration appends the sums to D_REF instead, through
+    #:               SHIFT and POST (a row of scalars times a matrix, sum_o b_o * A row o,
+    #:               requantized, in one stream)
 
 
 #: Per opcode: (assembly syntax, semantics, cycles). The docs table is generated from this.

@@ -92,6 +92,7 @@ import numpy as np
 
 from rdakit.hdl.spec.bitstream import FabricConfig
 from rdakit.hdl.spec.config import CU_STATUS_BITS
+from rdakit.hdl.spec.cu import D_MU_MODES
 from rdakit.hdl.spec.isa import AluFn, BMode, DMode, Op, Post, StreamField, alu, post
 from rdakit.hdl.spec.packets import MUOp, MUStatus, host_tag_bit
 from rdakit.hdl.spec.params import FabricParams
@@ -741,8 +742,7 @@ class Interpreter:
         # A_REF naming this CU is its input queue; a QUEUE stream's D_REF names a CU.
         pops = (a_ref & self._id_mask) == cu.id
         if ((not pops and not self._names_mu(a_ref))
-                or (dmode in (DMode.WRITE, DMode.APPEND, DMode.PACK_SUM)
-                    and not self._names_mu(d_ref))):
+                or (dmode.value in D_MU_MODES and not self._names_mu(d_ref))):
             raise Halt(_BAD_DESTINATION)
         q_dst = None
         if dmode is DMode.QUEUE:
@@ -753,8 +753,8 @@ class Interpreter:
         scalar = [b_val] * lanes
         vector_alu = _VECTOR_ALU[fn]       # fn is a 4-bit field: every value is an AluFn
         step_post = _vector_post
-        if dmode is DMode.PACK_SUM:
-            # SHIFT and POST apply to each inner loop's sum, not to each step.
+        if dmode in (DMode.PACK_SUM, DMode.OUTER_SUM):
+            # SHIFT and POST apply to each sum, not to each step.
             sum_shift, sum_bits, shift, bits = shift, bits, 0, 0
         lane_format = struct.Struct(f"<{lanes}I")
         unpack_lanes, pack_lanes = lane_format.unpack, lane_format.pack
@@ -787,6 +787,9 @@ class Interpreter:
                     b = zero
                 elif bmode is BMode.LOCAL:
                     b = local[(b_val + o * b_ostride + i * b_stride) % lw]
+                elif bmode is BMode.ELEM:
+                    e = (b_val + o * b_ostride + i * b_stride) & MASK32
+                    b = [local[(e // lanes) % lw][e % lanes]] * lanes
                 else:
                     b = scalar
                 res = step_post(vector_alu(a, b), shift, bits)
@@ -804,6 +807,16 @@ class Interpreter:
                 elif dmode is DMode.LOCAL_ACC:
                     w = (d_base + k * d_stride) % lw
                     local[w] = [(x + y) & MASK32 for x, y in zip(local[w], res, strict=True)]
+                elif dmode is DMode.OUTER_SUM:
+                    w = (d_base + i * d_stride) % lw
+                    if o:
+                        res = [(x + y) & MASK32 for x, y in zip(local[w], res, strict=True)]
+                    if o == outer - 1:
+                        self._request(cu, MUOp.APPEND, d_ref, tag=_TAG_STREAM_WRITE,
+                                      data=from_bytes(pack_lanes(*_vector_post(
+                                          res, sum_shift, sum_bits)), "little"))
+                    else:
+                        local[w] = res
                 elif dmode is DMode.SUM:
                     total += sum(res)
                 elif dmode in (DMode.MAX, DMode.ARGMAX):

@@ -47,6 +47,9 @@ from rdakit.hdl.spec.config import (
 )
 from rdakit.hdl.spec.cu import (
     AFTER_STREAM,
+    B_LOCAL_MODES,
+    D_LOCAL_READS,
+    D_LOCAL_WRITES,
     D_MU_MODES,
     FENCED,
     MU_INSTRUCTIONS,
@@ -55,7 +58,7 @@ from rdakit.hdl.spec.cu import (
     STREAM_HAZARDS,
     credit_batch,
 )
-from rdakit.hdl.spec.isa import BMode, DMode, Op, StreamField
+from rdakit.hdl.spec.isa import DMode, Op, StreamField
 from rdakit.hdl.spec.packets import (
     HostCmd,
     MUStatus,
@@ -95,7 +98,9 @@ _NOT_STRAIGHT = frozenset((Op.JMP, Op.BNZ, Op.BZ, Op.BLT, Op.LOOP, Op.WAIT, Op.R
                            *FENCED))
 #: How many instructions after an SRUN it looks at.
 _LOOKAHEAD = 8
-_D_LOCAL = frozenset((DMode.LOCAL.value, DMode.LOCAL_ACC.value))
+_D_LOCAL = frozenset(D_LOCAL_WRITES)
+_D_LOCAL_READS = frozenset(D_LOCAL_READS)
+_B_LOCAL = frozenset(B_LOCAL_MODES)
 #: What each instruction of AFTER_STREAM waits for (the sequencer's table).
 _HAZARDS = {op: frozenset(touches) for op, touches in STREAM_HAZARDS.items()}
 
@@ -581,8 +586,7 @@ class PerfInterpreter(Interpreter):
         d_mode = f[_SF.D_MODE.value]
         s.writes_mu = d_mode in _D_MU
         s.reduces = _REDUCING.get(d_mode, 0)
-        b_local = f[_SF.B_MODE.value] == BMode.LOCAL.value
-        s.local_r = b_local or d_mode == DMode.LOCAL_ACC.value
+        s.local_r = f[_SF.B_MODE.value] in _B_LOCAL or d_mode in _D_LOCAL_READS
         s.local_w = d_mode in _D_LOCAL
         s.v = d_mode == DMode.PACK_SUM.value
         s.rd = ins.rd & (self._regs - 1)
@@ -753,7 +757,7 @@ class PerfInterpreter(Interpreter):
         d_mode = f[_SF.D_MODE.value]
         s.writes_mu = d_mode in _D_MU
         s.reduces = _REDUCING.get(d_mode, 0)
-        s.local_r = f[_SF.B_MODE.value] == BMode.LOCAL.value or d_mode == DMode.LOCAL_ACC.value
+        s.local_r = f[_SF.B_MODE.value] in _B_LOCAL or d_mode in _D_LOCAL_READS
         s.local_w = d_mode in _D_LOCAL
         s.v = d_mode == DMode.PACK_SUM.value
         s.rd = ins.rd & (self._regs - 1)

@@ -412,6 +412,8 @@ def test_stream_read_error_halts_in_order():
 
 def test_errors_of_the_sequencer():
     # Several programs run one after the other in one simulation (start reloads everything).
+    # The first values past the modes there are.
+    NO_BMODE, NO_DMODE = (max(m.value for m in e) + 1 for e in (BMode, DMode))
     cases = [
         ([encode(Instr(Op.NOP)), 63, encode(Instr(Op.HALT))], "BAD_INSTRUCTION", 1),
         (assemble("NOP\nSEND 4, r0, 1\nHALT"), "BAD_INSTRUCTION", 1),
@@ -423,9 +425,9 @@ def test_errors_of_the_sequencer():
         (assemble("JMP 125\nHALT\nHALT"), "PC_OUT_OF_RANGE", 128),   # runs off the end
         (assemble("SCFGI N, 0\nSRUN ADD, r0"), "BAD_STREAM", 1),
         (assemble("SCFGI N, 1\nSCFGI OUTER, 0\nSRUN ADD, r0"), "BAD_STREAM", 2),
-        (assemble("SCFGI N, 1\nSCFGI B_MODE, 3\nSRUN ADD, r0"), "BAD_STREAM", 2),
+        (assemble(f"SCFGI N, 1\nSCFGI B_MODE, {NO_BMODE}\nSRUN ADD, r0"), "BAD_STREAM", 2),
         (assemble("SCFGI N, 1\nSCFGI B_MODE, -1\nSRUN ADD, r0"), "BAD_STREAM", 2),
-        (assemble("SCFGI N, 1\nSCFGI D_MODE, 10\nSRUN ADD, r0"), "BAD_STREAM", 2),
+        (assemble(f"SCFGI N, 1\nSCFGI D_MODE, {NO_DMODE}\nSRUN ADD, r0"), "BAD_STREAM", 2),
         (assemble("LI r1, 3\nHALT"), "NONE", 1),
     ]
 

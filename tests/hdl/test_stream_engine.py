@@ -13,6 +13,7 @@ from conftest import rand32, relu_shift, run_checked, wrap32
 from rdakit.hdl.compute.common import TAG_READ, TAG_WRITE
 from rdakit.hdl.compute.stream import EXEC_STAGES, StreamEngine
 from rdakit.hdl.spec.config import CU_MAP
+from rdakit.hdl.spec.cu import D_MU_MODES
 from rdakit.hdl.spec.isa import AluFn, BMode, DMode
 from rdakit.hdl.spec.packets import MUOp
 from rdakit.hdl.spec.params import CUParams, FabricParams, MUParams
@@ -51,10 +52,13 @@ def reference(cfg, fn, a_mem, local):
                 b = local[(cfg["b_val"] + o * cfg["b_ostride"] + i * cfg["b_stride"]) % 16]
             elif cfg["b_mode"] == BMode.SCALAR.value:
                 b = np.full(LANES, cfg["b_val"], dtype=np.int64)
+            elif cfg["b_mode"] == BMode.ELEM.value:
+                e = (cfg["b_val"] + o * cfg["b_ostride"] + i * cfg["b_stride"]) % (16 * LANES)
+                b = np.full(LANES, local[e // LANES][e % LANES], dtype=np.int64)
             else:
                 b = np.zeros(LANES, dtype=np.int64)
             r = _NP_FN[fn](a.astype(np.int64), b.astype(np.int64))
-            if DMode(cfg["d_mode"]) != DMode.PACK_SUM:      # PACK_SUM: SHIFT and POST a sum
+            if DMode(cfg["d_mode"]) not in (DMode.PACK_SUM, DMode.OUTER_SUM):  # (on a sum)
                 r = relu_shift(r, cfg["shift"], cfg["post"]).astype(np.int64)
             d = (cfg["d_base"] + k * cfg["d_stride"]) % (1 << 32)
             mode = DMode(cfg["d_mode"])
@@ -62,6 +66,13 @@ def reference(cfg, fn, a_mem, local):
                 local[d % 16] = r
             elif mode == DMode.LOCAL_ACC:
                 local[d % 16] = wrap32(local[d % 16].astype(np.int64) + r)
+            elif mode == DMode.OUTER_SUM:
+                d = (cfg["d_base"] + i * cfg["d_stride"]) % 16
+                total = wrap32(r if o == 0 else local[d].astype(np.int64) + r)
+                if o == cfg["outer"] - 1:
+                    appended.append(wrap32(relu_shift(total, cfg["shift"], cfg["post"])))
+                else:
+                    local[d] = total
             elif mode == DMode.WRITE:
                 written[d % (1 << MU_P.index_bits)] = wrap32(r)
             elif mode == DMode.APPEND:
@@ -291,6 +302,28 @@ CONFIGS = {
     "mul_shift_saturate_append": (dict(a_base=0, a_stride=1, n=6, outer=1,
                                        b_mode=BMode.SCALAR.value, b_val=5, shift=6, post=2,
                                        d_ref=0b01, d_mode=DMode.APPEND.value), AluFn.MUL),
+    # A row times a matrix, requantized: sum_o (local element (9 + o) * A row o), then
+    # SHIFT, ReLU and saturation, appended (local[10 ..] the sums before the last row).
+    "elem_b_outer_sum": (dict(a_base=2, a_stride=1, n=4, outer=6, a_ostride=5,
+                              b_mode=BMode.ELEM.value, b_val=9, b_ostride=1, shift=9, post=3,
+                              d_ref=0b01, d_mode=DMode.OUTER_SUM.value, d_base=10, d_stride=1),
+                         AluFn.MUL),
+    # ELEM with both strides (elements across words and lanes), wrapping past the buffer.
+    "elem_b_strided_append": (dict(a_base=1, a_stride=2, n=3, outer=4, a_ostride=7,
+                                   b_mode=BMode.ELEM.value, b_val=58, b_stride=3, b_ostride=5,
+                                   shift=1, post=1, d_ref=0b01, d_mode=DMode.APPEND.value),
+                              AluFn.SUB),
+    # OUTER_SUM with a stride, B LOCAL and a shift of the sums.
+    "outer_sum_strided_shift": (dict(a_base=0, a_stride=1, n=3, outer=5, a_ostride=3,
+                                     b_mode=BMode.LOCAL.value, b_val=0, b_stride=1,
+                                     b_ostride=1, shift=3, d_ref=0b01,
+                                     d_mode=DMode.OUTER_SUM.value, d_base=7, d_stride=2),
+                                AluFn.MUL),
+    # OUTER_SUM of one outer iteration: the steps' results through the output stage, appended.
+    "outer_sum_one_row": (dict(a_base=3, a_stride=1, n=5, outer=1, b_mode=BMode.SCALAR.value,
+                               b_val=-9, shift=2, post=1, d_ref=0b01,
+                               d_mode=DMode.OUTER_SUM.value, d_base=2, d_stride=1),
+                          AluFn.MUL),
 }
 
 
@@ -357,7 +390,7 @@ def test_writes_are_posted_and_counted_until_acknowledged(name):
     rng = np.random.default_rng(11)
     seen = run_stream(cfg, fn, rand32(rng, (A_WORDS, LANES), bits=12),
                       rand32(rng, (16, LANES), bits=12))
-    writes = cfg["d_mode"] in (DMode.WRITE.value, DMode.APPEND.value, DMode.PACK_SUM.value)
+    writes = cfg["d_mode"] in D_MU_MODES
     assert not seen["error"]
     if writes:
         assert seen["owed_at_done"] > 0
@@ -393,6 +426,17 @@ HAZARDS = {
                                       b_mode=BMode.LOCAL.value, b_val=5, b_stride=0,
                                       d_mode=DMode.LOCAL_ACC.value, d_base=5, d_stride=0),
                                  AluFn.ADD),
+    # OUTER_SUM with one step an outer iteration: every step adds into the word the step just
+    # ahead of it writes.
+    "outer_sum_one_word": (dict(a_base=0, a_stride=1, n=1, outer=7, a_ostride=1,
+                                b_mode=BMode.ELEM.value, b_val=3, b_ostride=1, d_ref=0b01,
+                                d_mode=DMode.OUTER_SUM.value, d_base=12, d_stride=1),
+                           AluFn.MUL),
+    # ELEM reads a lane of the word the step before wrote: local[4 + k] = a - local[3 + k][2].
+    "elem_b_reads_the_previous_result": (dict(a_base=0, a_stride=1, n=6, outer=1,
+                                              b_mode=BMode.ELEM.value, b_val=3 * LANES + 2,
+                                              b_stride=LANES, d_mode=DMode.LOCAL.value,
+                                              d_base=4, d_stride=1), AluFn.SUB),
     # PACK_SUM with every step ending its inner loop: V changes in consecutive cycles.
     "pack_sum_every_step": (dict(a_base=0, a_stride=1, n=1, outer=9, d_ref=0b01,
                                  d_mode=DMode.PACK_SUM.value), AluFn.ADD),

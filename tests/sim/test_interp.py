@@ -366,7 +366,8 @@ def test_mailbox_overflow_halts_the_receiver():
 
 
 @pytest.mark.parametrize("fields", [
-    dict(N=0), dict(OUTER=0), dict(N=1, B_MODE=3), dict(N=1, D_MODE=10), dict(N=1, B_MODE=-1)])
+    dict(N=0), dict(OUTER=0), dict(N=1, B_MODE=max(m.value for m in BMode) + 1),
+    dict(N=1, D_MODE=max(m.value for m in DMode) + 1), dict(N=1, B_MODE=-1)])
 def test_bad_stream(fields):
     _, res = run_one(f"{stream_cfg(**fields)}\nSRUN ADD, r0\nHALT")
     s = res.cu(0, 0)
@@ -474,6 +475,65 @@ def test_local_acc_with_outer_loop_and_wrapping_local_indices():
     got = res.cu(0, 0).local[dst]
     np.testing.assert_array_equal(got, wrap32(init + wrap32(a * b.reshape(6, LANES))))
     assert res.cu(0, 0).stream_steps == 6
+
+
+@pytest.mark.parametrize(("b_val", "b_stride", "b_ostride"), [(5, 2, 3), (250, 1, 7)],
+                         ids=["strided", "wraps"])
+def test_elem_b_is_one_local_element_in_every_lane(b_val, b_stride, b_ostride):
+    """B_MODE ELEM: operand B of step (o, i) is element ``B_VAL + o*B_OSTRIDE + i*B_STRIDE``
+    of the local buffer (lane e mod lanes of word e / lanes, the buffer's elements wrapping
+    like LGET's) in every lane."""
+    rng = np.random.default_rng(b_val)
+    a = rand32(rng, (6, LANES))
+    init = rand32(rng, (P.cu.local_words, LANES))
+    it = interp({(0, 0): TileConfig(program=assemble(f"""
+        ALLOC r3, r1, 1
+        SCFG A_REF, r2
+        SCFG D_REF, r3
+        {stream_cfg(A_STRIDE=1, A_OSTRIDE=2, N=2, OUTER=3, B_MODE=BMode.ELEM, B_VAL=b_val,
+                    B_STRIDE=b_stride, B_OSTRIDE=b_ostride, D_MODE=DMode.APPEND)}
+        SRUN SUB, r0
+        HALT
+    """), regs={1: MU_ID}, local={w: init[w].tolist() for w in range(P.cu.local_words)})})
+    preload(it, (0, 0), r2=a)
+    res = it.run()
+    assert res.ok
+    flat = init.reshape(-1)
+    b = np.array([flat[(b_val + o * b_ostride + i * b_stride) % flat.size]
+                  for o in range(3) for i in range(2)])
+    np.testing.assert_array_equal(it.read_buffer(MU, res.cu(0, 0).regs[3]),
+                                  wrap32(a - b[:, None]))
+
+
+def test_outer_sum_adds_each_inner_step_up_over_the_outer_loop():
+    """D_MODE OUTER_SUM: ``local[D_BASE + i*D_STRIDE]`` takes step (0, i)'s result, then adds
+    step (o, i)'s for the later o; the last outer iteration appends the sums through SHIFT
+    and POST instead: a row of scalars (ELEM) times a matrix, requantized, in one stream."""
+    rng = np.random.default_rng(3)
+    rows, words = 5, 3
+    a = rand32(rng, (rows * words, LANES), bits=12)
+    p = rand32(rng, (rows,), bits=12)
+    local = {0: p[:4].tolist(), 1: [int(p[4]), 0, 0, 0],
+             40: [9, 9, 9, 9], 42: [7, 7, 7, 7], 44: [5, 5, 5, 5]}   # overwritten, not added to
+    it = interp({(0, 0): TileConfig(program=assemble(f"""
+        ALLOC r3, r1, 1
+        SCFG A_REF, r2
+        SCFG D_REF, r3
+        {stream_cfg(A_STRIDE=1, A_OSTRIDE=words, N=words, OUTER=rows, B_MODE=BMode.ELEM,
+                    B_VAL=0, B_OSTRIDE=1, D_MODE=DMode.OUTER_SUM, D_BASE=40, D_STRIDE=2,
+                    SHIFT=5, POST=1)}
+        SRUN MUL, r0
+        HALT
+    """), regs={1: MU_ID}, local=local)})
+    preload(it, (0, 0), r2=a)
+    res = it.run()
+    assert res.ok
+    terms = a.reshape(rows, words, LANES).astype(np.int64) * p[:, None, None]
+    np.testing.assert_array_equal(it.read_buffer(MU, res.cu(0, 0).regs[3]),
+                                  relu_shift(wrap32(terms.sum(axis=0)), 5, 1))
+    np.testing.assert_array_equal(res.cu(0, 0).local[[40, 42, 44]],
+                                  wrap32(terms[:-1].sum(axis=0)))
+    assert res.cu(0, 0).stream_steps == rows * words
 
 
 def test_local_acc_accumulates_into_one_word():
