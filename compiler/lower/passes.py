@@ -311,11 +311,12 @@ class Legalize(LoweringPass):
     _sigmoid = _tanh = _intop
 
 
-def _sole_producer(plan, op, kind, by_name, outputs, readers):
-    """The op of ``kind`` producing ``op``'s first input on ``op``'s CU, when ``op`` alone
-    reads that tensor and it is no graph output (so ``op`` may fold into it), else None."""
+def _sole_producer(plan, op, kinds, by_name, outputs, readers):
+    """The op of one of ``kinds`` producing ``op``'s first input on ``op``'s CU, when ``op``
+    alone reads that tensor and it is no graph output (so ``op`` may fold into it), else
+    None."""
     prev = by_name.get(plan.tensors[op.ins[0]].producer)
-    if (prev is None or prev.kind != kind or prev.cu != op.cu or prev.out in outputs
+    if (prev is None or prev.kind not in kinds or prev.cu != op.cu or prev.out in outputs
             or len(readers[prev.out]) != 1):
         return None
     return prev
@@ -350,7 +351,7 @@ class FuseElementwise(LoweringPass):
         for op in plan.lops:
             if op.kind != "ew" or op.attrs["mode"] is not None:
                 continue
-            prev = _sole_producer(plan, op, "ew", by_name, outputs, readers)
+            prev = _sole_producer(plan, op, ("ew",), by_name, outputs, readers)
             if prev is None:
                 continue
             prev.attrs["raw"].extend(op.attrs["raw"])
@@ -368,11 +369,12 @@ class FuseElementwise(LoweringPass):
 @dataclasses.dataclass(frozen=True)
 class FuseEpilogue(LoweringPass):
     """Fold an elementwise chain of one output stage (``post(v >> shift)``: a requantization
-    ``clip(relu(v >> s), -128, 127)``, a shift, a ReLU) into the ``matmul_nt`` producing
-    what it reads, on its CU, when nothing else reads the product and a row of A fits the
-    CU's free local buffer (one PACK_SUM stream a row of the product): the stream applies
-    ``SHIFT`` and ``POST`` to each sum (``attrs["epilogue"]``), and the chain's passes over
-    the product go."""
+    ``clip(relu(v >> s), -128, 127)``, a shift, a ReLU) into the ``matmul_nt`` or
+    ``matmul_axpy`` producing what it reads, on its CU, when nothing else reads the product
+    and its streams sum in the local buffer: a row of A fits the CU's free local buffer (one
+    PACK_SUM stream a row of the product), or for ``matmul_axpy`` A's row and a row of the
+    product (one OUTER_SUM stream). The stream applies ``SHIFT`` and ``POST`` to each sum
+    (``attrs["epilogue"]``), and the chain's passes over the product go."""
 
     name: ClassVar[str] = "fuse-epilogue"
 
@@ -389,13 +391,17 @@ class FuseEpilogue(LoweringPass):
             (s,) = op.attrs["stages"]
             if s.fn is not AluFn.PASS or s.tensor:
                 continue
-            prev = _sole_producer(plan, op, "matmul_nt", by_name, outputs, readers)
+            prev = _sole_producer(plan, op, ("matmul_nt", "matmul_axpy"), by_name, outputs,
+                                  readers)
             if prev is None or "epilogue" in prev.attrs:
                 continue
             if free is None:
                 free = Lowerer(plan, plan.params).local_free()
-            if plan.tensors[prev.ins[0]].layout.cw > free.get(op.cu, 0):
-                continue                # the long form: K in chunks, no PACK_SUM a row
+            la = plan.tensors[prev.ins[0]].layout
+            need = (la.cw if prev.kind == "matmul_nt"
+                    else la.words + plan.tensors[prev.out].layout.cw)
+            if need > free.get(op.cu, 0):
+                continue                # the long forms: K in chunks, or A's row by READ
             prev.attrs["epilogue"] = s
             _absorb(plan, prev, op)
             folded.add(op.name)

@@ -112,17 +112,23 @@ def row_loop(lw, g, name, r_ref, offsets, body):
 
 # Templates.
 
+def epilogue_fields(epilogue):
+    """The stream fields of an output stage folded into a product (``attrs["epilogue"]``, a
+    :class:`~rdakit.compiler.lower.chains.Stage`, passes.FuseEpilogue; None: none), as
+    keyword arguments of ``asm.stream``."""
+    if epilogue is None:
+        return {}
+    return dict(shift=epilogue.shift, relu=epilogue.relu, sat=epilogue.sat)
+
+
 def pack_row(asm, out, rb, base_b, kw, rows, stride, local, epilogue=None):
     """One PACK_SUM stream appending a row of the product to ``out``: the row of A of ``kw``
     words at word ``local`` of the local buffer against each of ``rows`` rows of Bᵀ (buffer
     ``rb`` from word ``base_b``, ``stride`` words apart); each sum through the output stage
-    ``epilogue`` (a :class:`~rdakit.compiler.lower.chains.Stage`, passes.FuseEpilogue) if
-    given."""
-    post = {} if epilogue is None else dict(shift=epilogue.shift, relu=epilogue.relu,
-                                            sat=epilogue.sat)
+    ``epilogue`` if given (:func:`epilogue_fields`)."""
     asm.stream(AluFn.MUL, a=rb, a_base=base_b, n=kw, outer=rows, a_ostride=stride,
                b_mode=BMode.LOCAL, b_val=local, b_stride=1, b_ostride=0,
-               d_mode=DMode.PACK_SUM, d_ref=out, **post)
+               d_mode=DMode.PACK_SUM, d_ref=out, **epilogue_fields(epilogue))
 
 
 @template("matmul_nt")
@@ -189,13 +195,17 @@ AXPY_MAX_ROWS = 64
 def matmul_axpy(lw, g, op):
     """One row of A times a right operand B computed at run time (attention's ``p @ V``),
     without transposing B: ``out = sum_k a[k] * B row k``. A's row is staged in the local
-    buffer (read with READ when it does not fit), ``a[0] * B row 0`` is appended to the
-    output, each later row times its scalar goes into a local accumulator (the first
-    overwriting it, the rest LOCAL_ACC), the scalars loaded four at a time so that their four
-    streams follow each other, and one stream adds the accumulator to the output. Sums wrap
-    like the reference's. B may be columns of a wider tensor read in place (``b_off``,
-    ``b_stride``: passes._column_view). (A transposed B, per column a PACK_SUM stream over
-    B's rows, then per row of A a dot product: about twice the cycles of one row.)"""
+    buffer after the ``nw`` words of a row of the product, and one stream walks B's rows,
+    each times its scalar of A (``B_MODE ELEM``), adding them up in those words and appending
+    the sums through the output stage (``D_MODE OUTER_SUM``; a folded epilogue's shift, ReLU
+    and saturation, passes.FuseEpilogue). When A's row does not fit (READ), ``a[0] * B row
+    0`` is appended to the output, each later row times its scalar goes into a local
+    accumulator (the first overwriting it, the rest LOCAL_ACC), the scalars loaded four at a
+    time so that their four streams follow each other, and one stream adds the accumulator to
+    the output. Sums wrap like the reference's. B may be columns of a wider tensor read in
+    place (``b_off``, ``b_stride``: passes._column_view). (A transposed B, per column a
+    PACK_SUM stream over B's rows, then per row of A a dot product: about twice the cycles of
+    one row.)"""
     a, b = op.ins[:2]
     lb = lw.tensors[b].layout
     asm, out = g.asm, g.out
@@ -205,6 +215,15 @@ def matmul_axpy(lw, g, op):
     rb, base_b = lw.ref(g, b)
     base_b += op.attrs.get("b_off", 0)                  # B's columns of a wider tensor
     stride = op.attrs.get("b_stride", nw)
+    epilogue = op.attrs.get("epilogue")
+    if ta.at is not None:
+        asm.stream(AluFn.MUL, a=rb, a_base=base_b, n=nw, outer=rows, a_ostride=stride,
+                   b_mode=BMode.ELEM, b_val=ta.start, b_stride=0, b_ostride=1,
+                   d_mode=DMode.OUTER_SUM, d_ref=out, d_base=0, d_stride=1,
+                   **epilogue_fields(epilogue))
+        return
+    if epilogue is not None:
+        raise AssertionError(f"{op.name}: an epilogue folded where A's row is not staged")
     asm.li(R1, ta.start)
     regs = (R4, R5, R6, R7)
     for first in range(0, rows, len(regs)):

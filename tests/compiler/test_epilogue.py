@@ -1,7 +1,8 @@
 """A matmul's requantization in the stream that computes it (passes.FuseEpilogue): an
 elementwise chain that is one output stage (``clip(relu(v >> s), -128, 127)``, a shift, a
 ReLU, the int8 range) folds into the ``matmul_nt`` producing what it reads, and the PACK_SUM
-streams apply SHIFT and POST to each sum. Bit-exact against numpy for random sizes, lanes,
+streams apply SHIFT and POST to each sum; or into a ``matmul_axpy`` (one row times a run-time
+B, attention's ``p @ V``), whose OUTER_SUM stream applies them to its sums. Bit-exact against numpy for random sizes, lanes,
 local buffers and chains, under random interleavings; the fold happens exactly where it may."""
 
 import collections
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from rdakit.compiler.compile import compile_workload
 from rdakit.compiler.graph import DataflowGraph
+from rdakit.compiler.lower.layout import LoweringError
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.runtime.job import run_job_interp
 
@@ -28,13 +30,16 @@ CHAINS = {
 }
 
 
-def graph(rows, k, n, chain, shift, runtime_a, rng):
+def graph(rows, k, n, chain, shift, runtime_a, runtime_b, rng):
     g = DataflowGraph("epilogue")
     a = g.input("a", (rows, k), "int8")
     if runtime_a:
         a = g.add("relu", a, name="a_relu")      # A computed on the fabric, not a host buffer
-    y = g.add("matmul", a, g.const("w", rng.integers(-128, 128, (k, n)).astype(np.int8)),
-              name="mm")
+    if runtime_b:                                # B computed too: one row of A, matmul_axpy
+        b = g.add("relu", g.input("b", (k, n), "int8"), name="b_relu")
+    else:
+        b = g.const("w", rng.integers(-128, 128, (k, n)).astype(np.int8))
+    y = g.add("matmul", a, b, name="mm")
     for i, (kind, *args) in enumerate(CHAINS[chain][0]):
         if kind == "shr":
             y = g.add("shr", y, name=f"c{i}", shift=shift)
@@ -54,17 +59,30 @@ def graph(rows, k, n, chain, shift, runtime_a, rng):
 @given(rows=st.integers(1, 6), k=st.integers(1, 40), n=st.integers(1, 12),
        chain=st.sampled_from(sorted(CHAINS)), shift=st.integers(0, 20),
        lanes=st.sampled_from([1, 4]), local_words=st.sampled_from([8, 16, 64]),
-       runtime_a=st.booleans(), one_cu=st.booleans(), seed=st.integers(0, 2**16))
+       runtime_a=st.booleans(), runtime_b=st.booleans(), one_cu=st.booleans(),
+       seed=st.integers(0, 2**16))
 def test_a_requantization_runs_in_the_matmul_stream(rows, k, n, chain, shift, lanes,
-                                                    local_words, runtime_a, one_cu, seed):
+                                                    local_words, runtime_a, runtime_b, one_cu,
+                                                    seed):
     rng = np.random.default_rng(seed)
-    g = graph(rows, k, n, chain, shift, runtime_a, rng)
+    if runtime_b:
+        rows = 1
+    g = graph(rows, k, n, chain, shift, runtime_a, runtime_b, rng)
     inputs = {"a": rng.integers(-128, 128, (rows, k)).astype(np.int8)}
+    if runtime_b:
+        inputs["b"] = rng.integers(-128, 128, (k, n)).astype(np.int8)
     params = fabric_params(1, 2, lanes=lanes, local_words=local_words, prog_len=4096,
                            mu_words=8192) if one_cu else fabric_params(
         2, 2, lanes=lanes, local_words=local_words, prog_len=4096, mu_words=8192)
-    job, _ = compile_workload(g, params=params, partitioner="round_robin", place_steps=20,
-                              split=1, inputs=inputs)
+    try:
+        job, _ = compile_workload(g, params=params, partitioner="round_robin", place_steps=20,
+                                  split=1, inputs=inputs)
+    except LoweringError as e:
+        # matmul_axpy sums a row of the product in the local buffer: refused, clearly, when
+        # that row does not fit beside the constants.
+        assert runtime_b and "the accumulator of a row of the product" in str(e), e
+        assert -(-n // lanes) > local_words - 2 * lanes
+        return
     outputs, result, _ = run_job_interp(job, schedule="random", seed=seed)
     assert result.ok, result.errors
     np.testing.assert_array_equal(job.decode(outputs, check_padding=True)["y"],
@@ -74,10 +92,13 @@ def test_a_requantization_runs_in_the_matmul_stream(rows, k, n, chain, shift, la
     kinds = collections.Counter(kind for kind, _ in ops.values())
     chain_cus = {cu for name, (kind, cu) in ops.items() if name.startswith("c")}
     # Where the fold may happen: the chain is one output stage on the matmul's CU, and a row
-    # of A fits the local buffer beside the constants (a lane mask, the transposes' identity).
-    foldable = CHAINS[chain][1] and -(-k // lanes) <= local_words - 2 * lanes
+    # of A (for matmul_axpy, and a row of the product) fits the local buffer beside the
+    # constants (a lane mask, the transposes' identity).
+    need = -(-k // lanes) + (-(-n // lanes) if runtime_b else 0)
+    foldable = CHAINS[chain][1] and need <= local_words - 2 * lanes
+    assert kinds["matmul_axpy" if runtime_b else "matmul_nt"] == 1, kinds
     if one_cu and foldable:
-        assert kinds["ew"] == (1 if runtime_a else 0), kinds     # (a_relu is one)
+        assert kinds["ew"] == runtime_a + runtime_b, kinds      # (a_relu, b_relu)
         assert not chain_cus
     if not CHAINS[chain][1]:
         assert chain_cus                                         # never folded
