@@ -35,7 +35,7 @@ import numpy as np
 from rdakit.compiler.lower.chains import Clip, Stage, append_stage
 from rdakit.compiler.lower.layout import INT_MAX, LoweringError, TensorLayout, as2d, layout_of
 from rdakit.compiler.lower.plan import LOp
-from rdakit.compiler.lower.templates import AXPY_MAX_ROWS
+from rdakit.compiler.lower.templates import axpy_form
 from rdakit.hdl.spec.isa import AluFn
 
 __all__ = ["LOWERABLE_KINDS", "LoweringPass", "Legalize", "FuseElementwise", "FuseEpilogue",
@@ -147,7 +147,8 @@ class Legalize(LoweringPass):
             bt, view = _column_view(plan, prod.ins[0])
             plan.add_op(n, "matmul_nt", [a, bt], lay, n, cu, **view)
             return
-        elif la.rows == 1 and not la.dynamic and not lb.dynamic and lb.rows <= AXPY_MAX_ROWS:
+        elif (la.rows == 1 and not la.dynamic and not lb.dynamic
+              and axpy_form(lb.rows, la.words, lay.cw, plan.params.cu.local_words)):
             # One row times a run-time B (attention's p @ V): B's rows scaled and added up.
             b, view = _column_view(plan, b)
             plan.add_op(n, "matmul_axpy", [a, b], lay, n, cu, **view)

@@ -186,9 +186,18 @@ def matmul_nt(lw, g, op):
         rows_length(g, op.out, COUNT, kw, lw.tensors[op.out].layout.cw)
 
 
-#: The most rows of a run-time right operand :func:`matmul_axpy` multiplies (its code is
-#: unrolled over them); a longer one is transposed for ``matmul_nt``.
+#: The most rows of a run-time right operand :func:`matmul_axpy` multiplies whatever the
+#: local buffer holds (where A's row does not fit, its code is unrolled over them).
 AXPY_MAX_ROWS = 64
+
+
+def axpy_form(rows, a_words, nw, local_words):
+    """Whether one row of A (``a_words`` words) times a run-time B of ``rows`` rows and
+    ``nw`` words a row is lowered as :func:`matmul_axpy` (else B is transposed for
+    ``matmul_nt``): up to :data:`AXPY_MAX_ROWS` rows in any case, and beyond them when A's
+    row and a row of the product fit the local buffer (one stream, a decoder's ``p @ V``
+    over a long KV cache; unrolled over the rows if the CU's constants leave too little)."""
+    return rows <= AXPY_MAX_ROWS or a_words + nw <= local_words
 
 
 @template("matmul_axpy")

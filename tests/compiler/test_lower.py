@@ -28,7 +28,7 @@ from rdakit.compiler.lower import (
     replay_refs,
 )
 from rdakit.compiler.lower.lowerer import ProgramTooLong
-from rdakit.compiler.lower.templates import AXPY_MAX_ROWS
+from rdakit.compiler.lower.templates import AXPY_MAX_ROWS, axpy_form
 from rdakit.compiler.partition import STRATEGIES
 from rdakit.compiler.partition.external import mtkahypar_missing
 from rdakit.compiler.placement import place
@@ -422,14 +422,15 @@ def test_every_op_kind_and_shape(lanes, part):
 
 @hostile(20)
 @example(k=65, n=1, lanes=4, local_words=4, seed=0)     # the identity fills the local buffer
-@given(k=st.integers(1, 70), n=st.integers(1, 13), lanes=st.sampled_from([1, 4]),
+@example(k=120, n=5, lanes=4, local_words=64, seed=1)    # one stream over 120 rows of V
+@given(k=st.integers(1, 130), n=st.integers(1, 13), lanes=st.sampled_from([1, 4]),
        local_words=st.sampled_from([4, 64]), seed=st.integers(0, 2**16))
 def test_one_row_times_a_run_time_operand_adds_up_its_rows(k, n, lanes, local_words, seed):
-    """``p @ V`` with one row ``p`` and ``V`` computed at run time: up to AXPY_MAX_ROWS rows of
-    V, each scaled by its scalar of ``p`` and added up (matmul_axpy; ``p`` read with READ
-    when it does not fit the local buffer beside the accumulator), beyond them V transposed
-    (matmul_nt). Sums wrap: values near the int32 limits. Bit-exact on the interpreter for
-    random interleavings."""
+    """``p @ V`` with one row ``p`` and ``V`` computed at run time: the rows of V, each scaled
+    by its scalar of ``p``, added up (matmul_axpy: one stream when ``p`` fits the local buffer
+    beside the accumulator, else ``p`` read with READ, up to AXPY_MAX_ROWS rows), beyond
+    what it takes V transposed (matmul_nt; axpy_form decides). Sums wrap: values near the
+    int32 limits. Bit-exact on the interpreter for random interleavings."""
     rng = np.random.default_rng(seed)
     g = DataflowGraph("pv")
     p = g.input("p", (1, k), "int32")
@@ -439,7 +440,8 @@ def test_one_row_times_a_run_time_operand_adds_up_its_rows(k, n, lanes, local_wo
     g.validate()
     inputs = {"p": rng.integers(-2**31, 2**31 - 1, (1, k), dtype=np.int64).astype(np.int32),
               "v": rng.integers(-2**31, 2**31 - 2, (k, n), dtype=np.int64).astype(np.int32)}
-    params = fabric_params(2, 2, prog_len=2048, lanes=lanes, local_words=local_words)
+    params = fabric_params(2, 2, prog_len=2048, lanes=lanes, local_words=local_words,
+                           mu_words=8192)
     try:
         job, _ = compile_workload(g, params=params, partitioner="round_robin", place_steps=20,
                                   inputs=inputs)
@@ -451,7 +453,8 @@ def test_one_row_times_a_run_time_operand_adds_up_its_rows(k, n, lanes, local_wo
         assert local_words * lanes < n or identity and "taken by constants" in str(e), e
         return
     kinds = {kind for info in job.programs.values() for _, kind, *_ in info.ops}
-    assert ("matmul_axpy" in kinds) == (k <= AXPY_MAX_ROWS)
+    assert ("matmul_axpy" in kinds) == axpy_form(k, -(-k // lanes), -(-n // lanes),
+                                                 local_words)
     outputs, result, _ = run_job_interp(job, schedule="random", seed=seed)
     assert result.ok, result.errors
     np.testing.assert_array_equal(job.decode(outputs, check_padding=True)["out"],
@@ -870,9 +873,9 @@ def test_a_16_sequence_decoder_step_settles_its_reference_tables(monkeypatch):
 def test_a_batched_decoder_too_long_for_the_programs_is_a_fit_error(streams):
     """Twenty-two sequences' attention on two CUs, with and without streams between them: the
     compiler's fit error, naming the CU and its program's length. (Twenty-one fit since
-    ``p @ V`` is one stream with its shift, sixteen since the requantizations run in the matmuls' streams,
-    fourteen since each sequence's caches grow in place, twelve since a head's columns of the
-    caches are read in place.)"""
+    ``p @ V`` is one stream with its shift, sixteen since the requantizations run in the
+    matmuls' streams, fourteen since each sequence's caches grow in place, twelve since a
+    head's columns of the caches are read in place.)"""
     params = fabric_params(2, 2, mu_words=16384, prog_len=4096, max_buffers=64)
     with pytest.raises(ProgramTooLong, match=r"^The program of CU \(\d, \d\) .* is \d+ "
                                              r"instructions long but prog_len is 4096"):
