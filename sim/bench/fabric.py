@@ -25,15 +25,22 @@ __all__ = ["bench_fabric", "run_kernels"]
 async def run_kernels(host, params, jobs, *, log=None):
     """Run ``jobs`` (``[name, keyword arguments]`` of :mod:`rdakit.sim.verify.kernels`) one
     after the other on ``host``, each checked against numpy; their rows (cycles, load cycles,
-    MACs, CUs used). ``log(text)`` hears of each."""
+    MACs, CUs used, and the traffic bounds from the tiles' counters: ``mu_bound``, the
+    requests the busiest MU received, and ``injection_bound``, the flits the busiest CU sent,
+    each at one a cycle). ``log(text)`` hears of each."""
     rows = []
     for name, kwargs in jobs:
         job = getattr(kernels, name)(params, **kwargs)
-        result = await run_job(host, job, counters=False)
+        result = await run_job(host, job)
         result.check(job)
+        tiles = result.counters
         rows.append({"job": name, "description": job.description, "cycles": result.cycles,
                      "load_cycles": result.load_cycles, "macs": job.macs,
-                     "cus_used": job.cus_used})
+                     "cus_used": job.cus_used,
+                     "mu_bound": max(c["flits_in"] for xy, c in tiles.items()
+                                     if params.kind(*xy) == "M"),
+                     "injection_bound": max(c["flits_out"] for xy, c in tiles.items()
+                                            if params.kind(*xy) == "C")})
         if log is not None:
             log(f"{job.description}: {result.cycles} cycles")
     return rows
@@ -89,13 +96,17 @@ def bench_fabric(fabric, *, simulator="verilator", quick=False, json_path=None):
     table = []
     for r in rows:
         bound = r["macs"] / (params.cu.lanes * r["cus_used"])
-        table.append({**r, "lower_bound": bound, "cycles_over_bound": r["cycles"] / bound})
+        traffic = max(r["mu_bound"], r["injection_bound"])
+        table.append({**r, "lower_bound": bound, "cycles_over_bound": r["cycles"] / bound,
+                      "cycles_over_traffic": r["cycles"] / traffic})
         report.figure(f"{r['job']}_cycles", r["cycles"])
         report.figure(f"{r['job']}_lower_bound", bound)
         report.figure(f"{r['job']}_cus_used", r["cus_used"])
+        report.figure(f"{r['job']}_traffic_bound", max(r["mu_bound"], r["injection_bound"]))
     report.figure("config_load_cycles", rows[0]["load_cycles"])
     report.table(f"Kernels on a {params.rows}x{params.cols} fabric ({params.cu.lanes} lanes, "
-                 f"{simulator}); lower bound = MACs / (lanes x CUs used)", table, key="kernels")
+                 f"{simulator}); lower bound = MACs / (lanes x CUs used); traffic: the busiest "
+                 f"MU's requests and the busiest CU's flits, one a cycle", table, key="kernels")
     report.table("Area per tile type (Yosys coarse synthesis)", _cells(params), key="area")
     report.finish(json_path)
     return 0

@@ -1,6 +1,7 @@
 """``rdakit bench fabric`` on Verilator, driven directly (a harness executable, no cocotb): the
 2x2 matrix-vector product bit-exact (the bench checks it against numpy) in the performance
-model's cycles, which are the RTL's on this kernel, with the area table of a 2x2 (whose routers
+model's cycles, which are the RTL's on this kernel, its traffic bound from the tiles'
+counters, with the area table of a 2x2 (whose routers
 have three ports: it once built a 3x3's inner router with a 2x2's coordinate bits and failed)."""
 
 import asyncio
@@ -27,4 +28,11 @@ def test_bench_fabric_on_a_2x2_runs_the_matvec_in_the_models_cycles(tmp_path):
     figures = data["figures"]
     assert figures["matvec_cycles"] == model.cycles
     assert figures["matvec_lower_bound"] == 64 * 64 / (params.cu.lanes * 2)
+    # Each CU's reads alone: x copied (16 words) and its 32 rows of W (16 words each); its
+    # writes of y and its messages besides, as the model counts them.
+    lanes = params.cu.lanes
+    assert figures["matvec_traffic_bound"] > 64 // lanes + 32 * (64 // lanes)
+    assert figures["matvec_traffic_bound"] == max(
+        c["flits_in" if params.kind(*xy) == "M" else "flits_out"]
+        for xy, c in model.counters.items())
     assert [r["unit"] for r in data["tables"]["area"]][-1] == "router (request network, 3 ports)"
