@@ -463,13 +463,14 @@ class StreamEngine(wiring.Component):
             return r
 
         f_words = [s2_f.word_select(i, 32) for i in range(L)]
-        # OUTER_SUM: the sum over the outer loop so far (the first outer iteration starts it);
-        # the output stage applies to it, in the last outer iteration only.
+        r_lanes = [output_stage(f, f"lane{i}") for i, f in enumerate(f_words)]
+        # OUTER_SUM: the sum over the outer loop so far (the first outer iteration starts it),
+        # through output stages of their own in the last outer iteration (so that no path
+        # holds this sum's adder and LOCAL_ACC's after one output stage).
         outer_sum = d_mode == DMode.OUTER_SUM.value
         sums = [Mux(s2.first_outer, f, (f + loc_d.data.word_select(i, 32))[:32])
                 for i, f in enumerate(f_words)]
-        stage_in = [Mux(outer_sum, s, f) for s, f in zip(sums, f_words, strict=True)]
-        r_lanes = [output_stage(f, f"lane{i}") for i, f in enumerate(stage_in)]
+        sum_word = Cat(output_stage(v, f"outer{i}") for i, v in enumerate(sums))
         r_word = Cat(r_lanes)
 
         # Reductions over the lanes of one result: the sum, and the largest (first on ties).
@@ -514,7 +515,7 @@ class StreamEngine(wiring.Component):
                     ]
                 with m.Case(DMode.OUTER_SUM.value):
                     with m.If(s2.last_outer):
-                        m.d.comb += [wq.w_en.eq(1), wq.w_data.eq(r_word)]
+                        m.d.comb += [wq.w_en.eq(1), wq.w_data.eq(sum_word)]
                     with m.Else():
                         m.d.comb += [loc_w.addr.eq(s2.didx[:wbits]),
                                      loc_w.en.eq((1 << L) - 1), loc_w.data.eq(Cat(sums))]
