@@ -255,10 +255,11 @@ def test_a_bounded_rank_keeps_what_the_full_runs_keep():
 
 
 def test_split_auto_keeps_the_job_the_model_finds_fastest():
-    """The 4x4 decoder step at d_model 64: the estimates keep a job of 5,601 cycles on the
-    model where the 4-way split one takes 4,022; ranked by the performance model, auto keeps
-    the fewest cycles of all twelve candidates (unsplit, split 8 and 4 ways, four
-    strategies), and says what the estimate would have kept."""
+    """The 4x4 decoder step at d_model 64: the estimates keep a job of 4,590 cycles on the
+    model where the 4-way split one takes 3,700 (5,601 and 4,022 before ``p @ V`` was one
+    stream); ranked by the performance model, auto keeps the fewest cycles of all twelve
+    candidates (unsplit, split 8 and 4 ways, four strategies), and says what the estimate
+    would have kept."""
     params = fabric_params(4, 4, mu_words=8192, prog_len=2048)
     sizes = dict(d_model=64, cache_len=16)
     rank = ModelRank()
@@ -267,7 +268,7 @@ def test_split_auto_keeps_the_job_the_model_finds_fastest():
                                     partitioner="fastest", split="auto", rank=rank)
     how, cycles, n, by_estimate = summary.ranked
     assert n == 12 and cycles == rank(job) and summary.split == 4
-    assert cycles < 0.8 * by_estimate                    # the estimate's choice: 39 % slower
+    assert cycles < by_estimate                          # the estimate's choice: 24 % slower
     alone = [rank(compile_workload("decoder", sizes=sizes, params=params, partitioner=p,
                                    split=s)[0])
              for s in (1, 8, 4) for p in ("multilevel", "greedy", "metis", "heft")]
