@@ -2,8 +2,9 @@
 elementwise chain that is one output stage (``clip(relu(v >> s), -128, 127)``, a shift, a
 ReLU, the int8 range) folds into the ``matmul_nt`` producing what it reads, and the PACK_SUM
 streams apply SHIFT and POST to each sum; or into a ``matmul_axpy`` (one row times a run-time
-B, attention's ``p @ V``), whose OUTER_SUM stream applies them to its sums. Bit-exact against numpy for random sizes, lanes,
-local buffers and chains, under random interleavings; the fold happens exactly where it may."""
+B, attention's ``p @ V``), whose OUTER_SUM stream applies them to its sums. Bit-exact
+against numpy for random sizes, lanes, local buffers and chains, under random interleavings;
+the fold happens exactly where it may."""
 
 import collections
 
