@@ -194,10 +194,11 @@ AXPY_MAX_ROWS = 64
 def axpy_form(rows, a_words, nw, local_words):
     """Whether one row of A (``a_words`` words) times a run-time B of ``rows`` rows and
     ``nw`` words a row is lowered as :func:`matmul_axpy` (else B is transposed for
-    ``matmul_nt``): up to :data:`AXPY_MAX_ROWS` rows in any case, and beyond them when A's
-    row and a row of the product fit the local buffer (one stream, a decoder's ``p @ V``
-    over a long KV cache; unrolled over the rows if the CU's constants leave too little)."""
-    return rows <= AXPY_MAX_ROWS or a_words + nw <= local_words
+    ``matmul_nt``, which needs no row of the product in the local buffer): when a row of the
+    product fits the local buffer, up to :data:`AXPY_MAX_ROWS` rows in any case and beyond
+    them when A's row fits beside it (one stream, a decoder's ``p @ V`` over a long KV cache;
+    unrolled over the rows if the CU's constants leave too little)."""
+    return nw < local_words and (rows <= AXPY_MAX_ROWS or a_words + nw <= local_words)
 
 
 @template("matmul_axpy")

@@ -10,12 +10,13 @@ import collections
 
 import numpy as np
 from conftest import hostile
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from rdakit.compiler.compile import compile_workload
 from rdakit.compiler.graph import DataflowGraph
 from rdakit.compiler.lower.layout import LoweringError
+from rdakit.compiler.lower.templates import axpy_form
 from rdakit.hdl.spec.params import fabric_params
 from rdakit.sim.runtime.job import run_job_interp
 
@@ -57,6 +58,10 @@ def graph(rows, k, n, chain, shift, runtime_a, runtime_b, rng):
 
 
 @hostile(30)
+# A row of the product longer than the local buffer: B transposed (matmul_nt), where
+# matmul_axpy's accumulator was refused.
+@example(rows=1, k=1, n=9, chain="shift", shift=0, lanes=1, local_words=8, runtime_a=False,
+         runtime_b=True, one_cu=True, seed=0)
 @given(rows=st.integers(1, 6), k=st.integers(1, 40), n=st.integers(1, 12),
        chain=st.sampled_from(sorted(CHAINS)), shift=st.integers(0, 20),
        lanes=st.sampled_from([1, 4]), local_words=st.sampled_from([8, 16, 64]),
@@ -80,9 +85,10 @@ def test_a_requantization_runs_in_the_matmul_stream(rows, k, n, chain, shift, la
                                   split=1, inputs=inputs)
     except LoweringError as e:
         # matmul_axpy sums a row of the product in the local buffer: refused, clearly, when
-        # that row does not fit beside the constants.
+        # that row does not fit beside the constants (a row longer than the whole buffer
+        # takes the transposed form instead).
         assert runtime_b and "the accumulator of a row of the product" in str(e), e
-        assert -(-n // lanes) > local_words - 2 * lanes
+        assert local_words - 2 * lanes < -(-n // lanes) < local_words   # only the constants
         return
     outputs, result, _ = run_job_interp(job, schedule="random", seed=seed)
     assert result.ok, result.errors
@@ -95,9 +101,10 @@ def test_a_requantization_runs_in_the_matmul_stream(rows, k, n, chain, shift, la
     # Where the fold may happen: the chain is one output stage on the matmul's CU, and a row
     # of A (for matmul_axpy, and a row of the product) fits the local buffer beside the
     # constants (a lane mask, the transposes' identity).
-    need = -(-k // lanes) + (-(-n // lanes) if runtime_b else 0)
+    axpy = runtime_b and axpy_form(k, -(-k // lanes), -(-n // lanes), local_words)
+    need = -(-k // lanes) + (-(-n // lanes) if axpy else 0)
     foldable = CHAINS[chain][1] and need <= local_words - 2 * lanes
-    assert kinds["matmul_axpy" if runtime_b else "matmul_nt"] == 1, kinds
+    assert kinds["matmul_axpy" if axpy else "matmul_nt"] == 1, kinds
     if one_cu and foldable:
         assert kinds["ew"] == runtime_a + runtime_b, kinds      # (a_relu, b_relu)
         assert not chain_cus

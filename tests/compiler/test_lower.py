@@ -446,11 +446,12 @@ def test_one_row_times_a_run_time_operand_adds_up_its_rows(k, n, lanes, local_wo
         job, _ = compile_workload(g, params=params, partitioner="round_robin", place_steps=20,
                                   inputs=inputs)
     except LoweringError as e:
-        # Refused only where it cannot fit: not even the accumulator, or (the transposed
-        # form) the transpose's identity, lanes words, leaves no room for a word of A and a
-        # column of the product.
-        identity = k > AXPY_MAX_ROWS and local_words - lanes < 2
-        assert local_words * lanes < n or identity and "taken by constants" in str(e), e
+        # Refused only where it cannot fit: the transposed form (chosen where a row of the
+        # product does not fit the local buffer) whose identity, lanes words, leaves no room
+        # for a word of A and a column of the product.
+        axpy = axpy_form(k, -(-k // lanes), -(-n // lanes), local_words)
+        identity = not axpy and local_words - lanes < 2
+        assert identity and "taken by constants" in str(e), e
         return
     kinds = {kind for info in job.programs.values() for _, kind, *_ in info.ops}
     assert ("matmul_axpy" in kinds) == axpy_form(k, -(-k // lanes), -(-n // lanes),
