@@ -705,7 +705,8 @@ def reduce(lw, g, op):
             asm.emit(Op.VAPPEND, rd=SINK, ra=out)
         row_loop(lw, g, x, rx, [(R1, base, cw)], body)
         return
-    # Over rows: accumulate rows 1.. in the local buffer, add row 0 on the way out.
+    # Over rows: a sum is one OUTER_SUM stream; a max accumulates rows 1.. in the local
+    # buffer and takes row 0 on the way out.
     fn = AluFn.MAX if is_max else AluFn.ADD
     rows = lx.rows
     if rows == 0:
@@ -717,6 +718,11 @@ def reduce(lw, g, op):
         reduce_cols_long(lw, g, op, fn, rx, base)
         return
     lw.need_local(g, op, cw)
+    if not is_max:
+        # A sum: one stream adds the rows up in the local buffer and appends the sums.
+        asm.stream(AluFn.PASS, a=rx, a_base=base, n=cw, outer=rows, a_ostride=cw,
+                   d_mode=DMode.OUTER_SUM, d_ref=out, d_base=0, d_stride=1)
+        return
     asm.stream(AluFn.PASS, a=rx, a_base=base + cw, n=cw, d_mode=DMode.LOCAL, d_base=0)
     if rows > 2:
         asm.li(R1, base + 2 * cw)
