@@ -189,7 +189,8 @@ class DMode(enum.Enum, shape=4):
     #:               in local word D_BASE + i*D_STRIDE (the first outer iteration writes
     #:               it); the last outer iteration appends the sums to D_REF instead, through
     #:               SHIFT and POST (a row of scalars times a matrix, sum_o b_o * A row o,
-    #:               requantized, in one stream)
+    #:               requantized, in one stream); a stream reading the input queue that
+    #:               ends before its last outer iteration appends nothing
 
 
 #: Per opcode: (assembly syntax, semantics, cycles). The docs table is generated from this.
