@@ -28,7 +28,7 @@ from rdakit.compiler.lower import (
     replay_refs,
 )
 from rdakit.compiler.lower.lowerer import ProgramTooLong
-from rdakit.compiler.lower.templates import AXPY_MAX_ROWS, axpy_form
+from rdakit.compiler.lower.templates import axpy_form
 from rdakit.compiler.partition import STRATEGIES
 from rdakit.compiler.partition.external import mtkahypar_missing
 from rdakit.compiler.placement import place
