@@ -5,6 +5,7 @@ import collections
 
 from rdakit.compiler.lower.layout import MASK32
 from rdakit.compiler.lower.registers import Reg
+from rdakit.hdl.spec.cu import B_LOCAL_MODES, D_LOCAL_WRITES, D_MU_MODES
 from rdakit.hdl.spec.isa import AluFn, BMode, DMode, Instr, Op, Post, StreamField
 
 __all__ = ["Assembler"]
@@ -227,7 +228,7 @@ class Assembler:
         if isinstance(outer, Reg) or outer != 1:
             self.field(F.A_OSTRIDE, a_ostride)
         self.field(F.B_MODE, b_mode.value)
-        if b_mode in (BMode.LOCAL, BMode.ELEM):
+        if b_mode.value in B_LOCAL_MODES:
             self.field(F.B_VAL, b_val)
             self.field(F.B_STRIDE, b_stride)
             if isinstance(outer, Reg) or outer != 1:
@@ -235,9 +236,9 @@ class Assembler:
         elif b_mode is BMode.SCALAR:
             self.field(F.B_VAL, b_val)
         self.field(F.D_MODE, d_mode.value)
-        if d_mode in (DMode.WRITE, DMode.APPEND, DMode.PACK_SUM, DMode.QUEUE, DMode.OUTER_SUM):
+        if d_mode.value in D_MU_MODES or d_mode is DMode.QUEUE:
             self.field(F.D_REF, d_ref)
-        if d_mode in (DMode.WRITE, DMode.LOCAL, DMode.LOCAL_ACC, DMode.OUTER_SUM):
+        if d_mode is DMode.WRITE or d_mode.value in D_LOCAL_WRITES:
             self.field(F.D_BASE, d_base)
             self.field(F.D_STRIDE, d_stride)
         self.field(F.SHIFT, shift)

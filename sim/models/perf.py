@@ -561,9 +561,8 @@ class PerfInterpreter(Interpreter):
         """Time the stream SRUN handed to the engine in cycle ``t``; ``steps`` are the
         boundaries in the request log of its steps (every step's read, then its writes)."""
         cu = tc.m
-        f = cu.fields
         log = self._log
-        s = _Stream()
+        s = self._stream_info(cu, ins)          # (not a stream between CUs: no count_reg)
         n = len(steps)
         s.steps = n
         # Per step: its read (MU, exec cycles) and its writes.
@@ -580,17 +579,6 @@ class PerfInterpreter(Interpreter):
             reads.append(rd)
             writes.append(ws)
             lo = hi
-        s.a_ref = f[_SF.A_REF.value] & self._ref_mask
-        s.a_mu = s.a_ref & self._mu_mask
-        s.d_ref = f[_SF.D_REF.value] & self._ref_mask
-        d_mode = f[_SF.D_MODE.value]
-        s.writes_mu = d_mode in _D_MU
-        s.reduces = _REDUCING.get(d_mode, 0)
-        s.local_r = f[_SF.B_MODE.value] in _B_LOCAL or d_mode in _D_LOCAL_READS
-        s.local_w = d_mode in _D_LOCAL
-        s.v = d_mode == DMode.PACK_SUM.value
-        s.rd = ins.rd & (self._regs - 1)
-        s.count_reg = None
         prev = tc.streams[-1] if tc.streams and tc.streams[-1].done >= t else None
         tm = self.timing
         if prev is None or prev.done == t:
